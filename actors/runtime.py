@@ -1,0 +1,313 @@
+"""The actor runtime: bounded mailboxes, tell/ask, timers from an injectable clock, supervision.
+
+An actor owns its state and handles one message at a time.  `tell` never waits (a full
+mailbox is an error the caller sees); `ask` waits for the reply up to a deadline.  A handler
+that raises is logged, the ask that carried the message fails with `ActorCrashed`, the actor's
+`on_crash` hook restores its state from its events, and the next message is served.  When an
+actor stops, every pending ask fails with `ActorStopped`: no ask ever hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import structlog
+
+from actors.errors import ActorCrashed, ActorStopped, AskTimeout, MailboxFull
+
+log = structlog.get_logger("dgxmm.actors")
+
+DEFAULT_MAILBOX = 1024
+DEFAULT_ASK_TIMEOUT_S = 30.0
+
+
+class TimerHandle(Protocol):
+    """A scheduled callback that can be cancelled."""
+
+    def cancel(self) -> None:
+        """Cancel the callback if it has not run yet."""
+        ...
+
+
+class Clock(Protocol):
+    """Where time comes from.  Decisions never read time any other way."""
+
+    def now(self) -> float:
+        """Monotonic seconds."""
+        ...
+
+    def wall(self) -> float:
+        """Epoch seconds (timestamps of events)."""
+        ...
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
+        """Run `callback` after `delay` seconds."""
+        ...
+
+    async def sleep(self, delay: float) -> None:
+        """Wait `delay` seconds of this clock's time."""
+        ...
+
+
+class SystemClock:
+    """The real clock: the running loop's monotonic time and the system's wall time."""
+
+    def now(self) -> float:
+        """Monotonic seconds of the running loop."""
+        return asyncio.get_running_loop().time()
+
+    def wall(self) -> float:
+        """Epoch seconds."""
+        return time.time()
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
+        """Schedule on the running loop."""
+        return asyncio.get_running_loop().call_later(max(0.0, delay), callback)
+
+    async def sleep(self, delay: float) -> None:
+        """asyncio.sleep."""
+        await asyncio.sleep(delay)
+
+
+class _VirtualTimer:
+    __slots__ = ("callback", "cancelled", "when")
+
+    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+        self.when = when
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class VirtualClock:
+    """A clock that only moves when told to; timers fire in order as it advances.
+
+    `advance()` runs every due timer at its own instant, and after each lets the event loop
+    run until nothing is ready, so the actors react before time moves on.  A simulated hour
+    runs in as long as the work it causes.
+    """
+
+    def __init__(self, start: float = 0.0, wall_start: float = 1_767_225_600.0) -> None:
+        self._now = start
+        self._wall0 = wall_start - start
+        self._heap: list[tuple[float, int, _VirtualTimer]] = []
+        self._seq = itertools.count()
+
+    def now(self) -> float:
+        """Virtual monotonic seconds."""
+        return self._now
+
+    def wall(self) -> float:
+        """Virtual epoch seconds."""
+        return self._wall0 + self._now
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> TimerHandle:
+        """Schedule at now + delay (virtual)."""
+        timer = _VirtualTimer(self._now + max(0.0, delay), callback)
+        heapq.heappush(self._heap, (timer.when, next(self._seq), timer))
+        return timer
+
+    async def sleep(self, delay: float) -> None:
+        """Wait until the clock has been advanced past now + delay."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        timer = self.call_later(delay, wake)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+
+    def next_deadline(self) -> float | None:
+        """When the next live timer fires, or None."""
+        while self._heap and self._heap[0][2].cancelled:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward by `seconds`, firing every timer due on the way."""
+        await self.advance_to(self._now + seconds)
+
+    async def advance_to(self, target: float) -> None:
+        """Move time forward to `target`, firing every timer due on the way."""
+        await settle()
+        while True:
+            when = self.next_deadline()
+            if when is None or when > target:
+                break
+            _, _, timer = heapq.heappop(self._heap)
+            self._now = max(self._now, when)
+            timer.callback()
+            await settle()
+        self._now = max(self._now, target)
+        await settle()
+
+
+async def settle(max_rounds: int = 10_000) -> None:
+    """Let the running loop run until no callback is ready (a few rounds in a row)."""
+    loop = asyncio.get_running_loop()
+    quiet = 0
+    for _ in range(max_rounds):
+        await asyncio.sleep(0)
+        ready = getattr(loop, "_ready", None)
+        if ready is not None and len(ready) > 0:
+            quiet = 0
+            continue
+        quiet += 1
+        if quiet >= 3:
+            return
+
+
+class _Envelope:
+    __slots__ = ("future", "message")
+
+    def __init__(self, message: Any, future: asyncio.Future[Any] | None) -> None:
+        self.message = message
+        self.future = future
+
+
+class Actor:
+    """Base class: subclasses implement `handle(message)` and optionally `on_crash()`."""
+
+    def __init__(self, name: str, clock: Clock, *, mailbox_size: int = DEFAULT_MAILBOX) -> None:
+        self.name = name
+        self.clock = clock
+        self._mailbox: asyncio.Queue[_Envelope] = asyncio.Queue(mailbox_size)
+        self._task: asyncio.Task[None] | None = None
+        self._timers: set[TimerHandle] = set()
+        self._stopped = False
+        self._current: _Envelope | None = None
+        self._stats = {"handled": 0, "crashes": 0}
+
+    # --- life ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start serving the mailbox on the running loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.name)
+
+    async def stop(self) -> None:
+        """Stop: cancel timers, fail every pending ask with ActorStopped."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        current, self._current = self._current, None
+        if current is not None and current.future is not None and not current.future.done():
+            current.future.set_exception(ActorStopped(f"{self.name} stopped"))
+        while not self._mailbox.empty():
+            env = self._mailbox.get_nowait()
+            if env.future is not None and not env.future.done():
+                env.future.set_exception(ActorStopped(f"{self.name} stopped"))
+
+    @property
+    def running(self) -> bool:
+        """Whether the actor serves its mailbox."""
+        return self._task is not None and not self._stopped
+
+    # --- messaging -----------------------------------------------------------------------
+
+    def tell(self, message: Any) -> None:
+        """Deliver without waiting; raises MailboxFull or ActorStopped."""
+        if self._stopped:
+            raise ActorStopped(f"{self.name} stopped")
+        try:
+            self._mailbox.put_nowait(_Envelope(message, None))
+        except asyncio.QueueFull:
+            raise MailboxFull(f"{self.name}: mailbox full") from None
+
+    async def ask(self, message: Any, timeout: float | None = DEFAULT_ASK_TIMEOUT_S) -> Any:
+        """Deliver and wait for the reply; raises what the handler raised, or AskTimeout."""
+        if self._stopped:
+            raise ActorStopped(f"{self.name} stopped")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        try:
+            self._mailbox.put_nowait(_Envelope(message, fut))
+        except asyncio.QueueFull:
+            raise MailboxFull(f"{self.name}: mailbox full") from None
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise AskTimeout(f"{self.name} did not answer within {timeout} s") from None
+
+    def schedule(self, delay: float, message: Any) -> TimerHandle:
+        """Deliver `message` to this actor after `delay` seconds of its clock."""
+        holder: list[TimerHandle] = []
+
+        def fire() -> None:
+            if holder:
+                self._timers.discard(holder[0])
+            if not self._stopped:
+                try:
+                    self.tell(message)
+                except MailboxFull:
+                    log.warning("timer_dropped", actor=self.name, message=type(message).__name__)
+
+        handle = self.clock.call_later(delay, fire)
+        holder.append(handle)
+        self._timers.add(handle)
+        return handle
+
+    # --- serving -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            env = await self._mailbox.get()
+            if env.future is not None and env.future.cancelled():
+                continue
+            self._current = env
+            try:
+                result = await self.handle(env.message)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._stats["crashes"] += 1
+                log.exception(
+                    "actor_handler_crashed", actor=self.name, message=type(env.message).__name__
+                )
+                if env.future is not None and not env.future.done():
+                    crashed = ActorCrashed(f"{self.name} failed on {type(env.message).__name__}")
+                    crashed.__cause__ = exc
+                    env.future.set_exception(crashed)
+                try:
+                    await self.on_crash(exc)
+                except Exception:  # policy: a failing rebuild is logged; the actor serves on
+                    log.exception("actor_rebuild_failed", actor=self.name)
+            else:
+                if env.future is not None and not env.future.done():
+                    env.future.set_result(result)
+            finally:
+                self._current = None
+                self._stats["handled"] += 1
+
+    async def handle(self, message: Any) -> Any:
+        """Serve one message; the return value answers an ask."""
+        raise NotImplementedError
+
+    async def on_crash(self, exc: Exception) -> None:
+        """Restore the state from the actor's events after a handler raised."""
+
+    def statistics(self) -> dict[str, int]:
+        """Counters: handled, crashes, mailbox size, timers."""
+        return {**self._stats, "mailbox": self._mailbox.qsize(), "timers": len(self._timers)}

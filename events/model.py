@@ -1,0 +1,332 @@
+"""Every event DGXMM records, as frozen tagged msgspec Structs.
+
+Events are facts in the past tense.  The schema only grows: a new field always gets a
+default, so every log ever written still decodes.  The envelope (`Recorded`) carries what
+the store adds: sequence number, time, stream, version and the actor that caused it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Mode = Literal["on_demand", "always_on"]
+Role = Literal["model", "decision"]
+
+
+class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Base of every event; the tag is the class name."""
+
+
+# --- deployments (stream "deployment:<id>") -------------------------------------------
+
+
+class DeploymentCreated(Event, frozen=True, kw_only=True):
+    """An administrator created a deployment."""
+
+    deployment_id: str
+    name: str
+    engine: str
+    model: str
+    memory_bytes: int
+    mode: Mode = "always_on"
+    idle_timeout_s: int | None = None  # None: follows the DGXMM default
+    role: Role = "model"
+    args: list[str] = []
+    image: str | None = None
+    gpu: bool = False
+
+
+class DeploymentReconfigured(Event, frozen=True, kw_only=True):
+    """The deployment's engine settings changed (takes effect on its next start)."""
+
+    memory_bytes: int | None = None
+    args: list[str] | None = None
+    image: str | None = None
+    gpu: bool | None = None
+
+
+class ModelSwitched(Event, frozen=True, kw_only=True):
+    """ "Switch model…": the deployment now serves another model; its mode is kept."""
+
+    model: str
+    memory_bytes: int | None = None
+    args: list[str] | None = None
+
+
+class DeploymentRemoved(Event, frozen=True, kw_only=True):
+    """The deployment was removed."""
+
+
+class ModeChanged(Event, frozen=True, kw_only=True):
+    """The mode (and idle timeout: None means the DGXMM default) changed."""
+
+    mode: Mode
+    idle_timeout_s: int | None = None
+
+
+class PendingModeSet(Event, frozen=True, kw_only=True):
+    """A switch to `mode` waits for the deployment to become ready."""
+
+    mode: Mode
+
+
+class PendingModeCleared(Event, frozen=True, kw_only=True):
+    """The pending switch was applied or abandoned."""
+
+    applied: bool = True
+
+
+StartReason = Literal["admin", "request", "always_on", "mode_switch", "restart"]
+
+
+class StartRequested(Event, frozen=True, kw_only=True):
+    """Somebody asked for the deployment to start (or wake)."""
+
+    reason: StartReason
+    request_id: str | None = None
+
+
+class EngineStarting(Event, frozen=True, kw_only=True):
+    """The runtime launched the engine; it is loading."""
+
+    runtime_id: str
+    host: str
+    port: int
+
+
+class EngineReady(Event, frozen=True, kw_only=True):
+    """The engine answered its readiness probe."""
+
+
+class EngineStartFailed(Event, frozen=True, kw_only=True):
+    """The engine crashed or never became ready; no new start before `retry_at`."""
+
+    reason: str
+    failures: int
+    retry_at: float | None = None  # epoch seconds
+
+
+StopReason = Literal["admin", "removed", "idle", "make_room", "watchdog", "mode_switch", "shutdown"]
+
+
+class StopRequested(Event, frozen=True, kw_only=True):
+    """An administrator (or DGXMM itself, reason given) asked for the engine to stop."""
+
+    reason: StopReason = "admin"
+
+
+SleepReason = Literal["idle", "make_room", "watchdog"]
+
+
+class PutToSleep(Event, frozen=True, kw_only=True):
+    """The on-demand controller (or the watchdog) stops the deployment to free its memory."""
+
+    reason: SleepReason
+    idle_timeout_s: int = 0  # the timeout that ran out (reason idle)
+    for_deployment: str | None = None  # the deployment it made room for (reason make_room)
+    for_name: str | None = None
+    idle_for_s: float = 0.0
+    free_bytes: int | None = None  # measured free memory (reason watchdog)
+
+
+class EngineStopped(Event, frozen=True, kw_only=True):
+    """The engine is gone and its memory is back in the budget."""
+
+
+class EngineLost(Event, frozen=True, kw_only=True):
+    """The engine vanished behind DGXMM's back (crash, killed, not found at restart)."""
+
+    reason: str
+
+
+class EngineAsleep(Event, frozen=True, kw_only=True):
+    """vLLM reports it was put into sleep mode (by hand)."""
+
+
+class EngineAwake(Event, frozen=True, kw_only=True):
+    """vLLM reports it left sleep mode."""
+
+
+class EngineAdopted(Event, frozen=True, kw_only=True):
+    """At start-up DGXMM found the engine still running and adopted it."""
+
+    runtime_id: str
+    host: str
+    port: int
+
+
+# --- the queue (stream "queue") --------------------------------------------------------
+
+WaitKind = Literal["queued", "waiting_start"]
+
+
+class RequestQueued(Event, frozen=True, kw_only=True):
+    """A request started waiting: for memory ("queued") or for a start ("waiting_start")."""
+
+    request_id: str
+    deployment_id: str
+    kind: WaitKind
+    position: int  # 1-based place among all waiting requests
+    arrived_at: float  # epoch seconds
+    free_bytes: int = 0
+    needed_bytes: int = 0
+
+
+class RequestAdmitted(Event, frozen=True, kw_only=True):
+    """The request's model got its memory (its start began, or it joined one)."""
+
+    request_id: str
+    deployment_id: str
+    jumped_ahead: bool = False  # went ahead of the head under the go-ahead rule
+
+
+LeaveReason = Literal[
+    "served", "client_gone", "timeout", "stopped", "start_failed", "does_not_fit", "removed"
+]
+
+
+class RequestLeftQueue(Event, frozen=True, kw_only=True):
+    """The request stopped waiting."""
+
+    request_id: str
+    deployment_id: str
+    reason: LeaveReason
+    waited_s: float = 0.0
+
+
+# --- settings, users, LiteLLM -----------------------------------------------------------
+
+
+class SettingsChanged(Event, frozen=True, kw_only=True):
+    """Settings changed; `changes` holds only the keys that changed."""
+
+    changes: dict[str, Any]
+
+
+class UserCreated(Event, frozen=True, kw_only=True):
+    """A user was added (password stored as an scrypt hash)."""
+
+    name: str
+    role: Literal["admin", "viewer"]
+    password_hash: str
+
+
+class UserRemoved(Event, frozen=True, kw_only=True):
+    """A user was removed."""
+
+    name: str
+
+
+class ApiTokenCreated(Event, frozen=True, kw_only=True):
+    """An API token was issued (only its hash is kept)."""
+
+    name: str
+    token_id: str
+    token_hash: str
+
+
+class UserLoggedIn(Event, frozen=True, kw_only=True):
+    """A user logged in."""
+
+    name: str
+
+
+class LoginFailed(Event, frozen=True, kw_only=True):
+    """A login attempt failed (the name as typed, not whether it exists)."""
+
+    name: str
+
+
+class LiteLLMSynced(Event, frozen=True, kw_only=True):
+    """A LiteLLM sync ran; `ok` false carries the error."""
+
+    ok: bool
+    error: str | None = None
+    entries: int = 0
+
+
+AnyEvent = (
+    DeploymentCreated
+    | DeploymentReconfigured
+    | ModelSwitched
+    | DeploymentRemoved
+    | ModeChanged
+    | PendingModeSet
+    | PendingModeCleared
+    | StartRequested
+    | EngineStarting
+    | EngineReady
+    | EngineStartFailed
+    | StopRequested
+    | PutToSleep
+    | EngineStopped
+    | EngineLost
+    | EngineAsleep
+    | EngineAwake
+    | EngineAdopted
+    | RequestQueued
+    | RequestAdmitted
+    | RequestLeftQueue
+    | SettingsChanged
+    | UserCreated
+    | UserRemoved
+    | ApiTokenCreated
+    | UserLoggedIn
+    | LoginFailed
+    | LiteLLMSynced
+)
+
+
+class Recorded(msgspec.Struct, frozen=True, kw_only=True):
+    """An event as the log holds it."""
+
+    seq: int
+    ts: float  # epoch seconds
+    stream: str
+    version: int
+    actor: str  # "admin:<user>", "ondemand", "watchdog", "system", "litellm"
+    event: AnyEvent
+
+    @property
+    def type(self) -> str:
+        """The event's type name."""
+        return type(self.event).__name__
+
+
+_encoder = msgspec.json.Encoder()
+_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
+_recorded_encoder = msgspec.json.Encoder()
+_recorded_decoder = msgspec.json.Decoder(Recorded)
+
+
+def encode_event(event: Event) -> bytes:
+    """The event's JSON, tag included (what the `data` column holds)."""
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes | str) -> AnyEvent:
+    """Decode a `data` column back into its event."""
+    return _decoder.decode(data)
+
+
+def encode_recorded(rec: Recorded) -> bytes:
+    """One JSON line for `dgxmm events --json`."""
+    return _recorded_encoder.encode(rec)
+
+
+def decode_recorded(data: bytes | str) -> Recorded:
+    """The inverse of `encode_recorded`."""
+    return _recorded_decoder.decode(data)
+
+
+def deployment_stream(deployment_id: str) -> str:
+    """The stream name of one deployment."""
+    return f"deployment:{deployment_id}"
+
+
+STREAM_QUEUE = "queue"
+STREAM_SETTINGS = "settings"
+STREAM_USERS = "users"
+STREAM_LITELLM = "litellm"

@@ -1,0 +1,258 @@
+"""Pure projections of the log: the audit trail, the Events tab, badges.
+
+The audit trail is not a second table: it is this projection over the event log, so it can
+never disagree with what happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import msgspec
+
+from events import model as m
+from events.state import DeploymentState, Lifecycle
+
+QUEUE_TIMEOUT_AUDIT_EVERY_S = 60.0
+
+STATE_LABELS = {
+    Lifecycle.STOPPED: "Stopped",
+    Lifecycle.STARTING: "Loading",
+    Lifecycle.READY: "Ready",
+    Lifecycle.STOPPING: "Stopping",
+    Lifecycle.FAILED: "Failed",
+    Lifecycle.ASLEEP: "Asleep",
+}
+
+
+def badge(dep: DeploymentState, queued: int = 0) -> str:
+    """The status badge the UI shows (the seed's "Status badges")."""
+    if not dep.on_demand:
+        return STATE_LABELS[dep.lifecycle]
+    if queued > 0:
+        return f"{queued} queued"
+    match dep.lifecycle:
+        case Lifecycle.STOPPED | Lifecycle.STOPPING | Lifecycle.ASLEEP:
+            return "Sleeping (on demand)"
+        case Lifecycle.STARTING if dep.start_reason in ("request", "mode_switch"):
+            return "Starting for a request"
+        case Lifecycle.READY:
+            return "Ready"
+    return STATE_LABELS[dep.lifecycle]
+
+
+def minutes(seconds: float) -> str:
+    """`300` -> `5`, `90` -> `1.5`: minutes as the UI writes them."""
+    return f"{seconds / 60:g}"
+
+
+class AuditRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of the audit log."""
+
+    seq: int
+    ts: float
+    actor: str
+    action: str
+    target: str
+    details: dict[str, Any] = {}
+
+
+def _target(rec: m.Recorded) -> str:
+    if rec.stream.startswith("deployment:"):
+        return rec.stream
+    ev = rec.event
+    if isinstance(ev, m.RequestQueued | m.RequestAdmitted | m.RequestLeftQueue):
+        return m.deployment_stream(ev.deployment_id)
+    return rec.stream
+
+
+def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
+    ev = rec.event
+    match ev:
+        case m.DeploymentCreated():
+            return "deployment_create", {"name": ev.name, "engine": ev.engine, "mode": ev.mode}
+        case m.DeploymentRemoved():
+            return "deployment_remove", {}
+        case m.DeploymentReconfigured():
+            return "deployment_reconfigure", {}
+        case m.ModelSwitched():
+            return "deployment_switch_model", {"model": ev.model}
+        case m.ModeChanged():
+            return "ondemand_mode", {"mode": ev.mode, "idle_timeout_s": ev.idle_timeout_s}
+        case m.StartRequested() if ev.reason == "request":
+            return "ondemand_start", {"request_id": ev.request_id}
+        case m.StartRequested() if ev.reason == "admin":
+            return "deployment_start", {}
+        case m.StopRequested() if ev.reason in ("admin", "removed"):
+            return "deployment_stop", {}
+        case m.PutToSleep() if ev.reason == "watchdog":
+            return "watchdog_stop", {"free_bytes": ev.free_bytes}
+        case m.PutToSleep():
+            details: dict[str, Any] = {"reason": ev.reason}
+            if ev.for_deployment is not None:
+                details["for"] = ev.for_name or ev.for_deployment
+            return "ondemand_sleep", details
+        case m.EngineStartFailed():
+            return "deployment_start_failed", {"reason": ev.reason, "failures": ev.failures}
+        case m.EngineLost():
+            return "engine_lost", {"reason": ev.reason}
+        case m.SettingsChanged():
+            return "settings_change", dict(ev.changes)
+        case m.UserCreated():
+            return "user_create", {"name": ev.name, "role": ev.role}
+        case m.UserRemoved():
+            return "user_remove", {"name": ev.name}
+        case m.ApiTokenCreated():
+            return "api_token_create", {"name": ev.name, "token_id": ev.token_id}
+        case m.UserLoggedIn():
+            return "login", {"name": ev.name}
+        case m.LoginFailed():
+            return "login_failed", {"name": ev.name}
+    return None
+
+
+def audit_rows(records: Iterable[m.Recorded]) -> Iterator[AuditRow]:
+    """The audit trail: one row per audited event, queue timeouts at most once a minute."""
+    last_timeout_audit: dict[str, float] = {}
+    for rec in records:
+        ev = rec.event
+        if isinstance(ev, m.RequestLeftQueue):
+            if ev.reason != "timeout":
+                continue
+            last = last_timeout_audit.get(ev.deployment_id)
+            if last is not None and rec.ts - last < QUEUE_TIMEOUT_AUDIT_EVERY_S:
+                continue
+            last_timeout_audit[ev.deployment_id] = rec.ts
+            yield AuditRow(
+                seq=rec.seq,
+                ts=rec.ts,
+                actor=rec.actor,
+                action="ondemand_queue_timeout",
+                target=_target(rec),
+                details={"request_id": ev.request_id, "waited_s": round(ev.waited_s, 3)},
+            )
+            continue
+        found = _action(rec)
+        if found is None:
+            continue
+        action, details = found
+        yield AuditRow(
+            seq=rec.seq,
+            ts=rec.ts,
+            actor=rec.actor,
+            action=action,
+            target=_target(rec),
+            details=details,
+        )
+
+
+class EventRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of a deployment's Events tab."""
+
+    seq: int
+    ts: float
+    actor: str
+    title: str
+    type: str
+
+
+def _title(rec: m.Recorded, names: dict[str, str]) -> str | None:
+    ev = rec.event
+    match ev:
+        case m.DeploymentCreated():
+            mode = "on demand" if ev.mode == "on_demand" else "always on"
+            return f"Created ({mode})"
+        case m.DeploymentReconfigured():
+            return "Reconfigured"
+        case m.ModelSwitched():
+            return f"Switched model to {ev.model}"
+        case m.DeploymentRemoved():
+            return "Removed"
+        case m.ModeChanged() if ev.mode == "on_demand":
+            idle = (
+                "default idle timeout"
+                if ev.idle_timeout_s is None
+                else (f"sleep after {minutes(ev.idle_timeout_s)} min idle")
+            )
+            return f"Mode changed to on demand ({idle})"
+        case m.ModeChanged():
+            return "Mode changed to always on"
+        case m.PendingModeSet():
+            return "Switching to always on" if ev.mode == "always_on" else "Switching to on demand"
+        case m.PendingModeCleared():
+            return None
+        case m.StartRequested() if ev.reason == "request":
+            return "Started for a request"
+        case m.StartRequested() if ev.reason == "admin":
+            return "Started"
+        case m.StartRequested() if ev.reason == "restart":
+            return "Restarting after the engine was lost"
+        case m.StartRequested():
+            return "Starting"
+        case m.EngineStarting():
+            return "Loading"
+        case m.EngineReady():
+            return "Ready"
+        case m.EngineStartFailed():
+            return f"Start failed: {ev.reason}"
+        case m.StopRequested():
+            return (
+                "Stopped by an administrator" if ev.reason in ("admin", "removed") else ("Stopping")
+            )
+        case m.PutToSleep() if ev.reason == "idle":
+            return f"Put to sleep after {minutes(ev.idle_timeout_s)} min idle"
+        case m.PutToSleep() if ev.reason == "make_room":
+            other = ev.for_name or names.get(ev.for_deployment or "", ev.for_deployment or "?")
+            return f"Put to sleep to make room for {other}"
+        case m.PutToSleep():
+            return "Stopped by the memory watchdog"
+        case m.EngineStopped():
+            return "Stopped"
+        case m.EngineLost():
+            return f"Engine lost: {ev.reason}"
+        case m.EngineAsleep():
+            return "Engine in sleep mode"
+        case m.EngineAwake():
+            return "Engine woke from sleep mode"
+        case m.EngineAdopted():
+            return "Adopted running engine"
+    return None
+
+
+def deployment_events(
+    records: Iterable[m.Recorded], deployment_id: str, names: dict[str, str] | None = None
+) -> list[EventRow]:
+    """The Events tab of one deployment, oldest first."""
+    names = dict(names or {})
+    stream = m.deployment_stream(deployment_id)
+    rows: list[EventRow] = []
+    last_timeout: float | None = None
+    for rec in records:
+        ev = rec.event
+        if isinstance(ev, m.DeploymentCreated):
+            names[ev.deployment_id] = ev.name
+        if isinstance(ev, m.RequestLeftQueue):
+            if ev.deployment_id != deployment_id or ev.reason != "timeout":
+                continue
+            if last_timeout is not None and rec.ts - last_timeout < QUEUE_TIMEOUT_AUDIT_EVERY_S:
+                continue
+            last_timeout = rec.ts
+            rows.append(
+                EventRow(
+                    seq=rec.seq,
+                    ts=rec.ts,
+                    actor=rec.actor,
+                    title="Queued request timed out",
+                    type=rec.type,
+                )
+            )
+            continue
+        if rec.stream != stream:
+            continue
+        title = _title(rec, names)
+        if title is not None:
+            rows.append(
+                EventRow(seq=rec.seq, ts=rec.ts, actor=rec.actor, title=title, type=rec.type)
+            )
+    return rows

@@ -280,6 +280,10 @@ class Actor:
             try:
                 result = await self.handle(env.message)
             except asyncio.CancelledError:
+                # stop() cancelled us mid-message; `finally` below forgets the envelope before
+                # stop() can fail it, so fail its ask here or it would hang.
+                if env.future is not None and not env.future.done():
+                    env.future.set_exception(ActorStopped(f"{self.name} stopped"))
                 raise
             except Exception as exc:
                 self._stats["crashes"] += 1

@@ -34,8 +34,8 @@ class IllegalTransition(Exception):
 # Which events may happen in which state, and where they lead.  `None` means "unchanged".
 _TRANSITIONS: dict[type[m.Event], dict[Lifecycle, Lifecycle | None]] = {
     m.StartRequested: {
-        Lifecycle.STOPPED: None,
-        Lifecycle.FAILED: None,
+        Lifecycle.STOPPED: Lifecycle.STARTING,
+        Lifecycle.FAILED: Lifecycle.STARTING,
         Lifecycle.ASLEEP: None,
         Lifecycle.READY: None,
         Lifecycle.STARTING: None,

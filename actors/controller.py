@@ -1,0 +1,540 @@
+"""The controller: the deployment actors, the queue and the broker, wired together.
+
+It is what the gateway (`actors.admission.Controller`) and the admin API talk to.  It folds
+the log at start-up, spawns one actor per deployment, reconciles with the runtime, and
+relays changes to listeners (the UI's event stream, the LiteLLM sync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import structlog
+
+from actors.admission import DeploymentView, Refused
+from actors.deployment import (
+    Adopt,
+    ChangeMode,
+    DeploymentActor,
+    Hooks,
+    LeaseImpl,
+    Reconfigure,
+    Refusal,
+    RemoveDeployment,
+    SleepDeployment,
+    StartDeployment,
+    StopDeployment,
+)
+from actors.errors import ActorError
+from actors.memory_broker import Candidate, MemoryBroker
+from actors.ports import EngineHandle, EngineProbe, LaunchSpec, Readiness, Runtime
+from actors.queue import QueueActor, WaiterImpl
+from actors.runtime import Clock
+from events import model as m
+from events.projections import badge
+from events.state import EMPTY, DeploymentState, Lifecycle, SystemState, evolve, new_deployment
+from storage.eventlog import EventStore
+
+log = structlog.get_logger("dgxmm.controller")
+
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "ondemand_idle_timeout_s": 300,
+    "ondemand_queue_timeout_s": 900,
+    "ondemand_max_queued": 64,
+}
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+class DeploymentRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A deployment as the API shows it."""
+
+    id: str
+    name: str
+    engine: str
+    model: str
+    memory_bytes: int
+    mode: str
+    pending_mode: str | None
+    idle_timeout_s: int | None
+    effective_idle_timeout_s: int
+    role: str
+    state: str
+    badge: str
+    in_flight: int
+    queued: int
+    waiting_for_start: int
+    last_used_at: float | None
+    failures: int
+    retry_at: float | None
+    last_error: str | None
+    engine_url: str | None
+    created_at: float
+    args: list[str]
+
+
+class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What an administrator asks for when creating a deployment."""
+
+    name: str
+    engine: str
+    model: str
+    memory_bytes: int
+    mode: m.Mode = "always_on"
+    idle_timeout_s: int | None = None
+    role: m.Role = "model"
+    args: list[str] = []
+    image: str | None = None
+    gpu: bool = False
+
+
+class Controller:
+    """Owns the actors; implements `actors.admission.Controller`."""
+
+    def __init__(
+        self,
+        *,
+        store: EventStore,
+        clock: Clock,
+        runtime: Runtime,
+        probe: EngineProbe,
+        broker: MemoryBroker,
+        launch_spec: Callable[[DeploymentState], LaunchSpec],
+        defaults: dict[str, Any] | None = None,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.runtime = runtime
+        self.probe = probe
+        self.broker = broker
+        self._launch_spec = launch_spec
+        self._defaults = {**DEFAULT_SETTINGS, **(defaults or {})}
+        self.system: SystemState = EMPTY
+        self.actors: dict[str, DeploymentActor] = {}
+        self._hooks = Hooks()
+        self._hooks.changed = self._on_changed
+        self._hooks.candidates = self.candidates
+        self._hooks.sleep_victims = self.sleep_victims
+        self._hooks.default_idle_s = lambda: int(self.setting("ondemand_idle_timeout_s"))
+        self._hooks.launch_spec = launch_spec
+        self.queue = QueueActor(
+            clock=clock,
+            store=store,
+            broker=broker,
+            lookup=self.actors.get,
+            candidates=self.candidates,
+            sleep_victims=self.sleep_victims,
+            settings=self.setting,
+        )
+        self.queue.on_change = self._on_queue_change
+        self._listeners: list[Callable[[str, str], None]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # --- settings ------------------------------------------------------------------------
+
+    def setting(self, key: str) -> Any:
+        """A setting: the recorded override, else the configured default."""
+        return self.system.settings.get(key, self._defaults.get(key))
+
+    def settings(self) -> dict[str, Any]:
+        """All settings in force."""
+        return {**self._defaults, **self.system.settings}
+
+    async def change_settings(self, changes: dict[str, Any], actor: str) -> dict[str, Any]:
+        """Validate and record settings; returns the settings in force."""
+        checked = validate_settings(changes)
+        current = self.settings()
+        changed = {k: v for k, v in checked.items() if current.get(k) != v}
+        if changed:
+            recs = await self.store.append(
+                m.STREAM_SETTINGS, [m.SettingsChanged(changes=changed)], actor=actor
+            )
+            self._fold(recs)
+            for actor_ in self.actors.values():
+                if actor_.state.idle_timeout_s is None and "ondemand_idle_timeout_s" in changed:
+                    actor_.activity.last_used = actor_.activity.last_used  # follows the default
+                    actor_._arm_idle_timer()
+            self._notify("settings", "changed")
+        return self.settings()
+
+    # --- start-up ------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Fold the log, spawn the actors, reconcile with the runtime."""
+        state = EMPTY
+        async for rec in self.store.iterate():
+            state = evolve(state, rec)
+        self.system = state
+        self.store.add_listener(self._fold)
+        self.queue.start()
+        for dep in state.deployments.values():
+            self._spawn(dep)
+        await self.reconcile()
+
+    def _fold(self, recs: list[m.Recorded]) -> None:
+        state = self.system
+        for rec in recs:
+            if rec.seq > state.last_seq:
+                state = evolve(state, rec)
+        self.system = state
+
+    def _spawn(self, dep: DeploymentState) -> DeploymentActor:
+        actor = DeploymentActor(
+            dep,
+            clock=self.clock,
+            store=self.store,
+            runtime=self.runtime,
+            probe=self.probe,
+            broker=self.broker,
+            hooks=self._hooks,
+        )
+        self.actors[dep.deployment_id] = actor
+        actor.start()
+        return actor
+
+    async def reconcile(self) -> None:
+        """Adopt engines still running, record the ones that vanished, stop orphans."""
+        try:
+            running = await self.runtime.list_engines()
+        except ActorError as exc:
+            log.error("reconcile_failed", error=str(exc))
+            running = []
+        by_dep: dict[str, EngineHandle] = {}
+        for handle in running:
+            actor = self.actors.get(handle.deployment_id)
+            known = actor is not None and actor.state.lifecycle in (
+                Lifecycle.STARTING,
+                Lifecycle.READY,
+                Lifecycle.ASLEEP,
+                Lifecycle.STOPPING,
+            )
+            if not known or handle.deployment_id in by_dep:
+                log.warning("orphan_engine_stopped", deployment=handle.deployment_id)
+                try:
+                    await self.runtime.stop(handle)
+                except ActorError as exc:
+                    log.error("orphan_stop_failed", error=str(exc))
+                continue
+            by_dep[handle.deployment_id] = handle
+        for dep_id, actor in self.actors.items():
+            handle = by_dep.get(dep_id)
+            if handle is not None and not await self._answers(actor.state.engine, handle):
+                # Still loading when DGXMM stopped: start it again rather than guess.
+                try:
+                    await self.runtime.stop(handle)
+                except ActorError as exc:
+                    log.error("stale_engine_stop_failed", error=str(exc))
+                handle = None
+            await actor.ask(Adopt(handle=handle), timeout=60)
+
+    async def _answers(self, engine: str, handle: EngineHandle) -> bool:
+        try:
+            return await self.probe.readiness(engine, handle) is Readiness.READY
+        except ActorError:
+            return False
+
+    async def close(self) -> None:
+        """Stop the actors (engines keep running and are adopted at the next start)."""
+        await self.queue.stop()
+        for actor in list(self.actors.values()):
+            await actor.stop()
+        for task in list(self._tasks):
+            task.cancel()
+
+    # --- the gateway's side (actors.admission.Controller) --------------------------------
+
+    def view(self, deployment_id: str) -> DeploymentView | None:
+        """What the gateway needs to know about a deployment."""
+        actor = self.actors.get(deployment_id)
+        if actor is None:
+            return None
+        dep = actor.state
+        return DeploymentView(
+            deployment_id=dep.deployment_id,
+            model_name=dep.name,
+            served_model=dep.model,
+            engine=dep.engine,
+            state=dep.lifecycle.value,
+            mode=dep.mode,
+            created_at=dep.created_at,
+        )
+
+    def try_acquire(self, deployment_id: str) -> LeaseImpl | None:
+        """A lease at once when the model is ready."""
+        actor = self.actors.get(deployment_id)
+        return None if actor is None else actor.try_acquire()
+
+    def enqueue(self, deployment_id: str, request_id: str) -> WaiterImpl:
+        """Wait for the model; raises Refused at once when it cannot wait."""
+        actor = self.actors.get(deployment_id)
+        if actor is None:
+            raise Refused(404, "model_not_found", f"no deployment {deployment_id}")
+        return self.queue.enqueue(actor, request_id)
+
+    # --- make room -----------------------------------------------------------------------
+
+    def candidates(self, for_deployment: str) -> list[Candidate]:
+        """Idle on-demand deployments that could sleep to make room for another."""
+        found = []
+        for dep_id, actor in self.actors.items():
+            if dep_id == for_deployment:
+                continue
+            cand = actor.idle_candidate()
+            if cand is not None:
+                found.append(cand)
+        return found
+
+    def sleep_victims(self, victims: list[str], for_id: str, for_name: str) -> None:
+        """Ask each victim to sleep; each re-checks that it is idle just before it stops."""
+        for victim in victims:
+            actor = self.actors.get(victim)
+            if actor is None:
+                self.broker.release(victim)
+                continue
+            self._spawn_task(self._sleep_one(actor, for_id, for_name))
+
+    async def _sleep_one(self, actor: DeploymentActor, for_id: str, for_name: str) -> None:
+        try:
+            slept = await actor.ask(
+                SleepDeployment(
+                    reason="make_room", actor="ondemand", for_deployment=for_id, for_name=for_name
+                )
+            )
+        except ActorError as exc:
+            log.error("make_room_failed", deployment=actor.deployment_id, error=str(exc))
+            slept = False
+        if not slept:
+            self.broker.unmark_releasing(actor.deployment_id)
+            self.queue._tell_recheck("victim refused")
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- changes -------------------------------------------------------------------------
+
+    def add_listener(self, listener: Callable[[str, str], None]) -> None:
+        """`listener(deployment_id, what)` on every change of a deployment or of the queue."""
+        self._listeners.append(listener)
+
+    def _notify(self, deployment_id: str, what: str) -> None:
+        for listener in self._listeners:
+            try:
+                listener(deployment_id, what)
+            except Exception:  # policy: a broken listener must not break the controller
+                log.exception("listener_failed")
+
+    def _on_changed(self, dep: DeploymentState, outcome: str | None, detail: str) -> None:
+        self.queue.deployment_changed(dep.deployment_id, outcome, detail)
+        if outcome == "removed":
+            actor = self.actors.pop(dep.deployment_id, None)
+            if actor is not None:
+                self._spawn_task(actor.stop())
+        self._notify(dep.deployment_id, outcome or detail or "changed")
+
+    def _on_queue_change(self, deployment_id: str) -> None:
+        self._notify(deployment_id, "queue")
+
+    # --- administration ------------------------------------------------------------------
+
+    def _actor(self, deployment_id: str) -> DeploymentActor:
+        actor = self.actors.get(deployment_id)
+        if actor is None:
+            raise Refusal(404, "not_found", f"no deployment {deployment_id}")
+        return actor
+
+    def find(self, name_or_id: str) -> DeploymentActor | None:
+        """A deployment by id or by name."""
+        actor = self.actors.get(name_or_id)
+        if actor is not None:
+            return actor
+        return next((a for a in self.actors.values() if a.state.name == name_or_id), None)
+
+    async def create(self, spec: DeploymentSpec, actor: str) -> DeploymentRecord:
+        """Create a deployment and start it (every deployment starts right away)."""
+        validate_spec(spec)
+        if any(a.state.name == spec.name for a in self.actors.values()):
+            raise Refusal(409, "name_taken", f"a deployment named {spec.name} exists")
+        if spec.role == "decision" and spec.mode == "on_demand":
+            raise Refusal(409, "decision_model_always_on", "the decision model is always on")
+        dep_id = secrets.token_hex(4)
+        created = m.DeploymentCreated(
+            deployment_id=dep_id,
+            name=spec.name,
+            engine=spec.engine,
+            model=spec.model,
+            memory_bytes=spec.memory_bytes,
+            mode=spec.mode,
+            idle_timeout_s=spec.idle_timeout_s,
+            role=spec.role,
+            args=list(spec.args),
+            image=spec.image,
+            gpu=spec.gpu,
+        )
+        recs = await self.store.append(
+            m.deployment_stream(dep_id), [created], actor=actor, expected_version=0
+        )
+        dep_actor = self._spawn(new_deployment(recs[0]))
+        self._notify(dep_id, "created")
+        try:
+            await dep_actor.ask(StartDeployment(reason="admin", actor=actor))
+        except Refusal as exc:
+            log.info("created_not_started", deployment=dep_id, reason=exc.message)
+        return self.record(dep_actor)
+
+    async def start(self, deployment_id: str, actor: str) -> DeploymentRecord:
+        """An administrator's Start (also resets a failed deployment's backoff)."""
+        dep_actor = self._actor(deployment_id)
+        await dep_actor.ask(StartDeployment(reason="admin", actor=actor))
+        return self.record(dep_actor)
+
+    async def stop(self, deployment_id: str, actor: str) -> DeploymentRecord:
+        """An administrator's Stop."""
+        dep_actor = self._actor(deployment_id)
+        await dep_actor.ask(StopDeployment(reason="admin", actor=actor))
+        return self.record(dep_actor)
+
+    async def remove(self, deployment_id: str, actor: str) -> None:
+        """Stop if running, then remove."""
+        dep_actor = self._actor(deployment_id)
+        await dep_actor.ask(RemoveDeployment(actor=actor))
+
+    async def change_mode(
+        self,
+        deployment_id: str,
+        mode: m.Mode,
+        idle_timeout_s: int | None,
+        keep_idle_timeout: bool,
+        actor: str,
+    ) -> DeploymentRecord:
+        """PATCH .../mode."""
+        dep_actor = self._actor(deployment_id)
+        await dep_actor.ask(
+            ChangeMode(
+                mode=mode,
+                idle_timeout_s=idle_timeout_s,
+                keep_idle_timeout=keep_idle_timeout,
+                actor=actor,
+            )
+        )
+        return self.record(dep_actor)
+
+    async def reconfigure(
+        self,
+        deployment_id: str,
+        actor: str,
+        *,
+        model: str | None = None,
+        memory_bytes: int | None = None,
+        args: list[str] | None = None,
+        image: str | None = None,
+    ) -> DeploymentRecord:
+        """Reconfigure, or "Switch model…" when `model` is given (the mode is kept)."""
+        dep_actor = self._actor(deployment_id)
+        await dep_actor.ask(
+            Reconfigure(actor=actor, model=model, memory_bytes=memory_bytes, args=args, image=image)
+        )
+        return self.record(dep_actor)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def record(self, actor: DeploymentActor) -> DeploymentRecord:
+        """The API's view of one deployment."""
+        dep = actor.state
+        queued, waiting = self.queue.counts(dep.deployment_id)
+        act = actor.activity
+        default_idle = int(self.setting("ondemand_idle_timeout_s"))
+        engine_url = None
+        if dep.host is not None and dep.port is not None:
+            engine_url = f"http://{dep.host}:{dep.port}"
+        last_used = None
+        if act.served:
+            last_used = self.clock.wall() - (self.clock.now() - act.last_used)
+        return DeploymentRecord(
+            id=dep.deployment_id,
+            name=dep.name,
+            engine=dep.engine,
+            model=dep.model,
+            memory_bytes=dep.memory_bytes,
+            mode=dep.mode,
+            pending_mode=dep.pending_mode,
+            idle_timeout_s=dep.idle_timeout_s,
+            effective_idle_timeout_s=dep.effective_idle_timeout_s(default_idle),
+            role=dep.role,
+            state=dep.lifecycle.value,
+            badge=badge(dep, queued),
+            in_flight=act.in_flight,
+            queued=queued,
+            waiting_for_start=waiting,
+            last_used_at=last_used,
+            failures=dep.failures,
+            retry_at=dep.retry_at,
+            last_error=dep.last_error,
+            engine_url=engine_url,
+            created_at=dep.created_at,
+            args=dep.args,
+        )
+
+    def records(self) -> list[DeploymentRecord]:
+        """Every deployment, oldest first."""
+        actors = sorted(self.actors.values(), key=lambda a: a.state.created_at)
+        return [self.record(a) for a in actors]
+
+    def memory(self) -> dict[str, int]:
+        """The budget."""
+        return self.broker.snapshot()
+
+
+ENGINES = ("vllm", "llamacpp", "sglang", "sim")
+
+
+def validate_spec(spec: DeploymentSpec) -> None:
+    """Raise Refusal(422) naming the field that is wrong."""
+    if not _NAME.match(spec.name):
+        raise Refusal(422, "invalid_name", "name: letters, digits and . _ : / - (1 to 128)")
+    if spec.engine not in ENGINES:
+        raise Refusal(422, "invalid_engine", f"engine: one of {', '.join(ENGINES)}")
+    if not spec.model.strip():
+        raise Refusal(422, "invalid_model", "model: required")
+    if spec.memory_bytes <= 0:
+        raise Refusal(422, "invalid_memory", "memory_gib: must be more than 0")
+    if spec.mode not in ("on_demand", "always_on"):
+        raise Refusal(422, "invalid_mode", 'mode: "on_demand" or "always_on"')
+    validate_idle_timeout(spec.idle_timeout_s)
+
+
+def validate_idle_timeout(value: object) -> None:
+    """idle_timeout_s is null or 60 to 86400 seconds."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 60 <= value <= 86400:
+        raise Refusal(422, "invalid_idle_timeout", "idle_timeout_s: null or 60 to 86400 seconds")
+
+
+_SETTING_RANGES = {
+    "ondemand_idle_timeout_s": (60, 86400),
+    "ondemand_queue_timeout_s": (1, 86400),
+    "ondemand_max_queued": (1, 10_000),
+}
+
+
+def validate_settings(changes: dict[str, Any]) -> dict[str, Any]:
+    """Only known keys, integers in range; raises Refusal(422) naming the key."""
+    checked: dict[str, Any] = {}
+    for key, value in changes.items():
+        bounds = _SETTING_RANGES.get(key)
+        if bounds is None:
+            raise Refusal(422, "unknown_setting", f"{key}: not a setting")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise Refusal(422, "invalid_setting", f"{key}: an integer")
+        lo, hi = bounds
+        if not lo <= value <= hi:
+            raise Refusal(422, "invalid_setting", f"{key}: {lo} to {hi}")
+        checked[key] = value
+    return checked

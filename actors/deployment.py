@@ -1,0 +1,928 @@
+"""DeploymentActor: one deployment's lifecycle, mode, in-flight count, idle timer and backoff.
+
+It is the only one that may decide "I am idle, stop me": a make-room eviction asks it, and
+it refuses if a request arrived meanwhile.  Its lifecycle state is event-sourced (every
+change is recorded before it counts); its activity (requests in flight, last use, engine
+load) is volatile on purpose: a request to a ready model writes nothing to disk, and a
+restart restarts the idle timer anyway.
+
+Long work (launching, waiting for readiness, stopping) runs in a task of the actor's own,
+which reports back through the mailbox, so the actor keeps answering while an engine loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
+import structlog
+
+from actors.errors import ActorError, EngineUnreachable, RuntimeFailure
+from actors.memory_broker import Candidate, MemoryBroker, gib
+from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
+from actors.runtime import Actor, Clock, TimerHandle
+from events import model as m
+from events.state import DeploymentState, Lifecycle, can_happen, evolve_deployment
+from storage.eventlog import EventStore
+
+log = structlog.get_logger("dgxmm.deployment")
+
+BACKOFF_S = (60, 120, 240, 480, 900)
+METRICS_EVERY_S = 5.0
+IDLE_CHECK_EVERY_S = 15.0
+READINESS_POLL_S = 1.0
+
+
+def backoff_s(failures: int) -> int:
+    """Seconds before the next start after `failures` failures in a row (60 s .. 15 min)."""
+    return BACKOFF_S[min(max(failures, 1), len(BACKOFF_S)) - 1]
+
+
+class Activity:
+    """Volatile facts about traffic; never recorded (the hot path writes nothing)."""
+
+    __slots__ = ("accepting", "engine_sleeping", "in_flight", "last_used", "load", "served")
+
+    def __init__(self, now: float) -> None:
+        self.in_flight = 0
+        self.last_used = now  # end of the last request, or ready / restart / switch time
+        self.load: EngineLoad | None = None
+        self.engine_sleeping = False
+        self.accepting = False  # ready and not being stopped: new requests may start
+        self.served = 0
+
+
+def is_idle(
+    dep: DeploymentState, act: Activity, now: float, default_idle_s: int
+) -> tuple[bool, str]:
+    """The seed's idle rules, with the reason when not idle; pure."""
+    if not dep.on_demand or dep.role == "decision":
+        return False, "not on demand"
+    if dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP):
+        return False, f"not running ({dep.lifecycle.value})"
+    if act.in_flight > 0:
+        return False, f"{act.in_flight} requests in flight"
+    timeout = dep.effective_idle_timeout_s(default_idle_s)
+    if now - act.last_used < timeout:
+        return False, "used recently"
+    if act.load is not None and act.load.busy and not act.engine_sleeping:
+        return False, "the engine reports requests"
+    return True, "idle"
+
+
+class LeaseImpl:
+    """A request in flight on a ready engine."""
+
+    __slots__ = ("_actor", "_released", "handle")
+
+    def __init__(self, actor: DeploymentActor, handle: EngineHandle) -> None:
+        self._actor = actor
+        self.handle = handle
+        self._released = False
+
+    def release(self) -> None:
+        """The request ended."""
+        if not self._released:
+            self._released = True
+            self._actor.request_ended()
+
+
+# --- messages (commands) -------------------------------------------------------------------
+
+
+class Command(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Base of the deployment actor's messages."""
+
+
+class StartDeployment(Command, frozen=True, kw_only=True):
+    """Start (or wake) the engine; memory already reserved when `reserved`."""
+
+    reason: m.StartReason
+    actor: str
+    request_id: str | None = None
+    reserved: bool = False
+
+
+class StopDeployment(Command, frozen=True, kw_only=True):
+    """Stop the engine (administrator, removal, shutdown)."""
+
+    reason: m.StopReason
+    actor: str
+
+
+class SleepDeployment(Command, frozen=True, kw_only=True):
+    """Put to sleep; refused unless idle (except for the watchdog)."""
+
+    reason: m.SleepReason
+    actor: str
+    for_deployment: str | None = None
+    for_name: str | None = None
+    free_bytes: int | None = None
+
+
+class ChangeMode(Command, frozen=True, kw_only=True):
+    """Switch between on demand and always on."""
+
+    mode: m.Mode
+    idle_timeout_s: int | None
+    keep_idle_timeout: bool
+    actor: str
+
+
+class Reconfigure(Command, frozen=True, kw_only=True):
+    """Change engine settings, or switch the model (keeps the mode)."""
+
+    actor: str
+    model: str | None = None
+    memory_bytes: int | None = None
+    args: list[str] | None = None
+    image: str | None = None
+
+
+class RemoveDeployment(Command, frozen=True, kw_only=True):
+    """Stop if running, then remove."""
+
+    actor: str
+
+
+class Adopt(Command, frozen=True, kw_only=True):
+    """At start-up: the engine is (or is not) still running."""
+
+    handle: EngineHandle | None
+
+
+class IdleCheck(Command, frozen=True, kw_only=True):
+    """Check the idle rules now."""
+
+
+class _Launched(Command, frozen=True, kw_only=True):
+    handle: EngineHandle
+    attempt: int
+
+
+class _Booted(Command, frozen=True, kw_only=True):
+    attempt: int
+
+
+class _BootFailed(Command, frozen=True, kw_only=True):
+    reason: str
+    attempt: int
+
+
+class _Gone(Command, frozen=True, kw_only=True):
+    attempt: int
+
+
+class _Lost(Command, frozen=True, kw_only=True):
+    reason: str
+    attempt: int
+
+
+class _Scraped(Command, frozen=True, kw_only=True):
+    load: EngineLoad | None
+    sleeping: bool
+    attempt: int
+
+
+class _RetryStart(Command, frozen=True, kw_only=True):
+    failures: int
+
+
+class Refusal(ActorError):
+    """A command was refused; `code` is the API's error code."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+Outcome = Literal["ready", "failed", "stopped", "removed"]
+
+
+class Hooks:
+    """How a deployment actor tells the rest of DGXMM what happened (set by the controller)."""
+
+    def __init__(self) -> None:
+        self.changed: Callable[[DeploymentState, Outcome | None, str], None] = (
+            lambda dep, outcome, detail: None
+        )
+        self.candidates: Callable[[str], list[Candidate]] = lambda deployment_id: []
+        self.sleep_victims: Callable[[list[str], str, str], None] = lambda ids, for_id, name: None
+        self.default_idle_s: Callable[[], int] = lambda: 300
+        self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
+
+
+class DeploymentActor(Actor):
+    """The lifecycle of one deployment."""
+
+    def __init__(
+        self,
+        state: DeploymentState,
+        *,
+        clock: Clock,
+        store: EventStore,
+        runtime: Runtime,
+        probe: EngineProbe,
+        broker: MemoryBroker,
+        hooks: Hooks,
+    ) -> None:
+        super().__init__(f"deployment:{state.deployment_id}", clock)
+        self.state = state
+        self.activity = Activity(clock.now())
+        self._store = store
+        self._runtime = runtime
+        self._probe = probe
+        self._broker = broker
+        self._hooks = hooks
+        self._handle: EngineHandle | None = None
+        self._attempt = 0  # bumps on every launch/stop, so stale reports are ignored
+        self._work: asyncio.Task[None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._idle_timer: TimerHandle | None = None
+        self._retry_timer: TimerHandle | None = None
+        self._removed = False
+        self._orphans: set[asyncio.Task[None]] = set()
+
+    @property
+    def deployment_id(self) -> str:
+        """The deployment's id."""
+        return self.state.deployment_id
+
+    # --- the hot path (synchronous, called by the gateway) -------------------------------
+
+    def try_acquire(self) -> LeaseImpl | None:
+        """A lease when ready and accepting requests; counts the request in flight."""
+        act = self.activity
+        if not act.accepting or self._handle is None:
+            return None
+        act.in_flight += 1
+        act.last_used = self.clock.now()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        return LeaseImpl(self, self._handle)
+
+    def request_ended(self) -> None:
+        """A request in flight ended; re-arm the idle timer."""
+        act = self.activity
+        act.in_flight = max(0, act.in_flight - 1)
+        act.served += 1
+        act.last_used = self.clock.now()
+        if act.in_flight == 0:
+            self._arm_idle_timer()
+        self._hooks.changed(self.state, None, "activity")
+
+    # --- recording -----------------------------------------------------------------------
+
+    async def _record(self, actor: str, *events: m.AnyEvent) -> None:
+        recs = await self._store.append(
+            m.deployment_stream(self.deployment_id),
+            list(events),
+            actor=actor,
+            expected_version=self.state.version,
+        )
+        for rec in recs:
+            self.state = evolve_deployment(self.state, rec)
+
+    async def on_crash(self, exc: Exception) -> None:
+        """Rebuild the state from this deployment's stream."""
+        recs = await self._store.read(stream=m.deployment_stream(self.deployment_id))
+        state = self.state
+        for rec in recs:
+            if rec.version > state.version:
+                state = evolve_deployment(state, rec)
+        self.state = state
+
+    def _changed(self, outcome: Outcome | None = None, detail: str = "") -> None:
+        self._hooks.changed(self.state, outcome, detail)
+
+    # --- messages --------------------------------------------------------------------------
+
+    async def handle(self, message: Any) -> Any:
+        """Dispatch one command."""
+        match message:
+            case StartDeployment():
+                return await self._start(message)
+            case StopDeployment():
+                return await self._stop(message.reason, message.actor)
+            case SleepDeployment():
+                return await self._sleep(message)
+            case ChangeMode():
+                return await self._change_mode(message)
+            case Reconfigure():
+                return await self._reconfigure(message)
+            case RemoveDeployment():
+                return await self._remove(message.actor)
+            case Adopt():
+                return await self._adopt(message.handle)
+            case IdleCheck():
+                return await self._idle_check()
+            case _Launched():
+                return await self._on_launched(message)
+            case _Booted():
+                return await self._on_booted(message)
+            case _BootFailed():
+                return await self._on_boot_failed(message)
+            case _Gone():
+                return await self._on_gone(message)
+            case _Lost():
+                return await self._on_lost(message)
+            case _Scraped():
+                return await self._on_scraped(message)
+            case _RetryStart():
+                return await self._on_retry(message)
+        raise TypeError(f"unknown message {type(message).__name__}")
+
+    # --- starting ------------------------------------------------------------------------
+
+    async def _start(self, cmd: StartDeployment) -> None:
+        dep = self.state
+        if self._removed:
+            if cmd.reserved:
+                self._broker.release(self.deployment_id)
+            raise Refusal(404, "not_found", f"{dep.name} was removed")
+        if dep.lifecycle in (Lifecycle.READY, Lifecycle.STARTING):
+            return
+        if dep.lifecycle is Lifecycle.STOPPING:
+            if cmd.reserved:
+                self._broker.release(self.deployment_id)
+            raise Refusal(409, "stopping", f"{dep.name} is stopping; start it once it stopped")
+        if dep.lifecycle is Lifecycle.ASLEEP:
+            await self._record(
+                cmd.actor, m.StartRequested(reason=cmd.reason, request_id=cmd.request_id)
+            )
+            await self._wake()
+            return
+        if not cmd.reserved:
+            victims = self._broker.reserve(
+                self.deployment_id,
+                dep.memory_bytes,
+                always_on=not dep.on_demand,
+                candidates=self._hooks.candidates(self.deployment_id),
+            )
+            if victims is None:
+                free = max(0, self._broker.free())
+                raise Refusal(
+                    409,
+                    "insufficient_memory",
+                    f"{dep.name} needs {gib(dep.memory_bytes)} GiB but only {gib(free)} GiB "
+                    "are free and no idle on-demand model can make room",
+                )
+            if victims:
+                self._hooks.sleep_victims(victims, self.deployment_id, dep.name)
+        await self._record(
+            cmd.actor, m.StartRequested(reason=cmd.reason, request_id=cmd.request_id)
+        )
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
+        self._begin_boot()
+        self._changed()
+
+    def _begin_boot(self) -> None:
+        self._attempt += 1
+        attempt = self._attempt
+        spec = self._launch_spec()
+        self._work = asyncio.get_running_loop().create_task(
+            self._boot(spec, attempt), name=f"boot:{self.deployment_id}"
+        )
+
+    def _launch_spec(self) -> LaunchSpec:
+        if self._hooks.launch_spec is None:
+            raise RuntimeFailure("no launch spec builder configured")
+        return self._hooks.launch_spec(self.state)
+
+    async def _boot(self, spec: LaunchSpec, attempt: int) -> None:
+        handle: EngineHandle | None = None
+        try:
+            async with self._broker.launch_slot(self.deployment_id):
+                launch = asyncio.ensure_future(self._runtime.launch(spec))
+                try:
+                    handle = await asyncio.shield(launch)
+                except asyncio.CancelledError:
+                    launch.add_done_callback(self._stop_orphan)
+                    raise
+                self._handle = handle
+                self._broker.launched(self.deployment_id)
+                self.tell(_Launched(handle=handle, attempt=attempt))
+                deadline = self.clock.now() + spec.startup_timeout_s
+                while True:
+                    if not await self._runtime.is_running(handle):
+                        tail = await self._runtime.logs_tail(handle, 20)
+                        self.tell(
+                            _BootFailed(reason=_reason("the engine exited", tail), attempt=attempt)
+                        )
+                        return
+                    try:
+                        ready = await self._probe.readiness(spec.engine, handle)
+                    except EngineUnreachable:
+                        ready = Readiness.DOWN
+                    if ready is Readiness.READY:
+                        self.tell(_Booted(attempt=attempt))
+                        return
+                    if self.clock.now() >= deadline:
+                        tail = await self._runtime.logs_tail(handle, 20)
+                        self.tell(
+                            _BootFailed(
+                                reason=_reason(
+                                    f"not ready after {spec.startup_timeout_s:g} s", tail
+                                ),
+                                attempt=attempt,
+                            )
+                        )
+                        return
+                    await self.clock.sleep(READINESS_POLL_S)
+        except asyncio.CancelledError:
+            raise
+        except LookupError:
+            self.tell(_BootFailed(reason="its memory reservation was withdrawn", attempt=attempt))
+        except ActorError as exc:
+            self.tell(_BootFailed(reason=str(exc), attempt=attempt))
+        except Exception as exc:  # policy: any launch bug becomes a start failure, logged
+            log.exception("boot_crashed", deployment=self.deployment_id)
+            self.tell(_BootFailed(reason=f"internal error: {exc}", attempt=attempt))
+
+    def _stop_orphan(self, launch: asyncio.Future[EngineHandle]) -> None:
+        """A launch finished after its start was cancelled: stop what it made."""
+        if launch.cancelled() or launch.exception() is not None:
+            return
+        orphan = launch.result()
+        task = asyncio.get_running_loop().create_task(self._stop_engine(orphan))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
+
+    async def _on_launched(self, msg: _Launched) -> None:
+        if msg.attempt != self._attempt or self.state.lifecycle is not Lifecycle.STARTING:
+            return
+        await self._record(
+            "system",
+            m.EngineStarting(
+                runtime_id=msg.handle.runtime_id, host=msg.handle.host, port=msg.handle.port
+            ),
+        )
+        self._changed()
+
+    async def _on_booted(self, msg: _Booted) -> None:
+        if msg.attempt != self._attempt or self.state.lifecycle is not Lifecycle.STARTING:
+            return
+        events: list[m.AnyEvent] = [m.EngineReady()]
+        if self.state.pending_mode is not None:
+            events += [
+                m.ModeChanged(
+                    mode=self.state.pending_mode, idle_timeout_s=self.state.idle_timeout_s
+                ),
+                m.PendingModeCleared(),
+            ]
+        await self._record("system", *events)
+        self._broker.set_always_on(self.deployment_id, not self.state.on_demand)
+        self.activity.last_used = self.clock.now()
+        self.activity.accepting = True
+        self.activity.load = None
+        self._arm_idle_timer()
+        self._start_monitor()
+        self._changed("ready")
+
+    async def _on_boot_failed(self, msg: _BootFailed) -> None:
+        if msg.attempt != self._attempt or self.state.lifecycle is not Lifecycle.STARTING:
+            return
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            await self._stop_engine(handle)
+        self._broker.release(self.deployment_id)
+        failures = self.state.failures + 1
+        retry_at = self.clock.wall() + backoff_s(failures)
+        events: list[m.AnyEvent] = [
+            m.EngineStartFailed(reason=msg.reason, failures=failures, retry_at=retry_at)
+        ]
+        if self.state.pending_mode is not None:
+            # The switch is applied anyway: the deployment is now always on (and failed).
+            events += [
+                m.ModeChanged(
+                    mode=self.state.pending_mode, idle_timeout_s=self.state.idle_timeout_s
+                ),
+                m.PendingModeCleared(),
+            ]
+        await self._record("system", *events)
+        if not self.state.on_demand:
+            self._retry_timer = self.schedule(backoff_s(failures), _RetryStart(failures=failures))
+        self._changed("failed", msg.reason)
+
+    async def _on_retry(self, msg: _RetryStart) -> None:
+        dep = self.state
+        if dep.on_demand or dep.lifecycle is not Lifecycle.FAILED or dep.failures != msg.failures:
+            return
+        try:
+            await self._start(StartDeployment(reason="restart", actor="system"))
+        except Refusal as exc:
+            log.warning("restart_refused", deployment=self.deployment_id, reason=exc.message)
+            self._retry_timer = self.schedule(
+                backoff_s(dep.failures), _RetryStart(failures=dep.failures)
+            )
+
+    def in_backoff(self) -> bool:
+        """Whether a start failure forbids a new start right now."""
+        dep = self.state
+        return (
+            dep.lifecycle is Lifecycle.FAILED
+            and dep.retry_at is not None
+            and self.clock.wall() < dep.retry_at
+        )
+
+    async def _wake(self) -> None:
+        handle = self._handle
+        if handle is None:
+            return
+        wake = getattr(self._probe, "wake_up", None)
+        if wake is not None:
+            try:
+                await wake(self.state.engine, handle)
+            except ActorError as exc:
+                log.warning("wake_failed", deployment=self.deployment_id, error=str(exc))
+        self.activity.engine_sleeping = False
+        await self._record("system", m.EngineAwake())
+        self.activity.accepting = True
+        self.activity.last_used = self.clock.now()
+        self._arm_idle_timer()
+        self._changed("ready")
+
+    # --- stopping ------------------------------------------------------------------------
+
+    async def _stop(self, reason: m.StopReason, actor: str) -> None:
+        dep = self.state
+        if dep.lifecycle is Lifecycle.STOPPED:
+            return
+        if dep.lifecycle is Lifecycle.FAILED:
+            await self._record(actor, m.StopRequested(reason=reason), m.EngineStopped())
+            self._changed("stopped", reason)
+            return
+        was_starting_for_request = dep.lifecycle is Lifecycle.STARTING
+        self.activity.accepting = False
+        events: list[m.AnyEvent] = [m.StopRequested(reason=reason)]
+        if dep.pending_mode is not None:
+            events += [
+                m.ModeChanged(mode=dep.pending_mode, idle_timeout_s=dep.idle_timeout_s),
+                m.PendingModeCleared(),
+            ]
+        await self._record(actor, *events)
+        self._changed("stopped" if was_starting_for_request else None, f"{reason}:{actor}")
+        await self._halt()
+
+    async def _sleep(self, cmd: SleepDeployment) -> bool:
+        dep = self.state
+        if cmd.reason != "watchdog":
+            idle, why = is_idle(dep, self.activity, self.clock.now(), self._hooks.default_idle_s())
+            if not idle:
+                log.info("sleep_refused", deployment=self.deployment_id, reason=why)
+                return False
+        elif not dep.on_demand or dep.lifecycle not in (
+            Lifecycle.READY,
+            Lifecycle.ASLEEP,
+            Lifecycle.STARTING,
+        ):
+            return False
+        self.activity.accepting = False
+        self._broker.mark_releasing(self.deployment_id)
+        idle_for = self.clock.now() - self.activity.last_used
+        await self._record(
+            cmd.actor,
+            m.PutToSleep(
+                reason=cmd.reason,
+                idle_timeout_s=dep.effective_idle_timeout_s(self._hooks.default_idle_s()),
+                for_deployment=cmd.for_deployment,
+                for_name=cmd.for_name,
+                idle_for_s=round(idle_for, 3),
+                free_bytes=cmd.free_bytes,
+            ),
+        )
+        self._changed(None, cmd.reason)
+        await self._halt()
+        return True
+
+    async def _halt(self) -> None:
+        """Cancel a boot or monitor in progress and stop the engine in the background."""
+        self._attempt += 1
+        attempt = self._attempt
+        self._broker.mark_releasing(self.deployment_id)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        await self._cancel_tasks()
+        handle, self._handle = self._handle, None
+        self._work = asyncio.get_running_loop().create_task(
+            self._stop_and_report(handle, attempt), name=f"stop:{self.deployment_id}"
+        )
+
+    async def _stop_and_report(self, handle: EngineHandle | None, attempt: int) -> None:
+        if handle is not None:
+            await self._stop_engine(handle)
+        self.tell(_Gone(attempt=attempt))
+
+    async def _stop_engine(self, handle: EngineHandle) -> None:
+        try:
+            await self._runtime.stop(handle)
+        except ActorError as exc:
+            log.error("engine_stop_failed", deployment=self.deployment_id, error=str(exc))
+
+    async def _on_gone(self, msg: _Gone) -> None:
+        if msg.attempt != self._attempt:
+            return
+        if self.state.lifecycle is Lifecycle.STOPPING:
+            await self._record("system", m.EngineStopped())
+        self._broker.release(self.deployment_id)
+        self.activity.load = None
+        self.activity.engine_sleeping = False
+        self._changed("removed" if self._removed else "stopped", "stopped")
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in (self._work, self._monitor) if t is not None and not t.done()]
+        current = asyncio.current_task()
+        for task in tasks:
+            if task is not current:
+                task.cancel()
+        for task in tasks:
+            if task is not current:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._work = None
+        self._monitor = None
+
+    # --- monitoring: metrics every 5 s, engine liveness ----------------------------------
+
+    def _start_monitor(self) -> None:
+        attempt = self._attempt
+        if self._monitor is not None and not self._monitor.done():
+            self._monitor.cancel()
+        self._monitor = asyncio.get_running_loop().create_task(
+            self._monitor_loop(attempt), name=f"monitor:{self.deployment_id}"
+        )
+
+    async def _monitor_loop(self, attempt: int) -> None:
+        handle = self._handle
+        if handle is None:
+            return
+        engine = self.state.engine
+        while True:
+            await self.clock.sleep(METRICS_EVERY_S)
+            try:
+                running = await self._runtime.is_running(handle)
+            except ActorError:
+                running = True  # the runtime itself is unreachable: do not assume a crash
+            if not running:
+                tail = ""
+                with contextlib.suppress(ActorError):
+                    tail = await self._runtime.logs_tail(handle, 20)
+                self.tell(_Lost(reason=_reason("the engine exited", tail), attempt=attempt))
+                return
+            load: EngineLoad | None = None
+            sleeping = False
+            with contextlib.suppress(ActorError):
+                load = await self._probe.load(engine, handle)
+            if engine == "vllm":
+                with contextlib.suppress(ActorError):
+                    sleeping = await self._probe.is_sleeping(engine, handle)
+            self.tell(_Scraped(load=load, sleeping=sleeping, attempt=attempt))
+
+    async def _on_scraped(self, msg: _Scraped) -> None:
+        if msg.attempt != self._attempt:
+            return
+        self.activity.load = msg.load
+        dep = self.state
+        if msg.sleeping and dep.lifecycle is Lifecycle.READY:
+            self.activity.engine_sleeping = True
+            await self._record("system", m.EngineAsleep())
+            self._changed()
+        elif not msg.sleeping and dep.lifecycle is Lifecycle.ASLEEP:
+            self.activity.engine_sleeping = False
+            await self._record("system", m.EngineAwake())
+            self._changed()
+
+    async def _on_lost(self, msg: _Lost) -> None:
+        if msg.attempt != self._attempt or self.state.lifecycle not in (
+            Lifecycle.READY,
+            Lifecycle.ASLEEP,
+        ):
+            return
+        self.activity.accepting = False
+        self._attempt += 1
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            await self._stop_engine(handle)
+        self._broker.release(self.deployment_id)
+        await self._record("system", m.EngineLost(reason=msg.reason))
+        self._changed("stopped", "lost")
+        if not self.state.on_demand:
+            failures = self.state.failures + 1
+            retry_at = self.clock.wall() + backoff_s(failures)
+            await self._record(
+                "system",
+                m.EngineStartFailed(reason=msg.reason, failures=failures, retry_at=retry_at),
+            )
+            self._retry_timer = self.schedule(backoff_s(failures), _RetryStart(failures=failures))
+            self._changed("failed", msg.reason)
+
+    # --- idle ----------------------------------------------------------------------------
+
+    def _arm_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        dep = self.state
+        if not dep.on_demand or dep.role == "decision":
+            return
+        timeout = dep.effective_idle_timeout_s(self._hooks.default_idle_s())
+        due = self.activity.last_used + timeout - self.clock.now()
+        self._idle_timer = self.schedule(max(0.0, due), IdleCheck())
+
+    async def _idle_check(self) -> bool:
+        self._idle_timer = None
+        dep = self.state
+        if not dep.on_demand or dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP):
+            return False
+        idle, _why = is_idle(dep, self.activity, self.clock.now(), self._hooks.default_idle_s())
+        if not idle:
+            if self.activity.in_flight == 0:
+                self._arm_idle_timer_periodic()
+            return False
+        return await self._sleep(SleepDeployment(reason="idle", actor="ondemand"))
+
+    def _arm_idle_timer_periodic(self) -> None:
+        dep = self.state
+        timeout = dep.effective_idle_timeout_s(self._hooks.default_idle_s())
+        due = self.activity.last_used + timeout - self.clock.now()
+        self._idle_timer = self.schedule(due if due > 0 else IDLE_CHECK_EVERY_S, IdleCheck())
+
+    def idle_candidate(self) -> Candidate | None:
+        """This deployment as a make-room candidate, when it is idle right now."""
+        idle, _ = is_idle(self.state, self.activity, self.clock.now(), self._hooks.default_idle_s())
+        if not idle:
+            return None
+        return Candidate(self.deployment_id, self.state.memory_bytes, self.activity.last_used)
+
+    # --- mode, reconfiguration, removal --------------------------------------------------
+
+    async def _change_mode(self, cmd: ChangeMode) -> dict[str, Any]:
+        dep = self.state
+        idle = dep.idle_timeout_s if cmd.keep_idle_timeout else cmd.idle_timeout_s
+        if cmd.mode == "on_demand" and dep.role == "decision":
+            raise Refusal(409, "decision_model_always_on", "the decision model is always on")
+        if cmd.mode == dep.mode and dep.pending_mode is None:
+            if idle != dep.idle_timeout_s:
+                await self._record(cmd.actor, m.ModeChanged(mode=dep.mode, idle_timeout_s=idle))
+                self.activity.last_used = (
+                    self.clock.now() if dep.on_demand else self.activity.last_used
+                )
+                self._arm_idle_timer()
+                self._changed()
+            return {"applied": True}
+        if cmd.mode == "on_demand":
+            events: list[m.AnyEvent] = [m.ModeChanged(mode="on_demand", idle_timeout_s=idle)]
+            if dep.pending_mode is not None:
+                events.append(m.PendingModeCleared(applied=False))
+            await self._record(cmd.actor, *events)
+            self._broker.set_always_on(self.deployment_id, False)
+            self.activity.last_used = self.clock.now()
+            if dep.lifecycle is Lifecycle.FAILED and self._retry_timer is not None:
+                self._retry_timer.cancel()
+                self._retry_timer = None
+            self._arm_idle_timer()
+            self._changed()
+            return {"applied": True}
+        # on demand -> always on
+        if dep.lifecycle is Lifecycle.READY:
+            await self._record(cmd.actor, m.ModeChanged(mode="always_on", idle_timeout_s=idle))
+            self._broker.set_always_on(self.deployment_id, True)
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+            self._changed()
+            return {"applied": True}
+        if dep.lifecycle is Lifecycle.STARTING:
+            await self._record(cmd.actor, m.PendingModeSet(mode="always_on"))
+            self._changed()
+            return {"applied": False, "pending_mode": "always_on"}
+        if dep.lifecycle is Lifecycle.STOPPING:
+            raise Refusal(409, "stopping", f"{dep.name} is stopping; switch it once it stopped")
+        # stopped, failed or asleep: start it first through the memory check
+        if dep.lifecycle is Lifecycle.ASLEEP:
+            await self._record(cmd.actor, m.PendingModeSet(mode="always_on"))
+            await self._record(cmd.actor, m.StartRequested(reason="mode_switch"))
+            await self._wake()
+            await self._record(
+                cmd.actor,
+                m.ModeChanged(mode="always_on", idle_timeout_s=idle),
+                m.PendingModeCleared(),
+            )
+            self._changed()
+            return {"applied": True}
+        victims = self._broker.reserve(
+            self.deployment_id,
+            dep.memory_bytes,
+            always_on=False,
+            candidates=self._hooks.candidates(self.deployment_id),
+        )
+        if victims is None:
+            free = max(0, self._broker.free())
+            raise Refusal(
+                409,
+                "insufficient_memory",
+                f"{dep.name} needs {gib(dep.memory_bytes)} GiB but only {gib(free)} GiB are free",
+            )
+        if victims:
+            self._hooks.sleep_victims(victims, self.deployment_id, dep.name)
+        await self._record(
+            cmd.actor, m.PendingModeSet(mode="always_on"), m.StartRequested(reason="mode_switch")
+        )
+        self._begin_boot()
+        self._changed()
+        return {"applied": False, "pending_mode": "always_on"}
+
+    async def _reconfigure(self, cmd: Reconfigure) -> None:
+        dep = self.state
+        if dep.lifecycle in (Lifecycle.STARTING, Lifecycle.STOPPING):
+            raise Refusal(
+                409, "busy", f"{dep.name} is {dep.lifecycle.value}; try again when it settled"
+            )
+        event: m.AnyEvent
+        if cmd.model is not None:
+            event = m.ModelSwitched(model=cmd.model, memory_bytes=cmd.memory_bytes, args=cmd.args)
+        else:
+            event = m.DeploymentReconfigured(
+                memory_bytes=cmd.memory_bytes, args=cmd.args, image=cmd.image
+            )
+        was_running = dep.lifecycle in (Lifecycle.READY, Lifecycle.ASLEEP)
+        if was_running:
+            await self._stop("admin", cmd.actor)
+        await self._record(cmd.actor, event)
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
+        self._changed()
+
+    async def _remove(self, actor: str) -> None:
+        dep = self.state
+        self._removed = True
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
+        if dep.lifecycle not in (Lifecycle.STOPPED, Lifecycle.FAILED):
+            await self._stop("removed", actor)
+        await self._record(actor, m.DeploymentRemoved())
+        if self._work is None or self._work.done():
+            self._broker.release(self.deployment_id)
+        self._changed("removed", actor)
+
+    async def _adopt(self, handle: EngineHandle | None) -> None:
+        dep = self.state
+        if handle is not None:
+            self._handle = handle
+            self._broker.adopt(self.deployment_id, dep.memory_bytes, always_on=not dep.on_demand)
+            await self._record(
+                "system",
+                m.EngineAdopted(runtime_id=handle.runtime_id, host=handle.host, port=handle.port),
+            )
+            self.activity.accepting = True
+            self.activity.last_used = self.clock.now()  # a restart restarts the idle timer
+            self._arm_idle_timer()
+            self._start_monitor()
+            self._changed("ready")
+            return
+        if dep.lifecycle in (
+            Lifecycle.STARTING,
+            Lifecycle.READY,
+            Lifecycle.ASLEEP,
+            Lifecycle.STOPPING,
+        ):
+            reason = "the engine was not running when DGXMM started"
+            await self._record("system", m.EngineLost(reason=reason))
+            self._changed("stopped", "lost")
+        dep = self.state
+        stopped_by_admin = dep.stop_reason in ("admin", "removed")
+        if not dep.on_demand and dep.lifecycle is Lifecycle.STOPPED and not stopped_by_admin:
+            with contextlib.suppress(Refusal):
+                await self._start(StartDeployment(reason="always_on", actor="system"))
+
+    async def stop(self) -> None:
+        """Stop the actor (not the engine: engines outlive DGXMM and are adopted later)."""
+        await self._cancel_tasks()
+        await super().stop()
+
+
+def _reason(what: str, tail: str) -> str:
+    tail = tail.strip()
+    if not tail:
+        return what
+    lines = tail.splitlines()[-5:]
+    return f"{what}: " + " | ".join(line.strip() for line in lines if line.strip())
+
+
+def legal(dep: DeploymentState, event: m.Event) -> bool:
+    """Whether the event may happen now (exposed for tests and the controller)."""
+    return can_happen(dep.lifecycle, event)
+
+
+Callback = Callable[[], Awaitable[None]]

@@ -1,0 +1,219 @@
+"""The memory budget: reservations for every start, make-room plans, the start-up queue.
+
+Reservations are synchronous calls made from the event loop's thread.  A call runs to its
+end without awaiting, so checking the budget and taking memory out of it can never
+interleave with another start: that is "the deployer's lock".  Launches then go through the
+start-up queue (`launch_slot`), which lets an engine launch only when its memory is
+physically free (the models stopped to make room for it are gone) and only as many at once
+as configured.
+
+Decisions are the pure functions `plan_make_room` and `max_freeable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+
+import msgspec
+
+GIB = 1024**3
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """An idle on-demand deployment that could be put to sleep."""
+
+    deployment_id: str
+    memory_bytes: int
+    last_used: float  # monotonic seconds of its last use (request end, ready, switch)
+
+
+def plan_make_room(need: int, free: int, candidates: Iterable[Candidate]) -> list[str] | None:
+    """The least recently used idle candidates to stop so `need` fits, or None if impossible.
+
+    Only as many as needed, oldest use first (not by size); an empty list when it already
+    fits; None (stop nothing) when even all of them together would not free enough.
+    """
+    if need <= free:
+        return []
+    chosen: list[str] = []
+    freed = 0
+    for cand in sorted(candidates, key=lambda c: (c.last_used, c.deployment_id)):
+        chosen.append(cand.deployment_id)
+        freed += cand.memory_bytes
+        if free + freed >= need:
+            return chosen
+    return None
+
+
+def max_freeable(usable: int, always_on_held: int) -> int:
+    """What stopping every on-demand model could give an on-demand model at most."""
+    return max(0, usable - always_on_held)
+
+
+def gib(n: int) -> str:
+    """Bytes as the seed's messages write GiB: `80`, `60.5`."""
+    return f"{round(n / GIB, 1):g}"
+
+
+class Holding(msgspec.Struct, kw_only=True):
+    """Memory one deployment holds or has reserved."""
+
+    memory_bytes: int
+    always_on: bool
+    launched: bool = False  # its engine (container/process) exists
+    releasing: bool = False  # it is being stopped; its memory returns when it is gone
+
+
+class MemoryBroker:
+    """The budget of one box."""
+
+    def __init__(self, usable_bytes: int, total_bytes: int, *, max_concurrent_starts: int = 1):
+        self.total_bytes = total_bytes
+        self.usable_bytes = usable_bytes
+        self._held: dict[str, Holding] = {}
+        self._starts = asyncio.Semaphore(max(1, max_concurrent_starts))
+        self._changed = asyncio.Event()
+        self.peak_launched = 0
+
+    # --- reading -------------------------------------------------------------------------
+
+    def held_total(self) -> int:
+        """Everything held or reserved, including memory still being released."""
+        return sum(h.memory_bytes for h in self._held.values())
+
+    def launched_total(self) -> int:
+        """Memory of engines that physically exist (must never exceed the usable memory)."""
+        return sum(h.memory_bytes for h in self._held.values() if h.launched)
+
+    def free(self) -> int:
+        """Memory free right now for a new reservation (memory freed for a start excluded)."""
+        return self.usable_bytes - self.held_total()
+
+    def always_on_held(self) -> int:
+        """Memory held by always-on deployments."""
+        return sum(h.memory_bytes for h in self._held.values() if h.always_on)
+
+    def on_demand_held(self) -> int:
+        """Memory held by on-demand deployments."""
+        return sum(h.memory_bytes for h in self._held.values() if not h.always_on)
+
+    def holds(self, deployment_id: str) -> bool:
+        """Whether the deployment has memory reserved or held."""
+        return deployment_id in self._held
+
+    def releasing_total(self) -> int:
+        """Memory of deployments being stopped."""
+        return sum(h.memory_bytes for h in self._held.values() if h.releasing)
+
+    def snapshot(self) -> dict[str, int]:
+        """Numbers for `GET /dgxmm/api/memory`."""
+        return {
+            "total_bytes": self.total_bytes,
+            "usable_bytes": self.usable_bytes,
+            "always_on_bytes": self.always_on_held(),
+            "on_demand_bytes": self.on_demand_held(),
+            "free_bytes": max(0, self.free()),
+        }
+
+    # --- deciding and reserving ----------------------------------------------------------
+
+    def can_ever_fit(self, need: int) -> tuple[bool, int]:
+        """Whether an on-demand model of `need` bytes could fit if every on-demand model slept."""
+        most = max_freeable(self.usable_bytes, self.always_on_held())
+        return need <= most, most
+
+    def reserve(
+        self,
+        deployment_id: str,
+        need: int,
+        *,
+        always_on: bool,
+        candidates: Iterable[Candidate] = (),
+    ) -> list[str] | None:
+        """Reserve `need` bytes, planning which idle candidates must sleep for it.
+
+        Returns the deployments to stop (empty when it fits in free memory), or None when it
+        does not fit even with every candidate stopped; then nothing is reserved.
+        """
+        existing = self._held.get(deployment_id)
+        if existing is not None and not existing.releasing:
+            existing.always_on = always_on
+            return []
+        held_elsewhere = self.held_total() - (existing.memory_bytes if existing else 0)
+        # Memory still being released by a deployment already stopping counts as not free:
+        # it returns to the budget once that stop completes, to whoever then asks.
+        free = self.usable_bytes - held_elsewhere
+        eligible = [c for c in candidates if c.deployment_id in self._held]
+        eligible = [c for c in eligible if not self._held[c.deployment_id].releasing]
+        plan = plan_make_room(need, free, eligible)
+        if plan is None:
+            return None
+        for victim in plan:
+            self._held[victim].releasing = True
+        self._held[deployment_id] = Holding(memory_bytes=need, always_on=always_on)
+        self._notify()
+        return plan
+
+    def adopt(self, deployment_id: str, need: int, *, always_on: bool) -> None:
+        """Account for an engine found running at start-up (it already exists)."""
+        self._held[deployment_id] = Holding(memory_bytes=need, always_on=always_on, launched=True)
+        self._notify()
+
+    def set_always_on(self, deployment_id: str, always_on: bool) -> None:
+        """The deployment's mode changed."""
+        held = self._held.get(deployment_id)
+        if held is not None:
+            held.always_on = always_on
+
+    def mark_releasing(self, deployment_id: str) -> None:
+        """The deployment is being stopped."""
+        held = self._held.get(deployment_id)
+        if held is not None:
+            held.releasing = True
+
+    def unmark_releasing(self, deployment_id: str) -> None:
+        """A planned stop was refused (the model got a request): it keeps its memory."""
+        held = self._held.get(deployment_id)
+        if held is not None:
+            held.releasing = False
+            self._notify()
+
+    def release(self, deployment_id: str) -> None:
+        """The deployment's engine is gone (or its start was abandoned): memory is free."""
+        if self._held.pop(deployment_id, None) is not None:
+            self._notify()
+
+    # --- the start-up queue --------------------------------------------------------------
+
+    def _notify(self) -> None:
+        woken, self._changed = self._changed, asyncio.Event()
+        woken.set()
+
+    def _physically_free_for(self, deployment_id: str) -> bool:
+        held = self._held.get(deployment_id)
+        if held is None:
+            return False
+        return self.launched_total() + held.memory_bytes <= self.usable_bytes
+
+    @contextlib.asynccontextmanager
+    async def launch_slot(self, deployment_id: str) -> AsyncIterator[None]:
+        """Wait for a start slot and for the reserved memory to be physically free.
+
+        The caller launches its engine inside the block and marks it with `launched()`.
+        Raises LookupError when the reservation was released while waiting.
+        """
+        async with self._starts:
+            while not self._physically_free_for(deployment_id):
+                if deployment_id not in self._held:
+                    raise LookupError(f"no reservation for {deployment_id}")
+                await self._changed.wait()
+            yield
+
+    def launched(self, deployment_id: str) -> None:
+        """The engine now exists."""
+        held = self._held.get(deployment_id)
+        if held is not None:
+            held.launched = True
+            self.peak_launched = max(self.peak_launched, self.launched_total())

@@ -1,0 +1,441 @@
+"""QueueActor: every request that is not served at once waits here, first come, first served.
+
+A request waits either for a start that is under way ("waiting_start") or for memory
+("queued").  Both count against `ondemand_max_queued`.  Only the head of the queue (the
+oldest request queued for memory) may put idle models to sleep; a later request may go
+ahead when its model fits in the memory free right now, without stopping anything and
+without the memory reserved for the head.
+
+`enqueue` and `leave` are synchronous: the gateway needs an immediate answer (queue full,
+does not fit), and a synchronous call cannot interleave with a re-check.  Re-checks, expiries
+and the 15 s tick arrive through the mailbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import structlog
+
+from actors.admission import Refused
+from actors.deployment import DeploymentActor, LeaseImpl, StartDeployment
+from actors.memory_broker import Candidate, MemoryBroker, gib
+from actors.runtime import Actor, Clock, TimerHandle
+from events import model as m
+from events.state import Lifecycle
+from storage.eventlog import EventStore
+
+log = structlog.get_logger("dgxmm.queue")
+
+RECHECK_EVERY_S = 15.0
+RETRY_AFTER_S = 60
+
+
+def queued_line(model: str) -> str:
+    """The seed's exact queued line (the caller adds the blank line)."""
+    return (
+        f"⏳ Your message is queued — waiting for memory to free up for {model}. "
+        "It will start automatically."
+    )
+
+
+class Recheck(msgspec.Struct, frozen=True, tag=True):
+    """Look at the queue again (a deployment changed, a timeout ran out, the 15 s tick)."""
+
+    why: str = "tick"
+
+
+class Expired(msgspec.Struct, frozen=True, tag=True):
+    """A waiting request reached its deadline."""
+
+    request_id: str
+
+
+class _Tick(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class WaiterImpl:
+    """One waiting request, as the gateway holds it."""
+
+    def __init__(
+        self, queue: QueueActor, request_id: str, deployment_id: str, now: float, deadline: float
+    ) -> None:
+        self._queue = queue
+        self.request_id = request_id
+        self.deployment_id = deployment_id
+        self.arrived = now
+        self.deadline = deadline
+        self.kind: m.WaitKind = "waiting_start"
+        self.queued = asyncio.Event()
+        self.future: asyncio.Future[LeaseImpl] = asyncio.get_running_loop().create_future()
+        self.timer: TimerHandle | None = None
+        self.jumped_ahead = False
+
+    async def wait(self) -> LeaseImpl:
+        """The lease once the model is ready; raises Refused otherwise."""
+        return await self.future
+
+    def cancel(self) -> None:
+        """The client hung up."""
+        self._queue.leave(self, "client_gone")
+        if self.future.done() and not self.future.cancelled() and self.future.exception() is None:
+            self.future.result().release()  # admitted just before the hang-up
+
+    @property
+    def done(self) -> bool:
+        """Whether the request stopped waiting."""
+        return self.future.done()
+
+
+class QueueActor(Actor):
+    """The fair FIFO queue in front of memory, for all on-demand models together."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        store: EventStore,
+        broker: MemoryBroker,
+        lookup: Callable[[str], DeploymentActor | None],
+        candidates: Callable[[str], list[Candidate]],
+        sleep_victims: Callable[[list[str], str, str], None],
+        settings: Callable[[str], Any],
+    ) -> None:
+        super().__init__("queue", clock)
+        self._store = store
+        self._broker = broker
+        self._lookup = lookup
+        self._candidates = candidates
+        self._sleep_victims = sleep_victims
+        self._settings = settings
+        self._waiting: dict[str, WaiterImpl] = {}  # insertion order is arrival order
+        self._starting: set[str] = set()  # deployments started for requests, not yet settled
+        self._writes: set[asyncio.Task[Any]] = set()
+        self._stats = {"served": 0, "refused": 0, "timeouts": 0, "client_gone": 0, "admitted": 0}
+        self.on_change: Callable[[str], None] = lambda deployment_id: None
+
+    def start(self) -> None:
+        """Start serving and the 15 s re-check tick."""
+        super().start()
+        self.schedule(RECHECK_EVERY_S, _Tick())
+
+    # --- reading -------------------------------------------------------------------------
+
+    def counts(self, deployment_id: str) -> tuple[int, int]:
+        """(queued for memory, waiting for a start) for one deployment."""
+        queued = waiting = 0
+        for w in self._waiting.values():
+            if w.deployment_id == deployment_id:
+                if w.kind == "queued":
+                    queued += 1
+                else:
+                    waiting += 1
+        return queued, waiting
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def waiting(self) -> list[WaiterImpl]:
+        """Every waiting request, oldest first."""
+        return list(self._waiting.values())
+
+    def queue_statistics(self) -> dict[str, int]:
+        """Counters for /metrics."""
+        return {**self._stats, "waiting": len(self._waiting)}
+
+    # --- entering and leaving ------------------------------------------------------------
+
+    def enqueue(self, actor: DeploymentActor, request_id: str) -> WaiterImpl:
+        """Add a request for a model that is not ready; raises Refused when it cannot wait."""
+        dep = actor.state
+        max_queued = int(self._settings("ondemand_max_queued"))
+        if len(self._waiting) >= max_queued:
+            self._stats["refused"] += 1
+            raise Refused(
+                503,
+                "ondemand_queue_full",
+                f"too many requests are waiting for on-demand models ({max_queued}); "
+                "try again later",
+                RETRY_AFTER_S,
+            )
+        if actor.in_backoff():
+            self._stats["refused"] += 1
+            raise Refused(503, "start_failed", f"{dep.name} could not start: {dep.last_error}")
+        held_by_self = (
+            dep.memory_bytes if (not dep.on_demand and self._broker.holds(dep.deployment_id)) else 0
+        )
+        most = max(0, self._broker.usable_bytes - (self._broker.always_on_held() - held_by_self))
+        if dep.memory_bytes > most:
+            self._stats["refused"] += 1
+            raise Refused(
+                503,
+                "does_not_fit",
+                f"{dep.name} needs {gib(dep.memory_bytes)} GiB but at most {gib(most)} GiB "
+                "can be freed for on-demand models",
+            )
+        now = self.clock.now()
+        timeout = float(self._settings("ondemand_queue_timeout_s"))
+        waiter = WaiterImpl(self, request_id, dep.deployment_id, now, now + timeout)
+        waiter.timer = self.schedule(timeout, Expired(request_id))
+        is_head = not any(w.kind == "queued" for w in self._waiting.values())
+        self._waiting[request_id] = waiter
+        position = len(self._waiting)
+        free = self._broker.free()
+        if not self._try_admit(actor, may_make_room=is_head, jumped=False):
+            waiter.kind = "queued"
+            waiter.queued.set()
+        self._record(
+            m.RequestQueued(
+                request_id=request_id,
+                deployment_id=dep.deployment_id,
+                kind=waiter.kind,
+                position=position,
+                arrived_at=self.clock.wall(),
+                free_bytes=max(0, free),
+                needed_bytes=dep.memory_bytes,
+            )
+        )
+        self.on_change(dep.deployment_id)
+        return waiter
+
+    def leave(self, waiter: WaiterImpl, reason: m.LeaveReason) -> None:
+        """Remove a waiting request (client gone); idempotent."""
+        if self._waiting.pop(waiter.request_id, None) is None:
+            return
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if not waiter.future.done():
+            waiter.future.cancel()
+        self._stats["client_gone" if reason == "client_gone" else "refused"] += 1
+        self._record_left(waiter, reason)
+        self.on_change(waiter.deployment_id)
+        self._tell_recheck("left")
+
+    def _finish(self, waiter: WaiterImpl, reason: m.LeaveReason, error: Refused | None) -> None:
+        if self._waiting.pop(waiter.request_id, None) is None:
+            return
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if error is not None and not waiter.future.done():
+            waiter.future.set_exception(error)
+            # The gateway may already be gone; never log "exception was never retrieved".
+            waiter.future.exception()
+        self._record_left(waiter, reason)
+        self.on_change(waiter.deployment_id)
+
+    def _record_left(self, waiter: WaiterImpl, reason: m.LeaveReason) -> None:
+        self._record(
+            m.RequestLeftQueue(
+                request_id=waiter.request_id,
+                deployment_id=waiter.deployment_id,
+                reason=reason,
+                waited_s=round(self.clock.now() - waiter.arrived, 3),
+            )
+        )
+
+    def _record(self, event: m.AnyEvent) -> None:
+        # Queue events go through group commit; nobody waits for their fsync.
+        task = asyncio.get_running_loop().create_task(
+            self._store.append(m.STREAM_QUEUE, [event], actor="ondemand")
+        )
+        self._writes.add(task)
+        task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task[Any]) -> None:
+        self._writes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("queue_event_not_recorded", error=str(task.exception()))
+
+    def _tell_recheck(self, why: str) -> None:
+        if self.running:
+            try:
+                self.tell(Recheck(why))
+            except Exception:  # policy: a full mailbox already holds a re-check
+                log.debug("recheck_dropped", why=why)
+
+    # --- admission -----------------------------------------------------------------------
+
+    def _try_admit(self, actor: DeploymentActor, *, may_make_room: bool, jumped: bool) -> bool:
+        """Start (or join the start of) `actor` for its waiters if memory allows; sync."""
+        dep = actor.state
+        dep_id = dep.deployment_id
+        if dep.lifecycle is Lifecycle.READY and actor.activity.accepting:
+            self._serve(actor)
+            return True
+        if dep.lifecycle is Lifecycle.STARTING or dep_id in self._starting:
+            self._admitted(dep_id, jumped)
+            return True
+        if dep.lifecycle is Lifecycle.STOPPING or (
+            dep.lifecycle is Lifecycle.READY and not actor.activity.accepting
+        ):
+            return False  # it must stop first; its memory is not free yet
+        if actor.in_backoff():
+            return False
+        candidates = self._candidates(dep_id) if may_make_room else []
+        victims = self._broker.reserve(
+            dep_id, dep.memory_bytes, always_on=not dep.on_demand, candidates=candidates
+        )
+        if victims is None:
+            return False
+        if victims:
+            self._sleep_victims(victims, dep_id, dep.name)
+        self._starting.add(dep_id)
+        first = next((w for w in self._waiting.values() if w.deployment_id == dep_id), None)
+        actor.tell(
+            StartDeployment(
+                reason="request",
+                actor="ondemand",
+                request_id=first.request_id if first else None,
+                reserved=True,
+            )
+        )
+        self._admitted(dep_id, jumped)
+        return True
+
+    def _admitted(self, deployment_id: str, jumped: bool) -> None:
+        for w in self._waiting.values():
+            if w.deployment_id == deployment_id and w.kind == "queued":
+                w.kind = "waiting_start"
+                w.jumped_ahead = jumped
+                self._stats["admitted"] += 1
+                self._record(
+                    m.RequestAdmitted(
+                        request_id=w.request_id, deployment_id=deployment_id, jumped_ahead=jumped
+                    )
+                )
+        self.on_change(deployment_id)
+
+    def _serve(self, actor: DeploymentActor) -> None:
+        dep_id = actor.deployment_id
+        for w in [w for w in self._waiting.values() if w.deployment_id == dep_id]:
+            lease = actor.try_acquire()
+            if lease is None:
+                return
+            if w.future.done():
+                lease.release()
+                continue
+            w.future.set_result(lease)
+            self._stats["served"] += 1
+            self._finish(w, "served", None)
+
+    def recheck(self) -> None:
+        """Walk the queue in arrival order; the head may make room, later ones may go ahead."""
+        head_seen = False
+        done: set[str] = set()
+        for w in list(self._waiting.values()):
+            if w.deployment_id in done or w.request_id not in self._waiting:
+                continue
+            done.add(w.deployment_id)
+            actor = self._lookup(w.deployment_id)
+            if actor is None:
+                self._fail_all(
+                    w.deployment_id, "removed", self._stopped_error(w.deployment_id, None)
+                )
+                continue
+            dep = actor.state
+            if dep.lifecycle is Lifecycle.READY and actor.activity.accepting:
+                self._serve(actor)
+                continue
+            waiting_for_memory = any(
+                x.kind == "queued"
+                for x in self._waiting.values()
+                if x.deployment_id == dep.deployment_id
+            )
+            starting = dep.lifecycle is Lifecycle.STARTING or dep.deployment_id in self._starting
+            if not starting and not waiting_for_memory:
+                # Its start went away without an outcome for these requests (the watchdog
+                # stopped it): they wait for memory again.
+                for x in self._waiting.values():
+                    if x.deployment_id == dep.deployment_id:
+                        x.kind = "queued"
+                        x.queued.set()
+                waiting_for_memory = True
+            if not waiting_for_memory:
+                continue
+            is_head = not head_seen
+            head_seen = True
+            self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
+
+    def _fail_all(self, deployment_id: str, reason: m.LeaveReason, error: Refused) -> None:
+        for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:
+            self._finish(w, reason, error)
+
+    def _stopped_error(self, deployment_id: str, by: str | None) -> Refused:
+        actor = self._lookup(deployment_id)
+        name = actor.state.name if actor is not None else deployment_id
+        who = f" ({by})" if by else ""
+        return Refused(
+            503,
+            "ondemand_stopped",
+            f"{name} was stopped by an administrator{who} while it was starting for this request",
+        )
+
+    # --- reactions -----------------------------------------------------------------------
+
+    def deployment_changed(self, deployment_id: str, outcome: str | None, detail: str) -> None:
+        """A deployment actor reports a change (called synchronously from its handler)."""
+        actor = self._lookup(deployment_id)
+        if outcome == "ready" and actor is not None:
+            self._starting.discard(deployment_id)
+            self._serve(actor)
+        elif outcome == "failed" and actor is not None:
+            self._starting.discard(deployment_id)
+            error = Refused(503, "start_failed", f"{actor.state.name} could not start: {detail}")
+            self._fail_all(deployment_id, "start_failed", error)
+        elif outcome == "removed":
+            self._starting.discard(deployment_id)
+            self._fail_all(deployment_id, "removed", self._stopped_error(deployment_id, None))
+        elif outcome == "stopped":
+            self._starting.discard(deployment_id)
+            reason, _, by = detail.partition(":")
+            if reason in ("admin", "removed"):
+                error = self._stopped_error(deployment_id, by or None)
+                for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:
+                    if w.kind == "waiting_start":
+                        self._finish(w, "stopped", error)
+        self._tell_recheck("changed")
+
+    async def handle(self, message: Any) -> Any:
+        """Serve re-checks, expiries and the tick."""
+        match message:
+            case Recheck():
+                self.recheck()
+            case _Tick():
+                self.schedule(RECHECK_EVERY_S, _Tick())
+                self.recheck()
+            case Expired():
+                w = self._waiting.get(message.request_id)
+                if w is not None:
+                    actor = self._lookup(w.deployment_id)
+                    name = actor.state.name if actor is not None else w.deployment_id
+                    self._stats["timeouts"] += 1
+                    self._finish(
+                        w,
+                        "timeout",
+                        Refused(
+                            503,
+                            "ondemand_queue_timeout",
+                            f"model {name} is busy; try again later",
+                            RETRY_AFTER_S,
+                        ),
+                    )
+                    self.recheck()
+            case _:
+                raise TypeError(f"unknown message {type(message).__name__}")
+        return None
+
+    async def stop(self) -> None:
+        """Drop the queue (a restart drops it, with the waiting connections)."""
+        for w in list(self._waiting.values()):
+            self._finish(
+                w,
+                "stopped",
+                Refused(503, "ondemand_stopped", "DGXMM is shutting down", RETRY_AFTER_S),
+            )
+        await super().stop()
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)

@@ -222,15 +222,15 @@ class Controller:
                 continue
             by_dep[handle.deployment_id] = handle
         for dep_id, actor in self.actors.items():
-            handle = by_dep.get(dep_id)
-            if handle is not None and not await self._answers(actor.state.engine, handle):
+            found = by_dep.get(dep_id)
+            if found is not None and not await self._answers(actor.state.engine, found):
                 # Still loading when DGXMM stopped: start it again rather than guess.
                 try:
-                    await self.runtime.stop(handle)
+                    await self.runtime.stop(found)
                 except ActorError as exc:
                     log.error("stale_engine_stop_failed", error=str(exc))
-                handle = None
-            await actor.ask(Adopt(handle=handle), timeout=60)
+                found = None
+            await actor.ask(Adopt(handle=found), timeout=60)
 
     async def _answers(self, engine: str, handle: EngineHandle) -> bool:
         try:

@@ -15,6 +15,7 @@ import contextlib
 import os
 import sqlite3
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -131,26 +132,33 @@ class EventStore:
         path = os.fspath(path)
         if not create and not await asyncio.to_thread(os.path.exists, path):
             raise LogNotFound(f"{path}: no such file")
+        conn: aiosqlite.Connection | None = None
         try:
             if readonly:
-                conn = await aiosqlite.connect(f"file:{path}?mode=ro", uri=True, timeout=2.0)
+                uri = f"file:{urllib.parse.quote(path)}?mode=ro"
+                conn = await aiosqlite.connect(uri, uri=True, timeout=2.0)
             else:
                 conn = await aiosqlite.connect(path, timeout=5.0, isolation_level=None)
             store = cls(conn, path, wall, readonly)
             await store._prepare(create and not readonly)
         except sqlite3.Error as exc:
+            # An unclosed connection keeps aiosqlite's (non-daemon) thread, and the process, alive.
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error, ValueError):
+                    await conn.close()
             raise _map_error(exc, path) from exc
         return store
 
     async def _prepare(self, create: bool) -> None:
         conn = self._conn
         if create:
-            await conn.execute("PRAGMA journal_mode=WAL")
-            await conn.execute("PRAGMA synchronous=FULL")
+            # Look before switching to WAL, so that a foreign database is left untouched.
             tables = await self._tables()
             if tables and "events" not in tables:
                 await conn.close()
                 raise NotAnEventLog(f"{self.path}: an SQLite file, but not a DGXMM event log")
+            await conn.execute("PRAGMA journal_mode=WAL")
+            await conn.execute("PRAGMA synchronous=FULL")
             await conn.executescript(SCHEMA)
             await conn.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('application', ?)",
@@ -235,6 +243,7 @@ class EventStore:
             try:
                 await self._write_batch(batch)
             except Exception as exc:  # policy: fail this batch's callers, keep the writer alive
+                await self._forget_caches()
                 err = exc if isinstance(exc, StorageError) else _map_error(exc, self.path)
                 log.error("append_failed", error=str(err))
                 for item in batch:
@@ -248,9 +257,10 @@ class EventStore:
         for item in batch:
             current = await self._stream_version(item.stream)
             if item.expected_version is not None and item.expected_version != current:
-                item.future.set_exception(
-                    ConcurrencyError(item.stream, item.expected_version, current)
-                )
+                if not item.future.done():  # the appender may have been cancelled
+                    item.future.set_exception(
+                        ConcurrencyError(item.stream, item.expected_version, current)
+                    )
                 continue
             for event in item.events:
                 current += 1
@@ -284,6 +294,15 @@ class EventStore:
             return
         self._publish(accepted)
 
+    async def _forget_caches(self) -> None:
+        # A failed transaction wrote nothing, but the cached numbers moved on: the file is the
+        # truth again, or the next appends would leave gaps in seq and versions.
+        self._versions = {}
+        try:
+            await self._reload_seq()
+        except sqlite3.Error:
+            log.exception("seq_reload_failed")
+
     async def _reload_seq(self) -> None:
         async with self._conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events") as cur:
             row = await cur.fetchone()
@@ -292,7 +311,10 @@ class EventStore:
     async def _write_single(self, item: _Append, ts: float) -> None:
         current = await self._stream_version(item.stream)
         if item.expected_version is not None and item.expected_version != current:
-            item.future.set_exception(ConcurrencyError(item.stream, item.expected_version, current))
+            if not item.future.done():
+                item.future.set_exception(
+                    ConcurrencyError(item.stream, item.expected_version, current)
+                )
             return
         for event in item.events:
             current += 1
@@ -314,9 +336,10 @@ class EventStore:
             self._versions.pop(item.stream, None)
             await self._reload_seq()
             actual = await self._stream_version(item.stream)
-            item.future.set_exception(
-                ConcurrencyError(item.stream, item.expected_version or actual, actual)
-            )
+            if not item.future.done():
+                item.future.set_exception(
+                    ConcurrencyError(item.stream, item.expected_version or actual, actual)
+                )
             return
         self._versions[item.stream] = current
         self._publish([item])
@@ -406,7 +429,13 @@ class EventStore:
                     if not rows:
                         break
                     for row in rows:
-                        yield record_from_row(row)  # type: ignore[arg-type]
+                        try:
+                            rec = record_from_row(row)  # type: ignore[arg-type]
+                        except msgspec.DecodeError as exc:
+                            raise LogCorrupt(
+                                f"{self.path}: event {row[0]} cannot be decoded ({exc})"
+                            ) from exc
+                        yield rec
         except sqlite3.Error as exc:
             raise _map_error(exc, self.path) from exc
 
@@ -431,6 +460,8 @@ class EventStore:
         """
         last = since_seq
         while True:
+            # Taken before reading: an append published during the read still wakes us.
+            appended = self._appended
             batch = await self.read(since_seq=last, limit=5000)
             for rec in batch:
                 last = rec.seq
@@ -438,7 +469,7 @@ class EventStore:
             if batch:
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._appended.wait(), poll_s)
+                await asyncio.wait_for(appended.wait(), poll_s)
 
     # --- snapshots ----------------------------------------------------------------------
 

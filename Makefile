@@ -1,0 +1,43 @@
+# DGXMM developer entry points.  `make test` is what CI runs (through .ci/run).
+#
+#   make demo   project venv only, then `dgxmm serve --demo`
+#   make test   full bootstrap (Debian packages, Docker engine, venvs, sim image), then pytest
+#   make lint   ruff + mypy --strict (configured in pyproject.toml)
+#
+# PYTEST_ARGS adds pytest arguments: make test PYTEST_ARGS='-k runtime -x'
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+# The pinned LiteLLM proxy lives in its own venv; tests find it through LITELLM_BIN.
+LITELLM_BIN ?= $(CURDIR)/.venv-litellm/bin/litellm
+export LITELLM_BIN
+
+.PHONY: help demo test lint bootstrap venv
+
+help:
+	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
+
+venv:
+	@scripts/bootstrap --venv-only
+
+bootstrap:
+	@scripts/bootstrap
+
+demo: venv
+	$(VENV)/bin/dgxmm serve --demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# pytest exits 5 when it collected no test: that is a failure here, never a silent green.
+test: bootstrap
+	@rc=0; $(PY) -m pytest -q $(PYTEST_ARGS) || rc=$$?; \
+	if [[ $$rc -eq 5 ]]; then echo "make test: FAILED: pytest ran no test" >&2; exit 1; fi; \
+	exit $$rc

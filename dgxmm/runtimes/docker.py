@@ -1,0 +1,420 @@
+"""Docker runtime: one labelled container per deployment, through aiodocker.
+
+What a container gets:
+- name `dgxmm-<deployment_id>`; labels `dgxmm.managed=1`, `dgxmm.deployment=<id>`,
+  `dgxmm.port=<container port>`, `dgxmm.engine`, `dgxmm.name`.  `list_engines` finds (adopts)
+  running containers by `dgxmm.managed=1`, so engines survive a DGXMM restart.
+- `spec.argv` is the whole command line: Entrypoint `[argv[0]]`, Cmd `argv[1:]` (the image's
+  own entrypoint and command when argv is empty).  `{port}` becomes `spec.port` and `{host}`
+  `0.0.0.0` (see `dgxmm.runtimes`).
+- `spec.port/tcp` published on `host_ip` (127.0.0.1) at a free host port the runtime picks;
+  `list_engines` reads it back from the container.
+- `spec.gpu`: a device request for every NVIDIA GPU, and the host's IPC namespace (vLLM and
+  SGLang share tensors through /dev/shm).  `spec.memory_bytes`: the container's memory limit
+  (`enforce_memory_limit=False` turns that off).  `spec.volumes`: read-write binds
+  (host path or volume name -> container path); `extra_mounts`: binds the runtime adds to every
+  container, e.g. `host_python_mounts()` for the locally made `dgxmm-sim:local` image.
+- docker-init as PID 1 (`Init`), so SIGTERM reaches engines that do not handle it as PID 1;
+  json-file logs capped at 2 x 16 MiB; no restart policy (the deployment actor decides).
+- An image missing locally is pulled within `spec.startup_timeout_s` (`pull_missing`).
+
+Every aiodocker/aiohttp failure and every timeout becomes `actors.errors.RuntimeFailure` with a
+readable message; nothing of aiodocker leaks out of this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import re
+import socket
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiodocker
+import aiohttp
+import msgspec
+import structlog
+from aiodocker.exceptions import DockerError
+
+from actors.errors import RuntimeFailure
+from actors.ports import EngineHandle, LaunchSpec
+from dgxmm.runtimes import expand_argv, expand_env
+
+log = structlog.get_logger(__name__)
+
+SIM_IMAGE = "dgxmm-sim:local"  # made by scripts/make-sim-image
+LABEL_MANAGED = "dgxmm.managed"
+LABEL_DEPLOYMENT = "dgxmm.deployment"
+LABEL_PORT = "dgxmm.port"
+LABEL_ENGINE = "dgxmm.engine"
+LABEL_NAME = "dgxmm.name"
+CONTAINER_HOST = "0.0.0.0"  # what `{host}` means inside a container
+_GPU_REQUEST = {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
+_LOG_CONFIG = {"Type": "json-file", "Config": {"max-size": "16m", "max-file": "2"}}
+_PORT_RETRIES = 3  # a free port picked by us may be taken before Docker binds it
+_MAX_LOG_LINES = 10_000
+_AIODOCKER_CONNECT_FAILED = 900  # aiodocker's status for "could not connect to the engine"
+
+
+class BindMount(msgspec.Struct, frozen=True):
+    """A host path bind-mounted into every container at `container`."""
+
+    host: str
+    container: str
+    read_only: bool = True
+
+    def bind(self) -> str:
+        """The Docker `Binds` entry, `host:container:ro|rw`."""
+        return f"{self.host}:{self.container}:{'ro' if self.read_only else 'rw'}"
+
+
+def host_python_mounts(
+    project_dir: str | os.PathLike[str],
+    *,
+    base_prefix: str = sys.base_prefix,
+    prefix: str = sys.prefix,
+) -> list[BindMount]:
+    """Read-only mounts that let the host's Python and the project run in `dgxmm-sim:local`.
+
+    The same list as `scripts/make-sim-image --mounts` (which explains each): /usr, any of
+    /bin, /lib, /lib64 that is a directory rather than a symlink into /usr, the Python
+    installation (`sys.base_prefix`), the project dir (with its .venv), and the venv
+    (`sys.prefix`) when it lives elsewhere.  Run `<venv>/bin/python -m simulations.engine`
+    with `working_dir=project_dir`.
+    """
+    project = str(Path(project_dir).resolve())
+    mounts = [BindMount("/usr", "/usr")]
+    for top in ("/bin", "/lib", "/lib64"):
+        if os.path.isdir(top) and not os.path.islink(top):
+            mounts.append(BindMount(top, top))
+    if not _under(base_prefix, "/usr"):
+        mounts.append(BindMount(base_prefix, base_prefix))
+    mounts.append(BindMount(project, project))
+    if prefix != base_prefix and not _under(prefix, project) and not _under(prefix, "/usr"):
+        mounts.append(BindMount(prefix, prefix))
+    return mounts
+
+
+def container_name(deployment_id: str) -> str:
+    """`dgxmm-<deployment_id>`, with characters Docker refuses in names replaced by `_`."""
+    return "dgxmm-" + re.sub(r"[^A-Za-z0-9_.-]", "_", deployment_id)
+
+
+class DockerRuntime:
+    """Starts engines as Docker containers; implements `actors.ports.Runtime`."""
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        host_ip: str = "127.0.0.1",
+        extra_mounts: Sequence[BindMount] = (),
+        extra_env: Mapping[str, str] | None = None,
+        working_dir: str | None = None,
+        pull_missing: bool = True,
+        enforce_memory_limit: bool = True,
+        api_timeout_s: float = 60.0,
+    ) -> None:
+        self._url = url
+        self._host_ip = host_ip
+        self._extra_mounts = list(extra_mounts)
+        self._extra_env = dict(extra_env or {})
+        self._working_dir = working_dir
+        self._pull_missing = pull_missing
+        self._enforce_memory_limit = enforce_memory_limit
+        self._api_timeout_s = api_timeout_s
+        self._client: aiodocker.Docker | None = None
+
+    @property
+    def connect_host(self) -> str:
+        """The address engines' published ports are reached on."""
+        return "127.0.0.1" if self._host_ip in ("0.0.0.0", "") else self._host_ip
+
+    async def ping(self) -> None:
+        """Raise `RuntimeFailure` unless the Docker engine answers."""
+        docker = self._docker()
+        async with self._mapped("ping the Docker engine"):
+            await docker.version()
+
+    async def launch(self, spec: LaunchSpec) -> EngineHandle:
+        """Create and start the container; returns once it runs (not once it is ready)."""
+        name = container_name(spec.deployment_id)
+        await self._remove_leftover(name, spec.deployment_id)
+        for attempt in range(1, _PORT_RETRIES + 1):
+            host_port = _free_port(self.connect_host)
+            config = self.container_config(spec, host_port)
+            container = await self._create(name, config, spec)
+            try:
+                async with self._mapped(f"start container {name}"):
+                    await container.start()
+            except RuntimeFailure as exc:
+                await self._force_remove(container.id)
+                if _port_taken(str(exc)) and attempt < _PORT_RETRIES:
+                    log.info("engine_port_taken", deployment=spec.deployment_id, port=host_port)
+                    continue
+                raise
+            log.info(
+                "engine_launched",
+                deployment=spec.deployment_id,
+                container=container.id[:12],
+                port=host_port,
+            )
+            return EngineHandle(
+                deployment_id=spec.deployment_id,
+                host=self.connect_host,
+                port=host_port,
+                runtime_id=container.id,
+            )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def stop(self, handle: EngineHandle, timeout_s: float = 30.0) -> None:
+        """Stop (SIGTERM, SIGKILL after `timeout_s`) and remove the container; idempotent."""
+        docker = self._docker()
+        container = docker.containers.container(handle.runtime_id)
+        wait_s = max(0, math.ceil(timeout_s))
+        try:
+            async with self._mapped(f"stop container {handle.runtime_id[:12]}", wait_s):
+                await container.stop(t=wait_s)
+        except _NotFound:
+            return
+        await self._force_remove(handle.runtime_id)
+        log.info(
+            "engine_stopped", deployment=handle.deployment_id, container=handle.runtime_id[:12]
+        )
+
+    async def is_running(self, handle: EngineHandle) -> bool:
+        """Whether the container exists and runs."""
+        info = await self._inspect(handle.runtime_id)
+        return info is not None and bool(info.get("State", {}).get("Running"))
+
+    async def list_engines(self) -> list[EngineHandle]:
+        """Running containers labelled `dgxmm.managed=1`, with their published ports."""
+        docker = self._docker()
+        async with self._mapped("list containers"):
+            containers = await docker.containers.list(
+                filters={"label": [f"{LABEL_MANAGED}=1"], "status": ["running"]}
+            )
+        handles: list[EngineHandle] = []
+        for container in containers:
+            summary: dict[str, Any] = container._container
+            labels: dict[str, str] = summary.get("Labels") or {}
+            deployment_id = labels.get(LABEL_DEPLOYMENT)
+            port = _published_port(summary.get("Ports") or [], labels.get(LABEL_PORT))
+            if not deployment_id or port is None:
+                log.warning("engine_unadoptable", container=container.id[:12], labels=labels)
+                continue
+            handles.append(
+                EngineHandle(
+                    deployment_id=deployment_id,
+                    host=self.connect_host,
+                    port=port,
+                    runtime_id=container.id,
+                )
+            )
+        return handles
+
+    async def logs_tail(self, handle: EngineHandle, lines: int = 20) -> str:
+        """The last `lines` lines of the container's stdout/stderr ('' if it is gone)."""
+        if lines <= 0:
+            return ""
+        docker = self._docker()
+        container = docker.containers.container(handle.runtime_id)
+        try:
+            async with self._mapped(f"read the logs of {handle.runtime_id[:12]}"):
+                chunks = await container.log(
+                    stdout=True, stderr=True, tail=min(lines, _MAX_LOG_LINES)
+                )
+        except _NotFound:
+            return ""
+        return "\n".join("".join(chunks).splitlines()[-lines:])
+
+    async def close(self) -> None:
+        """Close the connection to the Docker engine; containers keep running."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                await client.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _docker(self) -> aiodocker.Docker:
+        # Made on first use, inside the running loop (aiohttp binds its session to it).
+        if self._client is None:
+            try:
+                self._client = aiodocker.Docker(url=self._url)
+            except (ValueError, OSError) as exc:
+                raise RuntimeFailure(f"docker: no Docker engine to talk to: {exc}") from exc
+        return self._client
+
+    @contextlib.asynccontextmanager
+    async def _mapped(self, action: str, extra_s: float = 0.0) -> AsyncIterator[None]:
+        """Bound the call with a deadline; turn every library error into RuntimeFailure."""
+        deadline = self._api_timeout_s + extra_s
+        try:
+            async with asyncio.timeout(deadline):
+                yield
+        except DockerError as exc:
+            if exc.status == 404:
+                raise _NotFound(f"docker: {action}: {_docker_message(exc)}") from exc
+            if exc.status == _AIODOCKER_CONNECT_FAILED:
+                raise RuntimeFailure(
+                    f"docker: {action}: cannot reach the Docker engine ({_docker_message(exc)})"
+                ) from exc
+            raise RuntimeFailure(
+                f"docker: {action}: {_docker_message(exc)} (HTTP {exc.status})"
+            ) from exc
+        except TimeoutError as exc:
+            raise RuntimeFailure(
+                f"docker: {action}: the Docker engine did not answer within {deadline:.0f}s"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise RuntimeFailure(
+                f"docker: {action}: cannot reach the Docker engine ({exc or type(exc).__name__})"
+            ) from exc
+
+    async def _inspect(self, container_id: str) -> dict[str, Any] | None:
+        docker = self._docker()
+        try:
+            async with self._mapped(f"inspect container {container_id[:12]}"):
+                container = await docker.containers.get(container_id)
+        except _NotFound:
+            return None
+        info: dict[str, Any] = container._container
+        return info
+
+    async def _remove_leftover(self, name: str, deployment_id: str) -> None:
+        """Remove a stopped container left with our name; refuse if one still runs."""
+        info = await self._inspect(name)
+        if info is None:
+            return
+        if info.get("State", {}).get("Running"):
+            raise RuntimeFailure(
+                f"deployment {deployment_id} already has a running container {name} "
+                f"({str(info.get('Id', ''))[:12]})"
+            )
+        await self._force_remove(str(info.get("Id") or name))
+
+    async def _force_remove(self, container_id: str) -> None:
+        docker = self._docker()
+        container = docker.containers.container(container_id)
+        try:
+            async with self._mapped(f"remove container {container_id[:12]}"):
+                await container.delete(force=True, v=True)
+        except _NotFound:
+            return
+        except RuntimeFailure as exc:
+            if "already in progress" not in str(exc):
+                raise
+
+    async def _create(
+        self, name: str, config: dict[str, Any], spec: LaunchSpec
+    ) -> aiodocker.containers.DockerContainer:
+        docker = self._docker()
+        try:
+            async with self._mapped(f"create container {name}"):
+                return await docker.containers.create(config, name=name)
+        except _NotFound as exc:
+            if not self._pull_missing:
+                raise RuntimeFailure(
+                    f"docker: image {spec.image} is not present locally and pulling is off"
+                ) from exc
+        log.info("engine_image_pull", deployment=spec.deployment_id, image=spec.image)
+        async with self._mapped(f"pull image {spec.image}", spec.startup_timeout_s):
+            await docker.images.pull(spec.image)
+        async with self._mapped(f"create container {name}"):
+            return await docker.containers.create(config, name=name)
+
+    def container_config(self, spec: LaunchSpec, host_port: int) -> dict[str, Any]:
+        """The container's create body (Docker Engine API)."""
+        port_key = f"{spec.port}/tcp"
+        argv = expand_argv(spec.argv, host=CONTAINER_HOST, port=spec.port)
+        env = {
+            **self._extra_env,
+            **expand_env(spec.env, host=CONTAINER_HOST, port=spec.port),
+        }
+        host_config: dict[str, Any] = {
+            "PortBindings": {port_key: [{"HostIp": self._host_ip, "HostPort": str(host_port)}]},
+            "Binds": [m.bind() for m in self._extra_mounts]
+            + [f"{src}:{dst}:rw" for src, dst in spec.volumes.items()],
+            "Init": True,
+            "LogConfig": _LOG_CONFIG,
+            "RestartPolicy": {"Name": "no"},
+        }
+        if spec.gpu:
+            host_config["DeviceRequests"] = [_GPU_REQUEST]
+            host_config["IpcMode"] = "host"
+        if spec.memory_bytes > 0 and self._enforce_memory_limit:
+            host_config["Memory"] = spec.memory_bytes
+        config: dict[str, Any] = {
+            "Image": spec.image,
+            "Env": [f"{key}={value}" for key, value in env.items()],
+            "Labels": {
+                LABEL_MANAGED: "1",
+                LABEL_DEPLOYMENT: spec.deployment_id,
+                LABEL_PORT: str(spec.port),
+                LABEL_ENGINE: spec.engine,
+                LABEL_NAME: spec.name,
+            },
+            "ExposedPorts": {port_key: {}},
+            "HostConfig": host_config,
+        }
+        if argv:
+            config["Entrypoint"] = argv[:1]
+            config["Cmd"] = argv[1:]
+        if self._working_dir:
+            config["WorkingDir"] = self._working_dir
+        return config
+
+
+class _NotFound(RuntimeFailure):
+    """Docker answered 404 (no such container or image); handled inside this module."""
+
+
+def _docker_message(exc: DockerError) -> str:
+    message = exc.message
+    if isinstance(message, dict):  # some aiodocker paths keep the JSON body
+        message = message.get("message", message)
+    return str(message).strip()
+
+
+def _port_taken(message: str) -> bool:
+    return "port is already allocated" in message or "address already in use" in message
+
+
+def _published_port(ports: list[dict[str, Any]], private: str | None) -> int | None:
+    """The host port a container publishes for its engine port (from `docker ps` data)."""
+    for entry in ports:
+        if entry.get("Type") != "tcp" or "PublicPort" not in entry:
+            continue
+        if private is None or str(entry.get("PrivatePort")) == private:
+            return int(entry["PublicPort"])
+    return None
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on `host` right now (Docker binds it a moment later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, 0))
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot bind {host}: {exc.strerror}") from exc
+        return int(sock.getsockname()[1])
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+__all__ = [
+    "SIM_IMAGE",
+    "BindMount",
+    "DockerRuntime",
+    "container_name",
+    "host_python_mounts",
+]

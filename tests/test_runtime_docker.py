@@ -1,0 +1,386 @@
+"""DockerRuntime against the real Docker engine, in the locally made `dgxmm-sim:local` image.
+
+The containers run the host's Python (bind-mounted read-only, see scripts/make-sim-image).
+Without a Docker engine these tests skip, except under CI=true, where that is a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from actors.errors import RuntimeFailure
+from actors.ports import EngineHandle, LaunchSpec
+from dgxmm.runtimes.docker import (
+    SIM_IMAGE,
+    DockerRuntime,
+    container_name,
+    host_python_mounts,
+)
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 30.0
+
+
+def _docker_problem() -> str | None:
+    """Why the Docker tests cannot run here, or None when they can."""
+    if shutil.which("docker") is None:
+        return "no docker client on PATH"
+    try:
+        info = subprocess.run(
+            ["docker", "info"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return "`docker info` did not answer within 20 s"
+    if info.returncode != 0:
+        return f"no Docker engine answers `docker info`: {info.stderr.strip()[:200]}"
+    image = subprocess.run(
+        ["docker", "image", "inspect", SIM_IMAGE], capture_output=True, timeout=20, check=False
+    )
+    if image.returncode != 0:
+        return f"image {SIM_IMAGE} is missing (scripts/make-sim-image makes it)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def docker_engine() -> None:
+    """Skip without Docker (with the reason) locally; under CI a missing engine fails."""
+    problem = _docker_problem()
+    if problem is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"CI needs a Docker engine: {problem} (scripts/bootstrap starts one)")
+    pytest.skip(f"{problem}; run scripts/bootstrap")
+
+
+def needs_docker(test: Callable[..., None]) -> Callable[..., None]:
+    """Mark a test as needing the real Docker engine (and the sim image)."""
+    marked: Callable[..., None] = pytest.mark.docker(pytest.mark.usefixtures("docker_engine")(test))
+    return marked
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one test's coroutine on a fresh event loop."""
+    return asyncio.run(coro)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], what: str, deadline_s: float = DEADLINE_S
+) -> None:
+    """Poll `check` until it holds; fail the test with `what` at the deadline."""
+    end = time.monotonic() + deadline_s
+    while not await check():
+        if time.monotonic() > end:
+            pytest.fail(f"not within {deadline_s}s: {what}")
+        await asyncio.sleep(0.1)
+
+
+async def http_status(host: str, port: int, path: str = "/") -> int | None:
+    """Status code of a GET on loopback, or None if nothing answers."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
+    except (OSError, TimeoutError):
+        return None
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 5.0)
+    except (OSError, TimeoutError):
+        return None
+    finally:
+        writer.close()
+    parts = status_line.split()
+    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+
+
+def docker_inspect(name_or_id: str) -> dict[str, Any] | None:
+    """`docker inspect` through the CLI (independent of aiodocker); None if there is none."""
+    out = subprocess.run(
+        ["docker", "inspect", name_or_id], capture_output=True, text=True, timeout=20, check=False
+    )
+    if out.returncode != 0:
+        return None
+    found: list[dict[str, Any]] = json.loads(out.stdout)
+    return found[0] if found else None
+
+
+def docker_kill(container_id: str) -> None:
+    """Kill a container behind the runtime's back, through the CLI."""
+    subprocess.run(["docker", "kill", container_id], capture_output=True, timeout=30, check=True)
+
+
+@asynccontextmanager
+async def docker_runtime(**kwargs: Any) -> AsyncIterator[DockerRuntime]:
+    """A runtime whose containers can run the host's Python and the project; closed after."""
+    runtime = DockerRuntime(extra_mounts=host_python_mounts(ROOT), working_dir=str(ROOT), **kwargs)
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+def spec_for(argv: list[str], **overrides: Any) -> LaunchSpec:
+    """A LaunchSpec for the sim image with a fresh deployment id."""
+    fields: dict[str, Any] = {
+        "deployment_id": f"t-{uuid.uuid4().hex[:8]}",
+        "name": "test-model",
+        "engine": "sim",
+        "image": SIM_IMAGE,
+        "argv": argv,
+        "port": 8000,
+        "env": {"PYTHONUNBUFFERED": "1"},
+    }
+    fields.update(overrides)
+    return LaunchSpec(**fields)
+
+
+def http_server_spec(**overrides: Any) -> LaunchSpec:
+    """An engine stand-in: Python's http.server inside the container."""
+    return spec_for(
+        [sys.executable, "-m", "http.server", "--bind", "{host}", "{port}"], **overrides
+    )
+
+
+def script_spec(code: str, **overrides: Any) -> LaunchSpec:
+    """An engine that runs `python -c code` inside the container."""
+    return spec_for([sys.executable, "-c", code], **overrides)
+
+
+@asynccontextmanager
+async def launched(runtime: DockerRuntime, spec: LaunchSpec) -> AsyncIterator[EngineHandle]:
+    """Launch, and always remove the container afterwards."""
+    handle = await runtime.launch(spec)
+    try:
+        yield handle
+    finally:
+        await runtime.stop(handle, timeout_s=2)
+
+
+async def answers_http(handle: EngineHandle) -> None:
+    """Wait until the engine answers HTTP 200 on its published port."""
+
+    async def ok() -> bool:
+        return await http_status(handle.host, handle.port) == 200
+
+    await eventually(ok, f"HTTP 200 on {handle.base_url}")
+
+
+@needs_docker
+def test_a_launched_container_is_labelled_answers_on_its_port_and_is_gone_after_stop() -> None:
+    async def scenario() -> None:
+        async with docker_runtime() as runtime:
+            spec = http_server_spec()
+            handle = await runtime.launch(spec)
+            try:
+                info = docker_inspect(handle.runtime_id)
+                assert info is not None
+                assert info["Name"] == f"/dgxmm-{spec.deployment_id}"
+                labels = info["Config"]["Labels"]
+                assert labels["dgxmm.deployment"] == spec.deployment_id
+                assert labels["dgxmm.managed"] == "1"
+                binding = info["HostConfig"]["PortBindings"]["8000/tcp"][0]
+                assert (binding["HostIp"], binding["HostPort"]) == ("127.0.0.1", str(handle.port))
+                assert handle.host == "127.0.0.1"
+                assert await runtime.is_running(handle)
+                await answers_http(handle)
+            finally:
+                await runtime.stop(handle, timeout_s=5)
+            assert docker_inspect(handle.runtime_id) is None
+            assert not await runtime.is_running(handle)
+            assert await http_status(handle.host, handle.port) is None
+
+    run(scenario())
+
+
+@needs_docker
+def test_a_container_killed_behind_our_back_is_not_running() -> None:
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, http_server_spec()) as handle:
+            docker_kill(handle.runtime_id)
+
+            async def stopped() -> bool:
+                return not await runtime.is_running(handle)
+
+            await eventually(stopped, "is_running turns False")
+            assert handle not in await runtime.list_engines()
+
+    run(scenario())
+
+
+@needs_docker
+def test_a_new_runtime_adopts_a_still_running_container() -> None:
+    async def scenario() -> None:
+        async with docker_runtime() as first:
+            handle = await first.launch(http_server_spec())
+        # DGXMM went away (its runtime closed); the container did not.
+        async with docker_runtime() as second:
+            try:
+                assert handle in await second.list_engines()
+                await answers_http(handle)
+            finally:
+                await second.stop(handle, timeout_s=5)
+            assert handle not in await second.list_engines()
+
+    run(scenario())
+
+
+@needs_docker
+def test_a_failing_engines_log_tail_is_readable() -> None:
+    code = (
+        "import sys\n"
+        "print('loading model', flush=True)\n"
+        "sys.stderr.write('fatal: model not found: nope\\n')\n"
+        "sys.exit(3)\n"
+    )
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime:
+            async with launched(runtime, script_spec(code)) as handle:
+
+                async def exited() -> bool:
+                    return not await runtime.is_running(handle)
+
+                await eventually(exited, "the failing engine exits")
+                tail = await runtime.logs_tail(handle, lines=5)
+                # Docker copies stdout and stderr separately: their relative order is not kept.
+                assert sorted(tail.splitlines()) == [
+                    "fatal: model not found: nope",
+                    "loading model",
+                ]
+                assert len((await runtime.logs_tail(handle, lines=1)).splitlines()) == 1
+            assert await runtime.logs_tail(handle) == ""  # removed with its container
+
+    run(scenario())
+
+
+@needs_docker
+def test_stop_kills_a_container_that_ignores_sigterm_after_the_timeout() -> None:
+    code = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('stubborn', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, script_spec(code)) as handle:
+
+            async def stubborn() -> bool:
+                return "stubborn" in await runtime.logs_tail(handle)
+
+            await eventually(stubborn, "the engine ignores SIGTERM")
+            started = time.monotonic()
+            await runtime.stop(handle, timeout_s=1)
+            assert time.monotonic() - started < 15
+            assert docker_inspect(handle.runtime_id) is None
+
+    run(scenario())
+
+
+@needs_docker
+def test_env_volumes_and_memory_reach_the_container(tmp_path: Path) -> None:
+    code = (
+        "import os, pathlib, time\n"
+        "pathlib.Path('/data/env.txt').write_text(os.environ['ENGINE_URL'])\n"
+        "print('written', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    spec = script_spec(
+        code,
+        env={"PYTHONUNBUFFERED": "1", "ENGINE_URL": "http://{host}:{port}/v1"},
+        volumes={str(tmp_path): "/data"},
+        memory_bytes=256 * 1024 * 1024,
+    )
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, spec) as handle:
+
+            async def written() -> bool:
+                return "written" in await runtime.logs_tail(handle)
+
+            await eventually(written, "the engine wrote to its volume")
+            assert (tmp_path / "env.txt").read_text() == "http://0.0.0.0:8000/v1"
+            info = docker_inspect(handle.runtime_id)
+            assert info is not None
+            assert info["HostConfig"]["Memory"] == 256 * 1024 * 1024
+
+    run(scenario())
+
+
+@needs_docker
+def test_a_stopped_leftover_container_is_replaced_and_a_running_one_refused() -> None:
+    spec = http_server_spec()
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, spec) as first:
+            with pytest.raises(RuntimeFailure, match="already has a running container"):
+                await runtime.launch(spec)
+            docker_kill(first.runtime_id)
+
+            async def stopped() -> bool:
+                return not await runtime.is_running(first)
+
+            await eventually(stopped, "the first container stops")
+            async with launched(runtime, spec) as second:
+                assert second.runtime_id != first.runtime_id
+                assert docker_inspect(first.runtime_id) is None
+                await answers_http(second)
+            assert docker_inspect(container_name(spec.deployment_id)) is None
+
+    run(scenario())
+
+
+@needs_docker
+def test_a_missing_image_is_a_runtime_failure_when_pulling_is_off() -> None:
+    spec = http_server_spec(image="dgxmm-no-such-image:never")
+
+    async def scenario() -> None:
+        async with docker_runtime(pull_missing=False) as runtime:
+            with pytest.raises(RuntimeFailure, match="dgxmm-no-such-image:never is not present"):
+                await runtime.launch(spec)
+            assert docker_inspect(container_name(spec.deployment_id)) is None
+
+    run(scenario())
+
+
+def test_an_unreachable_docker_engine_is_a_runtime_failure(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        runtime = DockerRuntime(url=f"unix://{tmp_path}/no-docker.sock", api_timeout_s=5)
+        try:
+            with pytest.raises(RuntimeFailure, match="cannot reach the Docker engine"):
+                await runtime.list_engines()
+            with pytest.raises(RuntimeFailure, match="cannot reach the Docker engine"):
+                await runtime.launch(http_server_spec())
+        finally:
+            await runtime.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_the_gpu_is_requested_only_when_the_spec_asks(gpu: bool) -> None:
+    spec = http_server_spec(image="vllm/vllm-openai:latest", gpu=gpu)
+    config = DockerRuntime().container_config(spec, host_port=41234)
+    host_config = config["HostConfig"]
+    if gpu:
+        assert host_config["DeviceRequests"] == [
+            {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
+        ]
+        assert host_config["IpcMode"] == "host"
+    else:
+        assert "DeviceRequests" not in host_config
+    assert config["Entrypoint"] == [sys.executable]
+    assert config["Cmd"][-3:] == ["--bind", "0.0.0.0", "8000"]

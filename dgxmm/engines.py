@@ -3,6 +3,10 @@ to read their health, load and sleep state (facts in notes/engines.md).
 
 The launch side and the parsers are pure functions; `HttpEngineProbe` is the only part that
 does I/O, and it maps every transport failure to `actors.errors.EngineUnreachable`.
+
+Command lines say `--host {host} --port {port}`: the runtimes fill those in (docker: 0.0.0.0
+and `LaunchSpec.port` inside the container; process: 127.0.0.1 and a free port), see
+`dgxmm.runtimes`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import msgspec
 from actors.errors import EngineUnreachable
 from actors.ports import EngineHandle, EngineLoad, LaunchSpec, Readiness
 from dgxmm import httpclient
+from dgxmm.runtimes import HOST_PLACEHOLDER, PORT_PLACEHOLDER
 
 ENGINES = ("vllm", "llamacpp", "sglang", "sim")
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
@@ -99,7 +104,6 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     sim_python: str = "python3"  # the interpreter that runs `-m simulations.engine`
     sim_flavour: str = "vllm"  # used unless the user arguments pass --flavour
     cache_root: str = DEFAULT_CACHE_ROOT  # host directory holding huggingface/, vllm/, ...
-    bind_host: str = "0.0.0.0"  # inside a container; the process runtime wants 127.0.0.1
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     extra_env: dict[str, str] = {}  # e.g. HF_TOKEN, added to every engine
 
@@ -124,16 +128,15 @@ def command_line(
     model: str,
     args: Sequence[str] = (),
     *,
-    port: int | None = None,
     settings: EngineSettings = DEFAULT_SETTINGS,
 ) -> list[str]:
-    """The engine's full command line (argv[0] included: runtimes replace the entrypoint)."""
-    spec = adapter(engine)
+    """The engine's full command line (argv[0] included), with `{host}`/`{port}` placeholders."""
+    adapter(engine)
     if not model:
         raise InvalidEngineArgs("a model is required")
     if _has_flag(args, "--port", "--host"):
         raise InvalidEngineArgs("--host and --port are set by DGXMM; remove them from the args")
-    listen = ["--host", settings.bind_host, "--port", str(port or spec.port)]
+    listen = ["--host", HOST_PLACEHOLDER, "--port", PORT_PLACEHOLDER]
     user = list(args)
     match engine:
         case "vllm":
@@ -171,7 +174,10 @@ def launch_spec(
     port: int | None = None,
     settings: EngineSettings = DEFAULT_SETTINGS,
 ) -> LaunchSpec:
-    """Everything a runtime needs to start `model` on `engine` for one deployment."""
+    """Everything a runtime needs to start `model` on `engine` for one deployment.
+
+    `port` overrides the adapter's container port (docker); the process runtime picks its own.
+    """
     spec = adapter(engine)
     env = dict(spec.env)
     if engine == "vllm" and _has_flag(args, "--enable-sleep-mode"):
@@ -187,7 +193,7 @@ def launch_spec(
         name=name,
         engine=engine,
         image=image,
-        argv=command_line(engine, model, args, port=port, settings=settings),
+        argv=command_line(engine, model, args, settings=settings),
         port=port or spec.port,
         env=env,
         memory_bytes=memory_bytes,

@@ -29,6 +29,7 @@ from dgxmm.engines import (
     readiness_from,
     sleeping_from,
 )
+from dgxmm.runtimes import expand_argv
 from simulations.engine import SimOptions, SimServer, serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +185,7 @@ def test_vllm_launch_spec_serves_the_model_on_8000_with_caches() -> None:
     assert spec.port == 8000
     assert spec.argv[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
     assert spec.argv[-2:] == ["--max-model-len", "8192"]
-    assert "--port" in spec.argv and spec.argv[spec.argv.index("--port") + 1] == "8000"
+    assert spec.argv[3:7] == ["--host", "{host}", "--port", "{port}"]
     assert set(spec.volumes.values()) == {"/root/.cache/huggingface", "/root/.cache/vllm"}
     assert spec.startup_timeout_s == DEFAULT_STARTUP_TIMEOUT_S == 1200.0
     assert spec.gpu
@@ -417,20 +418,20 @@ def test_probe_maps_a_non_http_answer_to_engine_unreachable() -> None:
 def test_sim_started_from_its_launch_spec_becomes_ready() -> None:
     async def body() -> None:
         port = free_port()
-        settings = EngineSettings(sim_python=sys.executable, bind_host="127.0.0.1")
+        settings = EngineSettings(sim_python=sys.executable)
         args = ["--flavour", "sglang", "--startup-delay", "0.3", "--warmup-delay", "0.3"]
-        spec = launch_spec("d9", "fake", "sim", "m", 0, args, port=port, settings=settings)
+        spec = launch_spec("d9", "fake", "sim", "m", 0, args, settings=settings)
         proc = await asyncio.create_subprocess_exec(
-            *spec.argv,
+            *expand_argv(spec.argv, host="127.0.0.1", port=port),
             cwd=ROOT,
             env={**os.environ, **spec.env, "PYTHONPATH": str(ROOT)},
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
         )
         try:
-            seen = await states_until_ready("sim", spec.port)
+            seen = await states_until_ready("sim", port)
             assert seen[-2:] == [Readiness.LOADING, Readiness.READY]
-            load = await HttpEngineProbe().load("sim", handle_for(spec.port))
+            load = await HttpEngineProbe().load("sim", handle_for(port))
             assert load == EngineLoad(0, 0)
         finally:
             proc.terminate()

@@ -26,6 +26,9 @@ class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
     state: str  # lifecycle state value: stopped, starting, ready, stopping, failed, asleep
     mode: str  # "on_demand" | "always_on"
     created_at: float  # epoch seconds, for GET /v1/models
+    # Where the engine answers while `state` is ready (None otherwise); the gateway relays
+    # GET /v1/models/<id> there without a lease, because a lookup must not keep it awake.
+    engine_handle: EngineHandle | None = None
 
 
 class Refused(Exception):

@@ -1,0 +1,504 @@
+"""The on-demand gateway: `/d/<deployment_id>/v1/...` relayed to engines, started on demand.
+
+A request for a ready model is relayed at once (no JSON parsing, no logging); one for a model
+that is not ready waits on the controller, holding its body, and may get the queued line.
+The engine's answer goes through byte for byte except for a queued non-streaming answer, whose
+text gets the queued line in front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+
+from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
+from gateway import health, queued
+from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
+from gateway.errors import UpstreamError
+from gateway.protocol import Headers, header_value, strip_hop_by_hop
+from gateway.queued import ErrorReply
+from gateway.server import HTTPServer, Request, Responder, ServerConfig
+from gateway.upstream import UpstreamConfig, UpstreamPool, UpstreamResponse
+
+log = structlog.get_logger("gateway")
+
+STATE_HEADER = b"x-dgxmm-ondemand-state"
+# Request headers never passed to an engine (besides hop-by-hop ones): the pool sets Host and
+# Content-Length itself, and the body is already complete (no 100-continue upstream).
+_DROP_REQUEST = frozenset({b"host", b"content-length", b"expect", b"x-dgxmm-health-check"})
+_STATUS_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    408: "request_timeout",
+    413: "request_too_large",
+    431: "headers_too_large",
+    500: "internal_error",
+    501: "not_implemented",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Limits of the gateway proper (the HTTP server and pool have their own)."""
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_rewrite_bytes: int = 32 * 1024 * 1024  # largest answer buffered to add the queued line
+    wait_deadline_s: float = 1800.0  # safety net above the controller's own queue timeout
+    max_engine_error_bytes: int = 64 * 1024  # engine error body turned into a stream event
+
+
+class _Mode(enum.Enum):
+    """How an engine's answer goes to the client."""
+
+    PASS = "pass"  # status, headers and body as they arrive
+    REWRITE = "rewrite"  # queued, not streamed: the line in front of the text
+    CONTINUE_SSE = "continue_sse"  # the 200 head and queued chunk went out; body only
+
+
+class _WaitDeadline(Exception):
+    """The gateway's own deadline for a waiting request ran out."""
+
+
+class Gateway:
+    """The gateway handler; `serve` runs it on an `HTTPServer`."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        *,
+        config: GatewayConfig | None = None,
+        upstream: UpstreamPool | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.controller = controller
+        self.config = config or GatewayConfig()
+        self.upstream = upstream or UpstreamPool(UpstreamConfig())
+        self.clock = clock
+        self.server: HTTPServer | None = None
+        self.relayed = 0
+        self.waited = 0
+        self.queued_lines = 0
+        self.health_checks = 0
+        self.refused = 0
+        self.engine_failures = 0
+
+    # --- serving -------------------------------------------------------------------------
+
+    async def serve(
+        self, host: str = "127.0.0.1", port: int = 8401, config: ServerConfig | None = None
+    ) -> HTTPServer:
+        """Start an HTTP server for the gateway; returns it (see `HTTPServer.port`)."""
+        server_config = config or ServerConfig(max_body_bytes=self.config.max_body_bytes)
+        server = HTTPServer(self.handle, server_config, render_error=self.render_error)
+        await server.start(host, port)
+        self.server = server
+        return server
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (in-flight answers may finish within timeout_s), then the pool."""
+        if self.server is not None:
+            await self.server.shutdown(timeout_s)
+        await self.upstream.close()
+
+    def render_error(self, status: int, message: str) -> tuple[Headers, bytes]:
+        """Errors produced by the HTTP server itself, in the gateway's OpenAI style."""
+        if status == 413:
+            reply = queued.too_large(self.config.max_body_bytes)
+        else:
+            reply = ErrorReply(status, _STATUS_CODES.get(status, "http_error"), message)
+        return reply.headers(), reply.body()
+
+    def statistics(self) -> dict[str, object]:
+        """Counters of the gateway, its server and its engine pools."""
+        return {
+            "relayed": self.relayed,
+            "waited": self.waited,
+            "queued_lines": self.queued_lines,
+            "health_checks": self.health_checks,
+            "refused": self.refused,
+            "engine_failures": self.engine_failures,
+            "server": self.server.statistics() if self.server else None,
+            "engines": self.upstream.statistics(),
+        }
+
+    # --- routing -------------------------------------------------------------------------
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        """Answer one request (the `HTTPServer` handler)."""
+        target = request.target
+        if not target.startswith(b"/d/"):
+            await _reply(responder, queued.route_not_found(_text(request.method), _text(target)))
+            return
+        slash = target.find(b"/", 3)
+        query = target.find(b"?")
+        if slash < 0 or (0 <= query < slash):
+            await _reply(responder, queued.route_not_found(_text(request.method), _text(target)))
+            return
+        deployment_id = _text(target[3:slash])
+        upstream_target = target[slash:]
+        path = _text(upstream_target if query < 0 else target[slash:query])
+        view = self.controller.view(deployment_id)
+        if view is None:
+            await _reply(responder, queued.deployment_not_found(deployment_id))
+            return
+        route = classify_route(request.method, path, request.headers)
+        kind = route.kind
+        if kind is RouteKind.INFERENCE:
+            await self._inference(request, responder, view, route, upstream_target)
+        elif kind is RouteKind.MODELS_LIST:
+            await self._models_list(responder, view)
+        elif kind is RouteKind.MODEL_GET:
+            await self._model_get(request, responder, view, route, upstream_target)
+        else:
+            await _reply(responder, queued.route_not_found(_text(request.method), path))
+
+    async def _models_list(self, responder: Responder, view: DeploymentView) -> None:
+        body = msgspec.json.encode({"object": "list", "data": [_model_object(view)]})
+        await responder.respond(200, list(queued.JSON_HEADERS), body)
+
+    async def _model_get(
+        self,
+        request: Request,
+        responder: Responder,
+        view: DeploymentView,
+        route: Route,
+        target: bytes,
+    ) -> None:
+        if route.health_check:
+            body = msgspec.json.encode(_model_object(view))
+            headers = [*queued.JSON_HEADERS, (STATE_HEADER, view.state.encode())]
+            await responder.respond(200, headers, body)
+            return
+        engine = view.engine_handle if view.state == "ready" else None
+        if engine is None:
+            await _reply(responder, queued.not_ready(view.model_name))
+            return
+        # Not a lease: looking a model up is not traffic and must not keep it awake.
+        await self._relay(engine.host, engine.port, request, b"", responder, view, target)
+
+    # --- inference -----------------------------------------------------------------------
+
+    async def _inference(
+        self,
+        request: Request,
+        responder: Responder,
+        view: DeploymentView,
+        route: Route,
+        target: bytes,
+    ) -> None:
+        body = await request.read_body()
+        if route.health_check:
+            await self._health(responder, view, route, body)
+            return
+        lease = self.controller.try_acquire(view.deployment_id)
+        if lease is not None:
+            try:
+                handle = lease.handle
+                await self._relay(handle.host, handle.port, request, body, responder, view, target)
+            finally:
+                lease.release()
+            self.relayed += 1
+            return
+        await self._wait_then_relay(request, responder, view, route, body, target)
+
+    async def _health(
+        self, responder: Responder, view: DeploymentView, route: Route, body: bytes
+    ) -> None:
+        self.health_checks += 1
+        state = (STATE_HEADER, view.state.encode())
+        if view.state == "failed":
+            reply = ErrorReply(
+                503, "deployment_failed", f"{view.model_name} failed; start it again from its page"
+            )
+            await responder.respond(reply.status, [*reply.headers(), state], reply.body())
+            return
+        endpoint = route.endpoint or Endpoint.CHAT
+        now = int(self.clock())
+        if body_traits(endpoint, body).stream and health.is_streamable(endpoint):
+            answer = health.empty_stream(endpoint, view.served_model, now)
+            await responder.respond(200, [*queued.SSE_HEADERS, state], answer)
+        else:
+            answer = health.empty_answer(endpoint, view.served_model, now)
+            await responder.respond(200, [*queued.JSON_HEADERS, state], answer)
+
+    async def _wait_then_relay(
+        self,
+        request: Request,
+        responder: Responder,
+        view: DeploymentView,
+        route: Route,
+        body: bytes,
+        target: bytes,
+    ) -> None:
+        endpoint = route.endpoint
+        traits = body_traits(endpoint, body)
+        line_in_stream = (
+            traits.stream
+            and not traits.structured
+            and endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
+        )
+        line_in_answer = not traits.stream and not traits.structured and queued.may_prefix(endpoint)
+        rid = str(request.request_id)
+        try:
+            waiter = self.controller.enqueue(view.deployment_id, rid)
+        except Refused as refused:
+            self.refused += 1
+            await _reply(responder, _from_refused(refused))
+            return
+        self.waited += 1
+        chunk_sent = False
+
+        async def send_queued_chunk() -> None:
+            nonlocal chunk_sent
+            assert endpoint is not None
+            chunk = queued.queued_chunk(
+                endpoint, view.model_name, view.served_model, rid, int(self.clock())
+            )
+            await responder.start(200, list(queued.SSE_HEADERS))
+            chunk_sent = True
+            self.queued_lines += 1
+            await responder.send(chunk)
+
+        try:
+            lease = await self._wait(waiter, send_queued_chunk if line_in_stream else None)
+        except (Refused, _WaitDeadline) as exc:
+            self.refused += 1
+            reply = (
+                _from_refused(exc)
+                if isinstance(exc, Refused)
+                else queued.queue_timeout(view.model_name)
+            )
+            if chunk_sent:
+                await responder.send(reply.sse())
+                await responder.end()
+            else:
+                await _reply(responder, reply)
+            return
+        try:
+            if chunk_sent:
+                mode = _Mode.CONTINUE_SSE
+            elif line_in_answer and waiter.queued.is_set():
+                mode = _Mode.REWRITE
+            else:
+                mode = _Mode.PASS
+            handle = lease.handle
+            await self._relay(
+                handle.host, handle.port, request, body, responder, view, target, mode, endpoint
+            )
+        finally:
+            lease.release()
+
+    async def _wait(self, waiter: Waiter, on_queued: Callable[[], Awaitable[None]] | None) -> Lease:
+        """The lease once the model serves; cancels the waiter if we stop waiting first."""
+        loop = asyncio.get_running_loop()
+        wait_task = loop.create_task(waiter.wait())
+        queued_task: asyncio.Task[bool] | None = None
+        deadline = asyncio.timeout(self.config.wait_deadline_s)
+        try:
+            async with deadline:
+                if on_queued is not None:
+                    if not waiter.queued.is_set():
+                        queued_task = loop.create_task(waiter.queued.wait())
+                        await asyncio.wait(
+                            (wait_task, queued_task), return_when=asyncio.FIRST_COMPLETED
+                        )
+                    if waiter.queued.is_set():
+                        await on_queued()
+                return await wait_task
+        except BaseException as exc:
+            if not wait_task.done():
+                wait_task.cancel()
+                waiter.cancel()
+            elif wait_task.cancelled():
+                waiter.cancel()
+            elif wait_task.exception() is None:
+                wait_task.result().release()
+            if deadline.expired():
+                raise _WaitDeadline() from exc
+            raise
+        finally:
+            if queued_task is not None:
+                queued_task.cancel()
+
+    # --- relaying ------------------------------------------------------------------------
+
+    async def _relay(
+        self,
+        host: str,
+        port: int,
+        request: Request,
+        body: bytes,
+        responder: Responder,
+        view: DeploymentView,
+        target: bytes,
+        mode: _Mode = _Mode.PASS,
+        endpoint: Endpoint | None = None,
+    ) -> None:
+        headers = [(n, v) for n, v in strip_hop_by_hop(request.headers) if n not in _DROP_REQUEST]
+        try:
+            answer = await self.upstream.request(host, port, request.method, target, headers, body)
+        except UpstreamError as exc:
+            self.engine_failures += 1
+            log.warning("engine_request_failed", deployment=view.deployment_id, error=exc.detail)
+            reply = queued.engine_error(
+                502, "engine_unreachable", f"the engine of {view.model_name} did not answer"
+            )
+            if mode is _Mode.CONTINUE_SSE:
+                await responder.send(reply.sse())
+                await responder.end()
+            else:
+                await _reply(responder, reply)
+            return
+        try:
+            if mode is _Mode.PASS:
+                await self._pass(answer, responder, view)
+            elif mode is _Mode.CONTINUE_SSE:
+                await self._continue_sse(answer, responder, view)
+            else:
+                assert endpoint is not None
+                await self._rewrite(answer, responder, view, endpoint)
+        finally:
+            answer.close()
+
+    async def _pass(
+        self, answer: UpstreamResponse, responder: Responder, view: DeploymentView
+    ) -> None:
+        headers = strip_hop_by_hop(answer.headers)
+        await responder.start(answer.status, headers, reason=answer.reason)
+        if header_value(headers, b"content-length") is None:
+            await responder.flush()  # a stream: the client gets the head before the first token
+        try:
+            while chunk := await answer.receive():
+                await responder.send(chunk)
+        except UpstreamError as exc:
+            self._engine_failed(view, exc)
+            if header_value(headers, b"content-length") is None:
+                await responder.end()  # chunked: end the answer cleanly
+            return  # with a Content-Length nothing can end it cleanly: the server closes
+        await responder.end()
+
+    async def _continue_sse(
+        self, answer: UpstreamResponse, responder: Responder, view: DeploymentView
+    ) -> None:
+        if answer.status != 200:
+            try:
+                error = await answer.read_all(self.config.max_engine_error_bytes)
+            except UpstreamError:
+                error = None
+            await responder.send(_engine_error_event(answer.status, error, view.model_name))
+            await responder.end()
+            return
+        # Only whole events go out, so that a crash cannot leave half an event before ours.
+        tail = b""
+        try:
+            while chunk := await answer.receive():
+                data = tail + chunk
+                cut = data.rfind(b"\n\n") + 2
+                if cut == 1 and len(data) < self.config.max_engine_error_bytes:
+                    tail = data
+                    continue
+                cut = cut if cut > 1 else len(data)
+                tail = data[cut:]
+                await responder.send(data[:cut])
+        except UpstreamError as exc:
+            self._engine_failed(view, exc)
+            await responder.send(
+                queued.sse_error(
+                    "engine_failed", f"the engine of {view.model_name} failed while answering"
+                )
+            )
+            await responder.end()
+            return
+        if tail:
+            await responder.send(tail)
+        await responder.end()
+
+    async def _rewrite(
+        self,
+        answer: UpstreamResponse,
+        responder: Responder,
+        view: DeploymentView,
+        endpoint: Endpoint,
+    ) -> None:
+        if answer.status != 200:
+            await self._pass(answer, responder, view)
+            return
+        headers = strip_hop_by_hop(answer.headers)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while size <= self.config.max_rewrite_bytes and (chunk := await answer.receive()):
+                chunks.append(chunk)
+                size += len(chunk)
+        except UpstreamError as exc:
+            self._engine_failed(view, exc)
+            await _reply(
+                responder,
+                queued.engine_error(
+                    502, "engine_failed", f"the engine of {view.model_name} failed while answering"
+                ),
+            )
+            return
+        body = b"".join(chunks)
+        if answer.complete:
+            rewritten = queued.prefix_answer(endpoint, body, view.model_name)
+            if rewritten is not None:
+                self.queued_lines += 1
+                body = rewritten
+            # `respond` sets the (corrected) Content-Length; every other header is the engine's.
+            headers = [(n, v) for n, v in headers if n != b"content-length"]
+            await responder.respond(200, headers, body)
+            return
+        # Too large to rewrite: pass it on unchanged.
+        await responder.start(answer.status, headers, reason=answer.reason)
+        await responder.send(body)
+        try:
+            while chunk := await answer.receive():
+                await responder.send(chunk)
+        except UpstreamError as exc:
+            self._engine_failed(view, exc)
+            return
+        await responder.end()
+
+    def _engine_failed(self, view: DeploymentView, exc: UpstreamError) -> None:
+        self.engine_failures += 1
+        log.warning("engine_failed_mid_answer", deployment=view.deployment_id, error=exc.detail)
+
+
+async def _reply(responder: Responder, reply: ErrorReply) -> None:
+    await responder.respond(reply.status, reply.headers(), reply.body())
+
+
+def _from_refused(refused: Refused) -> ErrorReply:
+    return ErrorReply(refused.status, refused.code, refused.message, refused.retry_after)
+
+
+def _model_object(view: DeploymentView) -> dict[str, object]:
+    return {
+        "id": view.served_model,
+        "object": "model",
+        "created": int(view.created_at),
+        "owned_by": "dgxmm",
+    }
+
+
+def _engine_error_event(status: int, body: bytes | None, model: str) -> bytes:
+    """The engine's own error body as a stream event when it is one, else ours."""
+    if body:
+        try:
+            value = msgspec.json.decode(body)
+        except msgspec.MsgspecError:
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("error"), dict):
+            return b"data: " + msgspec.json.encode(value) + b"\n\n" + queued.DONE_EVENT
+    return queued.sse_error("engine_error", f"the engine of {model} answered HTTP {status}")
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("latin-1")

@@ -1,0 +1,185 @@
+"""Pure classification of a gateway request: route, streaming, structured output, probe.
+
+`classify_route` needs only the method, path and headers, so a request to a ready model is
+routed without looking at its body; `body_traits` parses the body (top-level keys only, the
+values stay raw) and is called only when the answer may depend on it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+
+class Endpoint(enum.Enum):
+    """Inference endpoints under /v1 that count as traffic (the seed's list)."""
+
+    CHAT = "chat/completions"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
+    MESSAGES = "messages"
+    CHAT_BATCH = "chat/completions/batch"
+    TRANSCRIPTIONS = "audio/transcriptions"
+    TRANSLATIONS = "audio/translations"
+    RERANK = "rerank"
+    SCORE = "score"
+
+
+class RouteKind(enum.Enum):
+    """What the gateway does with a request."""
+
+    INFERENCE = "inference"  # POST to an inference endpoint: relayed, may start the model
+    MODELS_LIST = "models_list"  # GET /v1/models: answered from the record
+    MODEL_GET = "model_get"  # GET /v1/models/<id>: relayed only while ready
+    NOT_FOUND = "not_found"  # everything else
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The routing part of a classification (no body needed)."""
+
+    kind: RouteKind
+    endpoint: Endpoint | None = None
+    model_id: str | None = None
+    health_check: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BodyTraits:
+    """What the body says about the answer's form."""
+
+    stream: bool = False
+    structured: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """Route and body traits of one request."""
+
+    route: Route
+    traits: BodyTraits
+
+    @property
+    def kind(self) -> RouteKind:
+        """The route kind."""
+        return self.route.kind
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """The inference endpoint, for INFERENCE routes."""
+        return self.route.endpoint
+
+    @property
+    def stream(self) -> bool:
+        """The request asks for a streamed answer ("stream": true)."""
+        return self.traits.stream
+
+    @property
+    def structured(self) -> bool:
+        """The request asks for structured output: never put the queued line in its answer."""
+        return self.traits.structured
+
+    @property
+    def health_check(self) -> bool:
+        """The request carries `x-dgxmm-health-check: 1`."""
+        return self.route.health_check
+
+
+HEALTH_CHECK_HEADER = b"x-dgxmm-health-check"
+_ENDPOINTS = {"/v1/" + e.value: e for e in Endpoint}
+_MODELS = "/v1/models"
+_MODEL_PREFIX = "/v1/models/"
+# Bodies that are JSON objects; audio uploads are multipart forms and are not parsed.
+_JSON_ENDPOINTS = frozenset(set(Endpoint) - {Endpoint.TRANSCRIPTIONS, Endpoint.TRANSLATIONS})
+STRUCTURED_KEYS = frozenset(
+    {
+        "response_format",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "structured_outputs",
+    }
+)
+_NOT_FOUND = Route(RouteKind.NOT_FOUND)
+_RawObject = dict[str, msgspec.Raw]
+_decode_object = msgspec.json.Decoder(_RawObject).decode
+_decode_any = msgspec.json.Decoder().decode
+
+
+def is_health_check(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    """Whether the headers carry the LiteLLM probe marker `x-dgxmm-health-check: 1`."""
+    return any(n == HEALTH_CHECK_HEADER and v.strip() == b"1" for n, v in headers)
+
+
+def classify_route(method: bytes, path: str, headers: Sequence[tuple[bytes, bytes]]) -> Route:
+    """Route a request by method and path (`/v1/...`, query removed) and its probe header."""
+    if method == b"POST":
+        endpoint = _ENDPOINTS.get(path)
+        if endpoint is None:
+            return _NOT_FOUND
+        return Route(RouteKind.INFERENCE, endpoint, None, is_health_check(headers))
+    if method == b"GET":
+        if path == _MODELS:
+            return Route(RouteKind.MODELS_LIST, None, None, is_health_check(headers))
+        if path.startswith(_MODEL_PREFIX) and len(path) > len(_MODEL_PREFIX):
+            model_id = path[len(_MODEL_PREFIX) :]
+            return Route(RouteKind.MODEL_GET, None, model_id, is_health_check(headers))
+    return _NOT_FOUND
+
+
+def _is_set(raw: msgspec.Raw) -> bool:
+    return bytes(raw) != b"null"
+
+
+def _structured(fields: _RawObject, endpoint: Endpoint) -> bool:
+    for key, raw in fields.items():
+        if (key in STRUCTURED_KEYS or key.startswith("guided_")) and _is_set(raw):
+            return True
+    extra = fields.get("extra_body")
+    if extra is not None and _is_set(extra):
+        try:
+            inner = _decode_object(extra)
+        except msgspec.MsgspecError:
+            inner = {}
+        if _structured(inner, endpoint):
+            return True
+    if endpoint is Endpoint.RESPONSES:
+        text = fields.get("text")
+        if text is not None and _is_set(text):
+            try:
+                value = _decode_any(text)
+            except msgspec.MsgspecError:
+                return True
+            fmt = value.get("format") if isinstance(value, dict) else None
+            if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+                return True
+    return False
+
+
+def body_traits(endpoint: Endpoint | None, body: bytes) -> BodyTraits:
+    """Streaming and structured-output flags from a request body (bad JSON: neither)."""
+    if endpoint is None or endpoint not in _JSON_ENDPOINTS or not body:
+        return BodyTraits()
+    try:
+        fields = _decode_object(body)
+    except msgspec.MsgspecError:
+        return BodyTraits()
+    stream_raw = fields.get("stream")
+    stream = stream_raw is not None and bytes(stream_raw) == b"true"
+    return BodyTraits(stream=stream, structured=_structured(fields, endpoint))
+
+
+def classify_request(
+    method: bytes, path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes
+) -> Classification:
+    """Route, stream flag, structured-output flag and probe marker of one request."""
+    route = classify_route(method, path, headers)
+    traits = (
+        body_traits(route.endpoint, body) if route.kind is RouteKind.INFERENCE else BodyTraits()
+    )
+    return Classification(route, traits)

@@ -1,0 +1,82 @@
+"""Errors of the gateway layer; h11 and OSError exceptions are mapped to these at the edge."""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway layer raises."""
+
+
+# --- server side (the client connection) ------------------------------------------------
+
+
+class ClientError(GatewayError):
+    """The client's side of a request failed; `status` is the reply it should get, if any."""
+
+    status = 400
+
+
+class ClientDisconnected(ClientError):
+    """The client hung up, or bytes could not be written to it; nothing more can be sent."""
+
+    status = 499
+
+
+class MalformedRequest(ClientError):
+    """The client sent something that is not acceptable HTTP/1.1; `status` is the reply."""
+
+    def __init__(self, reason: str, status: int = 400) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class BodyTooLarge(ClientError):
+    """The request body is larger than the server's cap."""
+
+    status = 413
+
+
+class BodyTimeout(ClientError):
+    """The client stopped sending its request body."""
+
+    status = 408
+
+
+class ResponseStateError(GatewayError):
+    """The handler used its responder out of order (e.g. `send` before `start`)."""
+
+
+# --- upstream side (engine connections) -------------------------------------------------
+
+
+class UpstreamError(GatewayError):
+    """A request to an engine failed; `detail` says how, for the error shown to clients."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class UpstreamConnectError(UpstreamError):
+    """The engine could not be connected to (refused, unreachable, connect timeout)."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The engine did not send anything within the read or write timeout."""
+
+
+class UpstreamClosed(UpstreamError):
+    """The engine closed or reset the connection before its answer was complete."""
+
+    def __init__(self, detail: str, *, before_response: bool = False) -> None:
+        super().__init__(detail)
+        self.before_response = before_response
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The engine sent something that is not valid HTTP/1.1."""
+
+
+class UpstreamPoolExhausted(UpstreamError):
+    """Every connection slot to this engine stayed busy for the whole connect timeout."""

@@ -1,0 +1,643 @@
+"""A small HTTP/1.1 server on h11 and asyncio streams, shared by the gateway and the admin API.
+
+One task per connection reads request heads; each request's handler runs in its own task so
+that the connection task can notice the client hanging up (EOF) while the handler waits, and
+cancel it.  Protocol decisions live in `gateway.protocol.ServerSession`; this module only
+moves bytes, keeps time and decides when a connection ends.
+
+Handler contract:
+
+    async def handler(request: Request, responder: Responder) -> None
+
+* `await request.receive()` returns the next body chunk (b"" at the end) and
+  `await request.read_body()` all of it; both raise `BodyTooLarge` (the server answers 413),
+  `BodyTimeout` (408) or `ClientDisconnected`.  Read the body from the handler task only.
+* `await responder.start(status, headers)`, then `send(data)` any number of times, then
+  `end()`; or `respond(status, headers, body)` for the whole answer in one write.  Headers are
+  `(lower-case name, value)` byte pairs; without a content-length the body is chunked.
+  `start` only buffers the head: it is written with the first `send`, `end` or `flush`.
+* When the client hangs up before the response has ended, `request.client_gone` is set and
+  the handler task is cancelled; writes to a gone client raise `ClientDisconnected`.
+* Exceptions other than `ClientError` become a 500 when nothing was sent yet (logged), else
+  the connection is closed.  A handler that returns without `end()` closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+
+import structlog
+
+from gateway.errors import (
+    BodyTimeout,
+    ClientDisconnected,
+    ClientError,
+    GatewayError,
+    MalformedRequest,
+    ResponseStateError,
+)
+from gateway.protocol import Headers, RequestHead, ServerSession, Signal, header_value
+
+log = structlog.get_logger("gateway.server")
+
+ErrorRenderer = Callable[[int, str], tuple[Headers, bytes]]
+
+_REASONS = {
+    400: "bad request",
+    404: "not found",
+    408: "request timeout",
+    413: "request body too large",
+    431: "request header fields too large",
+    500: "internal server error",
+    501: "not implemented",
+    503: "service unavailable",
+}
+
+
+def plain_error(status: int, message: str) -> tuple[Headers, bytes]:
+    """The default error body: the message as plain text."""
+    return [(b"content-type", b"text/plain; charset=utf-8")], (message + "\n").encode()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Limits and timeouts of one server; every one of them is a bound."""
+
+    max_header_bytes: int = 16 * 1024  # h11's max_incomplete_event_size
+    max_body_bytes: int = 16 * 1024 * 1024
+    header_timeout_s: float = 10.0  # from the first byte of a request to its complete head
+    keepalive_timeout_s: float = 75.0  # idle time between requests (above clients' pools)
+    body_timeout_s: float = 60.0  # longest pause while the client sends its body
+    write_timeout_s: float = 120.0  # longest time a client may leave our writes unread
+    linger_s: float = 2.0  # after an error reply, how long we read and discard before closing
+    linger_max_bytes: int = 32 * 1024 * 1024  # ...and how much (an over-cap upload's rest)
+    read_chunk_bytes: int = 64 * 1024
+    max_connections: int = 8192  # connections beyond this are closed at once
+    backlog: int = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStatistics:
+    """Counters of one server since it started."""
+
+    connections_open: int
+    connections_idle: int
+    connections_total: int
+    connections_refused: int
+    requests_total: int
+    requests_active: int
+    clients_gone: int
+    write_failures: int
+    error_replies: dict[int, int]
+    closing: bool
+
+
+class Request:
+    """One request as the handler sees it: head, streamed body, and the client-gone signal."""
+
+    __slots__ = (
+        "_complete",
+        "_conn",
+        "_error",
+        "client",
+        "client_gone",
+        "headers",
+        "http_version",
+        "method",
+        "request_id",
+        "target",
+    )
+
+    def __init__(self, conn: _Connection, head: RequestHead, request_id: int) -> None:
+        self._conn = conn
+        self.method = head.method
+        self.target = head.target
+        self.headers = head.headers
+        self.http_version = head.http_version
+        self.request_id = request_id
+        self.client = conn.peer
+        self.client_gone = asyncio.Event()
+        self._complete = not head.has_body
+        self._error: ClientError | None = None
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header `name` (lower-case), or None."""
+        return header_value(self.headers, name)
+
+    @property
+    def body_complete(self) -> bool:
+        """The whole body has been received."""
+        return self._complete
+
+    async def receive(self) -> bytes:
+        """The next chunk of the body, b"" once it is complete."""
+        if self._complete:
+            return b""
+        if self._error is not None:
+            raise self._error
+        try:
+            return await self._conn.receive_body(self)
+        except ClientError as exc:
+            self._error = exc
+            raise
+
+    async def read_body(self) -> bytes:
+        """The whole body (bounded by the server's `max_body_bytes`)."""
+        chunks: list[bytes] = []
+        while chunk := await self.receive():
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class Responder:
+    """Writes one response; the head is buffered until the first body write."""
+
+    __slots__ = ("_conn", "_pending", "finished", "started")
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self._pending = b""
+        self.started = False
+        self.finished = False
+
+    async def start(self, status: int, headers: Headers, *, reason: bytes = b"") -> None:
+        """Begin the response; nothing is written until `send`, `end` or `flush`."""
+        if self.started:
+            raise ResponseStateError("response already started")
+        if self._conn.server.closing:
+            headers = [*headers, (b"connection", b"close")]
+        self._pending = self._conn.session.response_head(status, headers, reason)
+        self.started = True
+
+    async def send(self, data: bytes) -> None:
+        """Write a piece of the body (with the head if it is still pending)."""
+        if not self.started or self.finished:
+            raise ResponseStateError("send outside of a started response")
+        if not data:
+            return
+        out = self._conn.session.body(data)
+        if self._pending:
+            out, self._pending = self._pending + out, b""
+        await self._conn.write(out)
+
+    async def flush(self) -> None:
+        """Write the pending head now (e.g. before a long wait for the first body bytes)."""
+        if self._pending:
+            out, self._pending = self._pending, b""
+            await self._conn.write(out)
+
+    async def end(self) -> None:
+        """End the body and the response."""
+        if not self.started or self.finished:
+            raise ResponseStateError("end outside of a started response")
+        out = self._pending + self._conn.session.end()
+        self._pending = b""
+        self.finished = True
+        await self._conn.write(out)
+
+    async def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        """A complete response with a Content-Length body, in one write."""
+        await self.start(status, [*headers, (b"content-length", str(len(body)).encode())])
+        session = self._conn.session
+        out = self._pending + (session.body(body) if body else b"") + session.end()
+        self._pending = b""
+        self.finished = True
+        await self._conn.write(out)
+
+
+Handler = Callable[[Request, Responder], Coroutine[object, object, None]]
+
+
+class _Connection:
+    """One client connection: reads heads, runs handlers, decides reuse, never leaks errors."""
+
+    __slots__ = (
+        "_handler_task",
+        "_responder",
+        "_stash",
+        "_watcher",
+        "broken",
+        "config",
+        "idle",
+        "peer",
+        "reader",
+        "request",
+        "server",
+        "session",
+        "task",
+        "transport",
+        "writer",
+    )
+
+    def __init__(
+        self, server: HTTPServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.server = server
+        self.config = server.config
+        self.reader = reader
+        self.writer = writer
+        self.transport = writer.transport
+        peer = writer.get_extra_info("peername")
+        self.peer: tuple[str, int] | None = (
+            (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
+        )
+        self.session = ServerSession(
+            max_header_bytes=self.config.max_header_bytes,
+            max_body_bytes=self.config.max_body_bytes,
+        )
+        self.task: asyncio.Task[None] | None = None
+        self.idle = True
+        self.broken = False
+        self.request: Request | None = None
+        self._responder: Responder | None = None
+        self._handler_task: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._stash = b""
+
+    # --- the connection's own task -------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve requests until the connection ends; always closes the socket."""
+        try:
+            while True:
+                head = await self._receive_head()
+                if head is None or not await self._serve(head):
+                    return
+        except (OSError, GatewayError) as exc:  # a policy: the connection just ends
+            log.debug("connection_ended", peer=self.peer, error=repr(exc))
+        except Exception as exc:  # a bug; the server must keep serving other connections
+            log.error("connection_failed", peer=self.peer, error=repr(exc))
+        finally:
+            if self._watcher is not None:
+                self._watcher.cancel()
+            if self.broken:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+    async def _read(self, timeout: float) -> bytes | None:
+        """Bytes from the socket; b"" at EOF or on a reset; None on timeout."""
+        if self._stash:
+            data, self._stash = self._stash, b""
+            return data
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                return await self.reader.read(self.config.read_chunk_bytes)
+        except TimeoutError:
+            return None
+        except OSError:
+            return b""
+
+    async def _receive_head(self) -> RequestHead | None:
+        """The next request head, or None when the connection should end."""
+        session = self.session
+        loop = asyncio.get_running_loop()
+        header_deadline = 0.0
+        while True:
+            try:
+                event = session.next_event()
+            except ClientError as exc:
+                await self._error_and_close(exc.status, str(exc))
+                return None
+            if isinstance(event, RequestHead):
+                self.idle = False
+                return event
+            if event is not Signal.NEED_DATA:
+                return None  # CLOSED (clean EOF between requests) or nothing more to do
+            if session.cycle_bytes == 0:
+                self.idle = True
+                if self.server.closing:
+                    return None
+                timeout = self.config.keepalive_timeout_s
+            else:
+                self.idle = False
+                if not header_deadline:
+                    header_deadline = loop.time() + self.config.header_timeout_s
+                timeout = header_deadline - loop.time()
+            data = await self._read(timeout)
+            if data is None:
+                if session.cycle_bytes:
+                    await self._error_and_close(408, "request head not received in time")
+                return None
+            session.receive(data)
+
+    async def _serve(self, head: RequestHead) -> bool:
+        """Run the handler for one request; True when the connection may serve another."""
+        server = self.server
+        request = Request(self, head, next(server.request_ids))
+        responder = Responder(self)
+        self.request, self._responder = request, responder
+        if not head.has_body:
+            self._pull_body_end(request)
+        task = asyncio.get_running_loop().create_task(server.handler(request, responder))
+        self._handler_task = task
+        if request.body_complete:
+            self._start_watcher()
+        server.requests_total += 1
+        server.requests_active += 1
+        try:
+            try:
+                await task
+            except BaseException:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # our own cancellation (shutdown); the handler was cancelled with us
+            await self._stop_watcher()
+        finally:
+            server.requests_active -= 1
+            self._handler_task = None
+        return await self._after_handler(task, request, responder)
+
+    def _pull_body_end(self, request: Request) -> None:
+        """Consume the EndOfMessage of a request without a body (no I/O needed)."""
+        event = self.session.next_event()
+        if event is not Signal.BODY_END:  # pragma: no cover - h11 gives it at once
+            raise MalformedRequest("request without body did not end")
+        request._complete = True
+
+    async def _after_handler(
+        self, task: asyncio.Task[None], request: Request, responder: Responder
+    ) -> bool:
+        """Apply the policy for how the handler ended; True to keep the connection."""
+        error: BaseException | None = None
+        if not task.cancelled():
+            error = task.exception()
+        if self.broken or request.client_gone.is_set():
+            return False
+        if error is not None:
+            if isinstance(error, ClientDisconnected):
+                return False
+            if isinstance(error, ClientError):
+                status, message = error.status, str(error)
+            else:
+                log.error("handler_failed", target=request.target, error=repr(error))
+                status, message = 500, "internal error"
+            if self.session.can_send_error:
+                await self._error_and_close(status, message)
+            return False
+        if not responder.finished:
+            if not responder.started and not task.cancelled():
+                log.error("handler_returned_without_response", target=request.target)
+                await self._error_and_close(500, "internal error")
+            return False
+        if not request.body_complete and not await self._discard_body():
+            return False
+        if self.server.closing or not self.session.reusable:
+            return False
+        self.session.start_next_cycle()
+        self.request = self._responder = None
+        return True
+
+    async def _discard_body(self) -> bool:
+        """Read and drop what is left of a body the handler did not read; False to close."""
+        while True:
+            try:
+                event = self.session.next_event()
+            except ClientError:
+                return False
+            if event is Signal.BODY_END:
+                return True
+            if event is Signal.NEED_DATA:
+                data = await self._read(self.config.body_timeout_s)
+                if not data:
+                    return False
+                self.session.receive(data)
+            elif not isinstance(event, bytes):
+                return False
+
+    # --- body, called from the handler task ----------------------------------------------
+
+    async def receive_body(self, request: Request) -> bytes:
+        """The next body chunk for `request` (see `Request.receive`)."""
+        session = self.session
+        if session.waiting_for_continue:
+            await self.write(session.continue_bytes())
+        while True:
+            event = session.next_event()
+            if isinstance(event, bytes):
+                if event:
+                    return event
+                continue
+            if event is Signal.BODY_END:
+                request._complete = True
+                self._start_watcher()
+                return b""
+            if event is not Signal.NEED_DATA:  # pragma: no cover - h11 state forbids it
+                raise MalformedRequest("unexpected end of request body")
+            data = await self._read(self.config.body_timeout_s)
+            if data is None:
+                raise BodyTimeout("request body not received in time")
+            if not data:
+                self._client_gone()
+                raise ClientDisconnected("client closed the connection during the body")
+            session.receive(data)
+
+    # --- hang-up detection ---------------------------------------------------------------
+
+    def _start_watcher(self) -> None:
+        if self._watcher is None and not self._stash:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Read while the handler works: EOF means the client is gone; bytes are pipelined."""
+        try:
+            data = await self.reader.read(self.config.read_chunk_bytes)
+        except OSError:
+            data = b""
+        if data:
+            self._stash = data  # the next request; nothing more is read until then
+        else:
+            self._client_gone()
+
+    async def _stop_watcher(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
+            try:
+                await watcher
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+
+    def _client_gone(self) -> None:
+        request, responder, task = self.request, self._responder, self._handler_task
+        if request is None or request.client_gone.is_set():
+            return
+        request.client_gone.set()
+        self.server.clients_gone += 1
+        if (
+            task is not None
+            and not task.done()
+            and task is not asyncio.current_task()
+            and not (responder is not None and responder.finished)
+        ):
+            task.cancel()
+
+    # --- writing -------------------------------------------------------------------------
+
+    async def write(self, data: bytes) -> None:
+        """Write bytes to the client with backpressure; failures become `ClientDisconnected`."""
+        if self.broken:
+            raise ClientDisconnected("connection already failed")
+        transport = self.transport
+        try:
+            if transport.is_closing():
+                raise ConnectionResetError("transport is closing")
+            self.writer.write(data)
+            if transport.get_write_buffer_size() >= self.server.write_high_water:
+                async with asyncio.timeout(self.config.write_timeout_s):
+                    await self.writer.drain()
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            self._write_failed()
+            raise ClientDisconnected(f"write to client failed: {exc!r}") from exc
+        except asyncio.CancelledError:
+            self._write_failed()
+            raise
+
+    def _write_failed(self) -> None:
+        if not self.broken:
+            self.broken = True
+            self.server.write_failures += 1
+            self.session.send_failed()
+            self._client_gone()
+
+    async def _error_and_close(self, status: int, message: str) -> None:
+        """Reply with an error if our state allows it, then close after a short linger."""
+        if self.broken:
+            return
+        if self.session.can_send_error:
+            headers, body = self.server.render_error(status, message)
+            try:
+                out = self.session.error_reply(status, headers, body)
+            except ResponseStateError:
+                out = b""
+            if out:
+                self.server.error_replies[status] = self.server.error_replies.get(status, 0) + 1
+                try:
+                    await self.write(out)
+                except ClientDisconnected:
+                    return
+        await self._linger()
+
+    async def _linger(self) -> None:
+        """Half-close, then read and drop for a moment so the client sees our reply, not RST."""
+        if self.transport.is_closing() or not self.transport.can_write_eof():
+            return
+        try:
+            self.transport.write_eof()
+        except OSError:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.linger_s
+        budget = self.config.linger_max_bytes
+        self._stash = b""
+        while budget > 0:
+            data = await self._read(deadline - loop.time())
+            if not data:
+                return
+            budget -= len(data)
+
+
+class HTTPServer:
+    """Accepts connections and serves them with `handler`; see the module docstring."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        config: ServerConfig | None = None,
+        *,
+        render_error: ErrorRenderer = plain_error,
+    ) -> None:
+        self.handler = handler
+        self.config = config or ServerConfig()
+        self.render_error = render_error
+        self.closing = False
+        self.request_ids = itertools.count(1)
+        self.requests_total = 0
+        self.requests_active = 0
+        self.clients_gone = 0
+        self.write_failures = 0
+        self.error_replies: dict[int, int] = {}
+        self.write_high_water = 64 * 1024
+        self._connections: dict[asyncio.Task[None], _Connection] = {}
+        self._connections_total = 0
+        self._connections_refused = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Listen on host:port (0 picks a free port; see `port`)."""
+        self._server = await asyncio.start_server(
+            self._accept,
+            host,
+            port,
+            backlog=self.config.backlog,
+            limit=self.config.read_chunk_bytes,
+            reuse_address=True,
+        )
+
+    @property
+    def port(self) -> int:
+        """The port actually bound (useful with port 0)."""
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("server is not listening")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if self.closing or task is None or len(self._connections) >= self.config.max_connections:
+            self._connections_refused += 1
+            writer.transport.abort()
+            return
+        sock = writer.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = _Connection(self, reader, writer)
+        conn.task = task
+        self._connections[task] = conn
+        self._connections_total += 1
+        try:
+            await conn.run()
+        except asyncio.CancelledError:
+            # The connection task ends here either way; Python 3.11's stream callback would
+            # report a cancelled task as an "unhandled exception".
+            pass
+        finally:
+            del self._connections[task]
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, close idle connections, let in-flight responses finish, then cut."""
+        self.closing = True
+        if self._server is not None:
+            self._server.close()
+        for task, conn in list(self._connections.items()):
+            if conn.idle:
+                task.cancel()
+        pending = set(self._connections)
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def statistics(self) -> ServerStatistics:
+        """Counters since start (see `ServerStatistics`)."""
+        return ServerStatistics(
+            connections_open=len(self._connections),
+            connections_idle=sum(1 for c in self._connections.values() if c.idle),
+            connections_total=self._connections_total,
+            connections_refused=self._connections_refused,
+            requests_total=self.requests_total,
+            requests_active=self.requests_active,
+            clients_gone=self.clients_gone,
+            write_failures=self.write_failures,
+            error_replies=dict(self.error_replies),
+            closing=self.closing,
+        )

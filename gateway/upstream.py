@@ -1,0 +1,351 @@
+"""HTTP/1.1 client for engines: h11 on asyncio streams, a bounded keep-alive pool per engine.
+
+A connection goes back to its pool only when both sides are DONE and nothing went wrong;
+after a failed or cancelled write or read it is aborted (RST, so the engine notices at once
+and stops generating).  A request whose reused connection turns out to have been closed by
+the engine before any answer byte is retried once on a new connection (request bodies are
+held in memory, so this is possible).  `OSError` and h11 errors become `gateway.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+
+from gateway.errors import (
+    UpstreamClosed,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPoolExhausted,
+    UpstreamTimeout,
+)
+from gateway.protocol import ClientSession, Headers, ResponseHead, Signal
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    """Timeouts and bounds of the engine connection pools."""
+
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 1800.0  # longest silence: a long non-streaming generation
+    write_timeout_s: float = 60.0
+    idle_expiry_s: float = 4.0  # below the 5 s keep-alive of uvicorn (vLLM, SGLang)
+    max_connections_per_engine: int = 1024  # in use at once; more requests wait for a slot
+    max_idle_per_engine: int = 64
+    max_header_bytes: int = 64 * 1024
+    read_chunk_bytes: int = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """Counters of one engine's pool."""
+
+    active: int
+    idle: int
+    connected: int
+    reused: int
+    retried: int
+    discarded: int
+
+
+class _EnginePool:
+    """Connections to one (host, port)."""
+
+    __slots__ = ("active", "connected", "discarded", "idle", "retried", "reused", "slots")
+
+    def __init__(self, max_connections: int) -> None:
+        self.idle: deque[_Connection] = deque()
+        self.slots = asyncio.Semaphore(max_connections)
+        self.active = 0
+        self.connected = 0
+        self.reused = 0
+        self.retried = 0
+        self.discarded = 0
+
+
+class _Connection:
+    """One TCP connection to an engine with its h11 client state."""
+
+    __slots__ = ("config", "last_used", "reader", "session", "transport", "writer")
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, config: UpstreamConfig
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.transport = writer.transport
+        self.config = config
+        self.session = ClientSession(max_header_bytes=config.max_header_bytes)
+        self.last_used = 0.0
+
+    @property
+    def alive(self) -> bool:
+        """Not closed by either side, and the engine sent nothing unasked."""
+        return not self.transport.is_closing() and not self.reader.at_eof()
+
+    async def send(self, data: bytes) -> None:
+        """Write a request; on failure the connection is unusable."""
+        try:
+            if self.transport.is_closing():
+                raise ConnectionResetError("connection is closing")
+            self.writer.write(data)
+            if self.transport.get_write_buffer_size():
+                async with asyncio.timeout(self.config.write_timeout_s):
+                    await self.writer.drain()
+        except TimeoutError as exc:
+            self.session.send_failed()
+            raise UpstreamTimeout("engine did not accept the request in time") from exc
+        except (OSError, RuntimeError) as exc:
+            self.session.send_failed()
+            raise UpstreamClosed(
+                f"engine connection failed while sending: {exc!r}", before_response=True
+            ) from exc
+        except asyncio.CancelledError:
+            self.session.send_failed()
+            raise
+
+    async def next_event(self) -> ResponseHead | bytes | Signal:
+        """The next part of the answer, reading the socket when needed."""
+        session = self.session
+        while True:
+            event = session.next_event()
+            if event is not Signal.NEED_DATA:
+                return event
+            try:
+                async with asyncio.timeout(self.config.read_timeout_s):
+                    data = await self.reader.read(self.config.read_chunk_bytes)
+            except TimeoutError as exc:
+                raise UpstreamTimeout(
+                    f"engine sent nothing for {self.config.read_timeout_s:g} s"
+                ) from exc
+            except OSError as exc:
+                raise UpstreamClosed(
+                    f"engine connection failed: {exc!r}", before_response=not session.received_any
+                ) from exc
+            session.receive(data)
+
+    def abort(self) -> None:
+        """Drop the connection at once (RST): the engine sees the client gone."""
+        self.transport.abort()
+
+
+class UpstreamResponse:
+    """An engine's answer: head now, body streamed by `receive`; always `close()` it."""
+
+    __slots__ = (
+        "_conn",
+        "_done",
+        "_pool",
+        "_released",
+        "headers",
+        "http_version",
+        "reason",
+        "status",
+    )
+
+    def __init__(
+        self, pool: UpstreamPool, engine: _EnginePool, conn: _Connection, head: ResponseHead
+    ) -> None:
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self._released: _EnginePool | None = engine
+        self._done = False
+        self.status = head.status
+        self.reason = head.reason
+        self.headers = head.headers
+        self.http_version = head.http_version
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has been received."""
+        return self._done
+
+    async def receive(self) -> bytes:
+        """The next body chunk, b"" at the end; raises `UpstreamError` subclasses."""
+        conn = self._conn
+        if self._done or conn is None:
+            return b""
+        try:
+            while True:
+                event = await conn.next_event()
+                if isinstance(event, bytes):
+                    if event:
+                        return event
+                    continue
+                if event is Signal.BODY_END:
+                    self._done = True
+                    self._finish(reuse=True)
+                    return b""
+                raise UpstreamClosed("engine answer ended unexpectedly")
+        except BaseException:
+            self._finish(reuse=False)
+            raise
+
+    async def read_all(self, limit: int) -> bytes | None:
+        """The rest of the body, or None (leaving the read part lost) when over `limit`."""
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await self.receive():
+            size += len(chunk)
+            if size > limit:
+                self.close()
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        """Give the connection back if the answer was complete, else abort it."""
+        self._finish(reuse=self._done)
+
+    def _finish(self, *, reuse: bool) -> None:
+        conn, self._conn = self._conn, None
+        engine, self._released = self._released, None
+        if engine is not None:
+            self._pool._release(engine, conn, reuse=reuse)
+
+
+class UpstreamPool:
+    """Keep-alive pools of engine connections keyed by (host, port)."""
+
+    def __init__(self, config: UpstreamConfig | None = None) -> None:
+        self.config = config or UpstreamConfig()
+        self._engines: dict[tuple[str, int], _EnginePool] = {}
+        self._closed = False
+
+    async def request(
+        self, host: str, port: int, method: bytes, target: bytes, headers: Headers, body: bytes
+    ) -> UpstreamResponse:
+        """Send a request (Host and Content-Length are added) and return the answer's head."""
+        if self._closed:
+            raise UpstreamConnectError("upstream pool is closed")
+        key = (host, port)
+        engine = self._engines.get(key)
+        if engine is None:
+            engine = self._engines[key] = _EnginePool(self.config.max_connections_per_engine)
+        await self._acquire_slot(engine)
+        engine.active += 1
+        head_headers = [
+            (b"host", f"{host}:{port}".encode()),
+            *headers,
+            (b"content-length", str(len(body)).encode()),
+        ]
+        try:
+            for attempt in (0, 1):
+                conn, reused = self._checkout(engine) if attempt == 0 else (None, False)
+                if conn is None:
+                    conn = await self._connect(host, port)
+                    engine.connected += 1
+                try:
+                    await conn.send(conn.session.request(method, target, head_headers, body))
+                    event = await conn.next_event()
+                    if not isinstance(event, ResponseHead):
+                        raise UpstreamClosed("engine answered without a status line")
+                except UpstreamClosed as exc:
+                    conn.abort()
+                    engine.discarded += 1
+                    if reused and exc.before_response and attempt == 0:
+                        engine.retried += 1
+                        continue
+                    raise
+                except BaseException:
+                    conn.abort()
+                    engine.discarded += 1
+                    raise
+                return UpstreamResponse(self, engine, conn, event)
+            raise UpstreamClosed("unreachable")  # pragma: no cover - the loop returns or raises
+        except BaseException:
+            engine.active -= 1
+            engine.slots.release()
+            raise
+
+    async def _acquire_slot(self, engine: _EnginePool) -> None:
+        if not engine.slots.locked():
+            await engine.slots.acquire()
+            return
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                await engine.slots.acquire()
+        except TimeoutError as exc:
+            raise UpstreamPoolExhausted("every connection to the engine stayed busy") from exc
+
+    def _checkout(self, engine: _EnginePool) -> tuple[_Connection | None, bool]:
+        now = asyncio.get_running_loop().time()
+        idle = engine.idle
+        while idle:
+            conn = idle.pop()
+            if conn.alive and now - conn.last_used < self.config.idle_expiry_s:
+                engine.reused += 1
+                return conn, True
+            conn.abort()
+            engine.discarded += 1
+        return None, False
+
+    async def _connect(self, host: str, port: int) -> _Connection:
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(
+                    host, port, limit=self.config.read_chunk_bytes
+                )
+        except TimeoutError as exc:
+            raise UpstreamConnectError(f"connect to {host}:{port} timed out") from exc
+        except OSError as exc:
+            reason = exc.strerror or repr(exc)
+            raise UpstreamConnectError(f"cannot connect to {host}:{port}: {reason}") from exc
+        return _Connection(reader, writer, self.config)
+
+    def _release(self, engine: _EnginePool, conn: _Connection | None, *, reuse: bool) -> None:
+        engine.active -= 1
+        engine.slots.release()
+        if conn is None:
+            return
+        if (
+            reuse
+            and not self._closed
+            and conn.session.reusable
+            and conn.session.clean
+            and conn.alive
+            and len(engine.idle) < self.config.max_idle_per_engine
+        ):
+            conn.session.start_next_cycle()
+            conn.last_used = asyncio.get_running_loop().time()
+            engine.idle.append(conn)
+            return
+        if reuse and conn.session.reusable:
+            conn.transport.close()  # a clean end: FIN, not RST
+        else:
+            conn.abort()
+        engine.discarded += 1
+
+    def forget(self, host: str, port: int) -> None:
+        """Drop the idle connections to an engine that went away."""
+        engine = self._engines.get((host, port))
+        if engine is None:
+            return
+        while engine.idle:
+            engine.idle.pop().abort()
+        if engine.active == 0:
+            del self._engines[(host, port)]
+
+    async def close(self) -> None:
+        """Close every idle connection; connections in use are aborted when released."""
+        self._closed = True
+        for key in list(self._engines):
+            self.forget(*key)
+
+    def statistics(self) -> dict[str, EngineStatistics]:
+        """Per-engine counters, keyed by "host:port"."""
+        return {
+            f"{host}:{port}": EngineStatistics(
+                active=e.active,
+                idle=len(e.idle),
+                connected=e.connected,
+                reused=e.reused,
+                retried=e.retried,
+                discarded=e.discarded,
+            )
+            for (host, port), e in self._engines.items()
+        }
+
+
+__all__ = ["UpstreamConfig", "UpstreamError", "UpstreamPool", "UpstreamResponse"]

@@ -1,0 +1,143 @@
+"""The `dgxmm` command: serve, user add, replay, events, audit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import uvloop
+
+from storage.errors import StorageError
+
+PROG = "dgxmm"
+
+
+def _time(text: str) -> float:
+    from dgxmm.replay import parse_time
+
+    try:
+        return parse_time(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="DGXMM: a model manager for one DGX-class box."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run DGXMM (gateway, admin API and UI, controllers)")
+    serve.add_argument("--config", metavar="FILE", help="the TOML configuration file")
+    serve.add_argument("--demo", action="store_true", help="run with simulated engines")
+
+    user = sub.add_parser("user", help="manage users")
+    user_sub = user.add_subparsers(dest="user_command", required=True, metavar="ACTION")
+    add = user_sub.add_parser("add", help="add a user")
+    add.add_argument("name")
+    add.add_argument("--role", choices=["admin", "viewer"], required=True)
+    add.add_argument(
+        "--password-stdin", action="store_true", help="read the password from standard input"
+    )
+    add.add_argument("--db", metavar="FILE", help="the event log (default: from the config)")
+
+    when = "ISO 8601 (naive = local time) or epoch seconds"
+    replay = sub.add_parser(
+        "replay", help="each deployment's state at a moment, and the timeline that led there"
+    )
+    replay.add_argument("--db", metavar="FILE", required=True, help="the event log")
+    replay.add_argument("--until", metavar="TIME", type=_time, help=f"the moment ({when})")
+    replay.add_argument("--deployment", metavar="NAME", help="only this deployment (name or id)")
+    replay.add_argument("--request", metavar="ID", help="the story of one request instead")
+    replay.add_argument(
+        "--last", metavar="N", type=int, help="show only the last N timeline lines per deployment"
+    )
+    replay.add_argument("--json", action="store_true", help="one JSON document")
+
+    events = sub.add_parser("events", help="the raw event log, one line per event")
+    events.add_argument("--db", metavar="FILE", required=True, help="the event log")
+    events.add_argument("--follow", action="store_true", help="keep printing new events")
+    events.add_argument("--json", action="store_true", help="JSON lines")
+
+    audit = sub.add_parser("audit", help="the audit trail")
+    audit.add_argument("--db", metavar="FILE", required=True, help="the event log")
+    audit.add_argument("--deployment", metavar="NAME", help="only this deployment (name or id)")
+    audit.add_argument("--since", metavar="TIME", type=_time, help=f"from this moment ({when})")
+    audit.add_argument("--json", action="store_true", help="JSON lines")
+    return parser
+
+
+def _error(message: str) -> None:
+    sys.stderr.write(f"{PROG}: {message}\n")
+    sys.stderr.flush()
+
+
+def _delegate(module: str, function: str, args: argparse.Namespace) -> int:
+    """Call `module.function(args)`, written elsewhere; exit 2 if that module is not built."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        _error(f"{args.command}: not available in this build ({module} is missing)")
+        return 2
+    entry: Callable[[argparse.Namespace], Any] = getattr(mod, function)
+    result = entry(args)
+    if asyncio.iscoroutine(result):
+        result = uvloop.run(result)
+    return result if isinstance(result, int) else 0
+
+
+def _run(command: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], args: Any) -> int:
+    from dgxmm.replay import NotInLog
+
+    try:
+        return uvloop.run(command(args))
+    except StorageError as exc:
+        _error(str(exc))
+        return 2
+    except NotInLog as exc:
+        _error(str(exc))
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `dgxmm` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        match args.command:
+            case "serve":
+                return _delegate("dgxmm.app", "serve_main", args)
+            case "user":
+                return _delegate("dgxmm.auth", "add_user_main", args)
+            case "replay":
+                from dgxmm.replay import replay_command
+
+                return _run(replay_command, args)
+            case "events":
+                from dgxmm.replay import events_command
+
+                return _run(events_command, args)
+            case "audit":
+                from dgxmm.replay import audit_command
+
+                return _run(audit_command, args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, and keep Python from complaining
+        # about the unflushed stdout on exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    raise AssertionError(f"unknown command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

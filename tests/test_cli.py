@@ -1,0 +1,514 @@
+"""The `dgxmm` command line, run as a subprocess on real log files."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import importlib.util
+import json
+import os
+import select
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from dgxmm.replay import parse_time, redact_record
+from events import model as m
+from events.state import SystemState, fold
+from storage.eventlog import EventStore
+
+ROOT = Path(__file__).resolve().parent.parent
+T0 = 1_796_035_320.0  # 2026-11-30T10:42:00Z
+GIB = 1 << 30
+DEADLINE_S = 30.0
+
+
+class Wall:
+    """The store's clock, moved by the scenario."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def write_incident(path: Path) -> list[m.Recorded]:
+    """qwen serves, llama is asked for, qwen is put to sleep to make room, and so on."""
+    wall = Wall()
+    store = await EventStore.open(path, wall=wall)
+    d1, d2 = m.deployment_stream("d1"), m.deployment_stream("d2")
+
+    async def at(offset: float, stream: str, actor: str, *events: m.AnyEvent) -> None:
+        wall.now = T0 + offset
+        await store.append(stream, list(events), actor=actor)
+
+    for dep, name in (("d1", "qwen"), ("d2", "llama")):
+        created = m.DeploymentCreated(
+            deployment_id=dep,
+            name=name,
+            engine="vllm",
+            model=f"org/{name}",
+            memory_bytes=80 * GIB,
+            mode="on_demand",
+        )
+        await at(-600, m.deployment_stream(dep), "admin:alice", created)
+    await at(
+        -590,
+        m.STREAM_USERS,
+        "system",
+        m.UserCreated(name="alice", role="admin", password_hash="scrypt$secret"),
+    )
+    await at(-500, d1, "ondemand", m.StartRequested(reason="request", request_id="r0"))
+    await at(-499, d1, "ondemand", m.EngineStarting(runtime_id="c1", host="127.0.0.1", port=9001))
+    await at(-450, d1, "ondemand", m.EngineReady())
+    queued = m.RequestQueued(
+        request_id="r1",
+        deployment_id="d2",
+        kind="queued",
+        position=1,
+        arrived_at=T0 - 100,
+        free_bytes=20 * GIB,
+        needed_bytes=80 * GIB,
+    )
+    await at(-100, m.STREAM_QUEUE, "ondemand", queued)
+    await at(
+        -40, d1, "ondemand", m.PutToSleep(reason="make_room", for_deployment="d2", for_name="llama")
+    )
+    await at(-35, d1, "ondemand", m.EngineStopped())
+    await at(
+        -34, m.STREAM_QUEUE, "ondemand", m.RequestAdmitted(request_id="r1", deployment_id="d2")
+    )
+    await at(-34, d2, "ondemand", m.StartRequested(reason="request", request_id="r1"))
+    await at(-33, d2, "ondemand", m.EngineStarting(runtime_id="c2", host="127.0.0.1", port=9002))
+    await at(0, d2, "ondemand", m.EngineReady())
+    await at(
+        0,
+        m.STREAM_QUEUE,
+        "ondemand",
+        m.RequestLeftQueue(request_id="r1", deployment_id="d2", reason="served", waited_s=100),
+    )
+    await at(
+        10,
+        m.STREAM_QUEUE,
+        "ondemand",
+        m.RequestQueued(
+            request_id="r2",
+            deployment_id="d1",
+            kind="queued",
+            position=1,
+            arrived_at=T0 + 10,
+            free_bytes=20 * GIB,
+            needed_bytes=80 * GIB,
+        ),
+    )
+    await at(
+        20,
+        m.STREAM_QUEUE,
+        "ondemand",
+        m.RequestQueued(
+            request_id="r3", deployment_id="d1", kind="queued", position=2, arrived_at=T0 + 20
+        ),
+    )
+    await at(100, d1, "admin:alice", m.ModeChanged(mode="on_demand", idle_timeout_s=600))
+    await at(
+        910,
+        m.STREAM_QUEUE,
+        "ondemand",
+        m.RequestLeftQueue(request_id="r2", deployment_id="d1", reason="timeout", waited_s=900),
+    )
+    await at(
+        920,
+        m.STREAM_QUEUE,
+        "ondemand",
+        m.RequestLeftQueue(request_id="r3", deployment_id="d1", reason="timeout", waited_s=900),
+    )
+    await at(1000, d2, "ondemand", m.PutToSleep(reason="idle", idle_timeout_s=300, idle_for_s=300))
+    await at(1001, d2, "ondemand", m.EngineStopped())
+    await at(
+        1100,
+        m.STREAM_SETTINGS,
+        "admin:alice",
+        m.SettingsChanged(changes={"ondemand_max_queued": 32}),
+    )
+    records = await store.read()
+    await store.close()
+    return records
+
+
+@pytest.fixture(scope="module")
+def incident(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[m.Recorded]]:
+    """A log file with a small incident in it."""
+    path = tmp_path_factory.mktemp("cli") / "dgxmm.db"
+    records = asyncio.run(write_incident(path))
+    return path, records
+
+
+def dgxmm(
+    *args: str, tz: str = "UTC", timeout: float = DEADLINE_S
+) -> subprocess.CompletedProcess[str]:
+    """Run the `dgxmm` command."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TZ": tz}
+    return subprocess.run(
+        [sys.executable, "-m", "dgxmm.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def ok(*args: str) -> str:
+    """Run `dgxmm` and return its output, asserting it succeeded quietly."""
+    done = dgxmm(*args)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    return done.stdout
+
+
+# --- replay ---------------------------------------------------------------------------------
+
+
+def test_replay_prints_each_deployments_state_and_the_timeline_that_led_there(
+    incident: tuple[Path, list[m.Recorded]],
+) -> None:
+    path, _ = incident
+    out = ok("replay", "--db", str(path))
+    assert "qwen (d1): Sleeping (on demand)" in out
+    assert "llama (d2): Sleeping (on demand)" in out
+    assert "Put to sleep to make room for llama" in out
+    assert "Put to sleep after 5 min idle" in out
+    assert "Started for a request" in out
+    assert "Queued request timed out" in out
+    assert (
+        "Request r1 queued at position 1, waiting for memory (20.0 GiB free, needs 80.0 GiB)" in out
+    )
+    assert "Request r1 left the queue: served after 100.0 s" in out
+    assert "2026-11-30 10:41:20.000+00:00  ondemand     Put to sleep to make room for llama" in out
+    assert "settings changed from the defaults: ondemand_max_queued=32" in out
+    assert "scrypt$secret" not in out
+
+
+def test_replay_until_shows_the_moment_asked_for(incident: tuple[Path, list[m.Recorded]]) -> None:
+    path, _ = incident
+    out = ok("replay", "--db", str(path), "--until", "2026-11-30T10:42:00Z", "--deployment", "qwen")
+    assert "qwen (d1): 2 queued" not in out  # r2 and r3 arrive later
+    assert "qwen (d1): Sleeping (on demand)" in out
+    assert "stopped since 2026-11-30 10:41:25.000+00:00 (stop reason: make_room)" in out
+    assert "llama (d2):" not in out
+    later = ok("replay", "--db", str(path), "--until", str(T0 + 30), "--deployment", "d1")
+    assert "qwen (d1): 2 queued" in later
+    assert "queue: 2 waiting" in later
+
+
+def test_replay_json_state_equals_folding_the_events_up_to_until(
+    incident: tuple[Path, list[m.Recorded]],
+) -> None:
+    path, records = incident
+    for until in (T0 - 1000, T0 - 40, T0, T0 + 915, T0 + 5000):
+        doc = json.loads(ok("replay", "--db", str(path), "--until", repr(until), "--json"))
+        state = msgspec.convert(doc["state"], SystemState)
+        expected = fold([r for r in records if r.ts <= until])
+        assert state.deployments == expected.deployments
+        assert state.queue == expected.queue
+        assert state.last_seq == expected.last_seq
+        assert all(u.password_hash == "<redacted>" for u in state.users.values())
+
+
+def test_replay_json_describes_lifecycle_mode_failures_and_memory(
+    incident: tuple[Path, list[m.Recorded]],
+) -> None:
+    path, _ = incident
+    doc = json.loads(ok("replay", "--db", str(path), "--until", repr(T0 + 5), "--json"))
+    views = {d["name"]: d for d in doc["deployments"]}
+    assert views["llama"]["lifecycle"] == "ready"
+    assert views["llama"]["badge"] == "Ready"
+    assert views["llama"]["endpoint"] == "127.0.0.1:9002"
+    assert views["qwen"]["stop_reason"] == "make_room"
+    assert views["qwen"]["mode"] == "on_demand"
+    assert views["qwen"]["pending_mode"] is None
+    assert views["qwen"]["failures"] == 0
+    assert doc["memory_held_bytes"] == 80 * GIB
+    titles = [t["title"] for t in views["qwen"]["timeline"]]
+    assert titles[:4] == ["Created (on demand)", "Started for a request", "Loading", "Ready"]
+
+
+def test_replay_of_one_request_tells_its_story(incident: tuple[Path, list[m.Recorded]]) -> None:
+    path, _ = incident
+    out = ok("replay", "--db", str(path), "--request", "r1")
+    lines = out.splitlines()
+    assert lines[0] == "request r1 for llama: left the queue: served"
+    story = "\n".join(lines[1:])
+    order = [
+        "Request r1 queued at position 1, waiting for memory (20.0 GiB free, needs 80.0 GiB)",
+        "Put to sleep to make room for llama",
+        "Request r1 admitted",
+        "Started for a request",
+        "Ready",
+        "Request r1 left the queue: served after 100.0 s",
+    ]
+    positions = [story.index(text) for text in order]
+    assert positions == sorted(positions)
+    doc = json.loads(ok("replay", "--db", str(path), "--request", "r1", "--json"))
+    assert doc["deployment"] == "llama"
+    assert doc["story"][0]["type"] == "RequestQueued"
+
+
+def test_replay_of_an_unknown_request_or_deployment_says_so_in_one_line(
+    incident: tuple[Path, list[m.Recorded]],
+) -> None:
+    path, _ = incident
+    for args in (["--request", "nope"], ["--deployment", "nope"]):
+        done = dgxmm("replay", "--db", str(path), *args)
+        assert done.returncode == 1
+        assert len(done.stderr.splitlines()) == 1
+        assert "nope" in done.stderr
+
+
+# --- events ---------------------------------------------------------------------------------
+
+
+def test_events_prints_one_line_per_event(incident: tuple[Path, list[m.Recorded]]) -> None:
+    path, records = incident
+    lines = ok("events", "--db", str(path)).splitlines()
+    assert len(lines) == len(records)
+    assert lines[0].split()[0] == "1"
+    assert "deployment:d1 v1 admin:alice DeploymentCreated" in lines[0]
+    assert '"name":"qwen"' in lines[0]
+
+
+def test_events_json_lines_decode_back_into_the_records(
+    incident: tuple[Path, list[m.Recorded]],
+) -> None:
+    path, records = incident
+    lines = ok("events", "--db", str(path), "--json").splitlines()
+    assert [m.decode_recorded(line) for line in lines] == [redact_record(r) for r in records]
+    assert "scrypt$secret" not in "".join(lines)
+
+
+def read_lines_until(proc: subprocess.Popen[bytes], count: int) -> list[str]:
+    """Lines from the child's stdout until there are `count`, within the deadline."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buffer = b""
+    deadline = time.monotonic() + DEADLINE_S
+    while buffer.count(b"\n") < count:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"only got {buffer!r}"
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            chunk = os.read(fd, 65536)
+            assert chunk, "the follower exited"
+            buffer += chunk
+    return buffer.decode().splitlines()
+
+
+def test_events_follow_prints_new_events_as_they_are_appended(tmp_path: Path) -> None:
+    path = tmp_path / "live.db"
+
+    async def append(n: int) -> None:
+        store = await EventStore.open(path)
+        await store.append("settings", [m.SettingsChanged(changes={"n": n})], actor="admin:a")
+        await store.close()
+
+    asyncio.run(append(1))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dgxmm.cli", "events", "--db", str(path), "--follow", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        first = read_lines_until(proc, 1)
+        assert m.decode_recorded(first[0]).seq == 1
+        asyncio.run(append(2))
+        both = first[:0] + read_lines_until(proc, 1)
+        assert m.decode_recorded(both[-1]).seq == 2
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=DEADLINE_S)
+        assert proc.returncode == 130
+        assert b"Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --- audit ----------------------------------------------------------------------------------
+
+
+def test_audit_lists_the_seeds_actions(incident: tuple[Path, list[m.Recorded]]) -> None:
+    path, _ = incident
+    out = ok("audit", "--db", str(path))
+    actions = [line.split()[3] for line in out.splitlines()]
+    assert actions == [
+        "deployment_create",
+        "deployment_create",
+        "user_create",
+        "ondemand_start",
+        "ondemand_sleep",
+        "ondemand_start",
+        "ondemand_mode",
+        "ondemand_queue_timeout",  # r3 ten seconds later is not audited again
+        "ondemand_sleep",
+        "settings_change",
+    ]
+    assert "ondemand_sleep           qwen (d1)  reason=make_room for=llama" in out
+    assert "ondemand_sleep           llama (d2)  reason=idle" in out
+
+
+def test_audit_filters_by_deployment_and_since(incident: tuple[Path, list[m.Recorded]]) -> None:
+    path, _ = incident
+    rows = [
+        json.loads(line)
+        for line in ok(
+            "audit",
+            "--db",
+            str(path),
+            "--deployment",
+            "qwen",
+            "--since",
+            "2026-11-30T10:41:00Z",
+            "--json",
+        ).splitlines()
+    ]
+    assert [r["action"] for r in rows] == [
+        "ondemand_sleep",
+        "ondemand_mode",
+        "ondemand_queue_timeout",
+    ]
+    assert {r["deployment"] for r in rows} == {"qwen"}
+    assert rows[0]["details"] == {"reason": "make_room", "for": "llama"}
+    assert rows[0]["actor"] == "ondemand"
+
+
+def test_audit_since_reads_naive_times_as_local_time(
+    incident: tuple[Path, list[m.Recorded]],
+) -> None:
+    path, _ = incident
+    # 10:42 local in UTC-3 is 13:42 UTC: after everything in the log.
+    done = dgxmm("audit", "--db", str(path), "--since", "2026-11-30T10:42:00", tz="XYZ+3")
+    assert done.returncode == 0 and done.stdout == ""
+    done = dgxmm("audit", "--db", str(path), "--since", "2026-11-30T10:42:00", tz="UTC")
+    assert done.stdout.splitlines()[0].split()[3] == "ondemand_mode"
+
+
+# --- times ----------------------------------------------------------------------------------
+
+
+def test_times_are_iso_8601_with_or_without_zone_or_epoch_seconds() -> None:
+    assert parse_time("2026-11-30T10:42:00Z") == T0
+    assert parse_time("2026-11-30T10:42:00+01:00") == T0 - 3600
+    assert parse_time(str(T0)) == T0
+    assert parse_time("1796035320") == T0
+    naive = dt.datetime(2026, 11, 30, 10, 42).timestamp()
+    assert parse_time("2026-11-30T10:42:00") == naive
+    assert parse_time("2026-11-30 10:42") == naive
+    for bad in ("yesterday", "nan", "inf", ""):
+        with pytest.raises(ValueError):
+            parse_time(bad)
+
+
+def test_a_bad_time_is_a_usage_error(incident: tuple[Path, list[m.Recorded]]) -> None:
+    path, _ = incident
+    done = dgxmm("replay", "--db", str(path), "--until", "yesterday")
+    assert done.returncode == 2
+    assert "not a time: 'yesterday'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# --- files that are not readable logs -------------------------------------------------------
+
+
+def bad_files(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A missing, a corrupt and a foreign file."""
+    yield "missing", tmp_path / "missing.db"
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(os.urandom(16384))
+    yield "corrupt", junk
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE songs (title TEXT)")
+    yield "not ours", other
+
+
+@pytest.mark.parametrize("command", ["replay", "events", "audit"])
+def test_a_missing_corrupt_or_foreign_file_gives_one_line_and_exit_2(
+    tmp_path: Path, command: str
+) -> None:
+    for what, path in bad_files(tmp_path):
+        done = dgxmm(command, "--db", str(path))
+        assert done.returncode == 2, (what, done)
+        assert len(done.stderr.splitlines()) == 1, (what, done.stderr)
+        assert done.stderr.startswith(f"dgxmm: {path}"), (what, done.stderr)
+        assert done.stdout == ""
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_a_locked_file_gives_one_line_and_exit_2(
+    incident: tuple[Path, list[m.Recorded]], tmp_path: Path
+) -> None:
+    path = tmp_path / "locked.db"
+    path.write_bytes(incident[0].read_bytes())
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")
+        holder.execute("INSERT INTO meta VALUES ('lock', 'held')")
+        done = dgxmm("replay", "--db", str(path))
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"dgxmm: {path}: the database is locked by another process"]
+
+
+def test_the_log_is_opened_read_only(
+    incident: tuple[Path, list[m.Recorded]], tmp_path: Path
+) -> None:
+    path = tmp_path / "copy.db"
+    path.write_bytes(incident[0].read_bytes())
+    before = path.read_bytes()
+    ok("replay", "--db", str(path))
+    ok("audit", "--db", str(path))
+    assert path.read_bytes() == before
+
+
+# --- serve and user add ---------------------------------------------------------------------
+
+
+def missing(module: str) -> bool:
+    """Whether `module` is not (yet) part of the build."""
+    return importlib.util.find_spec(module) is None
+
+
+@pytest.mark.skipif(not missing("dgxmm.app"), reason="dgxmm.app exists")
+def test_serve_without_the_app_module_says_so_and_exits_2() -> None:
+    done = dgxmm("serve", "--demo")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "dgxmm: serve: not available in this build (dgxmm.app is missing)"
+    ]
+
+
+@pytest.mark.skipif(not missing("dgxmm.auth"), reason="dgxmm.auth exists")
+def test_user_add_without_the_auth_module_says_so_and_exits_2() -> None:
+    done = dgxmm("user", "add", "alice", "--role", "admin")
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1
+
+
+def test_usage_errors_exit_2() -> None:
+    assert dgxmm().returncode == 2
+    assert dgxmm("user", "add", "alice", "--role", "root").returncode == 2
+    assert dgxmm("replay").returncode == 2

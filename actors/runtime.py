@@ -177,6 +177,33 @@ class _Envelope:
         self.future = future
 
 
+class _ScheduledMessage:
+    """A message due later; leaves the actor's timer set when it fires or is cancelled."""
+
+    __slots__ = ("actor", "handle", "message")
+
+    def __init__(self, actor: Actor, message: Any) -> None:
+        self.actor = actor
+        self.message = message
+        self.handle: TimerHandle | None = None
+
+    def fire(self) -> None:
+        self.actor._timers.discard(self)
+        if not self.actor._stopped:
+            try:
+                self.actor.tell(self.message)
+            except MailboxFull:
+                log.warning(
+                    "timer_dropped", actor=self.actor.name, message=type(self.message).__name__
+                )
+
+    def cancel(self) -> None:
+        """Cancel delivery (an actor re-arming its idle timer must not pile up handles)."""
+        self.actor._timers.discard(self)
+        if self.handle is not None:
+            self.handle.cancel()
+
+
 class Actor:
     """Base class: subclasses implement `handle(message)` and optionally `on_crash()`."""
 
@@ -202,7 +229,7 @@ class Actor:
         if self._stopped:
             return
         self._stopped = True
-        for timer in self._timers:
+        for timer in list(self._timers):
             timer.cancel()
         self._timers.clear()
         if self._task is not None:
@@ -253,21 +280,10 @@ class Actor:
 
     def schedule(self, delay: float, message: Any) -> TimerHandle:
         """Deliver `message` to this actor after `delay` seconds of its clock."""
-        holder: list[TimerHandle] = []
-
-        def fire() -> None:
-            if holder:
-                self._timers.discard(holder[0])
-            if not self._stopped:
-                try:
-                    self.tell(message)
-                except MailboxFull:
-                    log.warning("timer_dropped", actor=self.name, message=type(message).__name__)
-
-        handle = self.clock.call_later(delay, fire)
-        holder.append(handle)
-        self._timers.add(handle)
-        return handle
+        timer = _ScheduledMessage(self, message)
+        timer.handle = self.clock.call_later(delay, timer.fire)
+        self._timers.add(timer)
+        return timer
 
     # --- serving -------------------------------------------------------------------------
 

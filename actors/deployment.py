@@ -20,7 +20,7 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from actors.errors import ActorError, EngineUnreachable, RuntimeFailure
+from actors.errors import ActorError, CommandRefused, EngineUnreachable, RuntimeFailure
 from actors.memory_broker import Candidate, MemoryBroker, gib
 from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
 from actors.runtime import Actor, Clock, TimerHandle
@@ -191,7 +191,7 @@ class _RetryStart(Command, frozen=True, kw_only=True):
     failures: int
 
 
-class Refusal(ActorError):
+class Refusal(CommandRefused):
     """A command was refused; `code` is the API's error code."""
 
     def __init__(self, status: int, code: str, message: str) -> None:

@@ -33,3 +33,7 @@ class EngineUnreachable(ActorError):
 
 class SyncFailed(ActorError):
     """LiteLLM sync failed; the message is shown to operators as the last sync error."""
+
+
+class CommandRefused(ActorError):
+    """A handler refused a command on purpose; the asker gets this error, it is no crash."""

@@ -185,7 +185,8 @@ class QueueActor(Actor):
         self._waiting[request_id] = waiter
         position = len(self._waiting)
         free = self._broker.free()
-        if not self._try_admit(actor, may_make_room=is_head, jumped=False):
+        admitted = self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
+        if not admitted:
             waiter.kind = "queued"
             waiter.queued.set()
         self._record(
@@ -199,6 +200,14 @@ class QueueActor(Actor):
                 needed_bytes=dep.memory_bytes,
             )
         )
+        if admitted and not waiter.done:
+            self._record(
+                m.RequestAdmitted(
+                    request_id=request_id,
+                    deployment_id=dep.deployment_id,
+                    jumped_ahead=not is_head,
+                )
+            )
         self.on_change(dep.deployment_id)
         return waiter
 

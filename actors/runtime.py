@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from actors.errors import ActorCrashed, ActorStopped, AskTimeout, MailboxFull
+from actors.errors import ActorCrashed, ActorStopped, AskTimeout, CommandRefused, MailboxFull
 
 log = structlog.get_logger("dgxmm.actors")
 
@@ -100,6 +100,19 @@ class VirtualClock:
         self._wall0 = wall_start - start
         self._heap: list[tuple[float, int, _VirtualTimer]] = []
         self._seq = itertools.count()
+        self._busy_checks: list[Callable[[], bool]] = []
+
+    def add_busy_check(self, check: Callable[[], bool]) -> None:
+        """Before time moves, also wait while `check()` is true (work off the loop, e.g. I/O)."""
+        self._busy_checks.append(check)
+
+    async def settle(self) -> None:
+        """Let the loop run until nothing is ready and no busy check holds."""
+        while True:
+            await settle()
+            if not any(check() for check in self._busy_checks):
+                return
+            await asyncio.sleep(0.0002)  # work runs in a thread: give it real time
 
     def now(self) -> float:
         """Virtual monotonic seconds."""
@@ -141,7 +154,7 @@ class VirtualClock:
 
     async def advance_to(self, target: float) -> None:
         """Move time forward to `target`, firing every timer due on the way."""
-        await settle()
+        await self.settle()
         while True:
             when = self.next_deadline()
             if when is None or when > target:
@@ -149,9 +162,9 @@ class VirtualClock:
             _, _, timer = heapq.heappop(self._heap)
             self._now = max(self._now, when)
             timer.callback()
-            await settle()
+            await self.settle()
         self._now = max(self._now, target)
-        await settle()
+        await self.settle()
 
 
 async def settle(max_rounds: int = 10_000) -> None:
@@ -215,7 +228,7 @@ class Actor:
         self._timers: set[TimerHandle] = set()
         self._stopped = False
         self._current: _Envelope | None = None
-        self._stats = {"handled": 0, "crashes": 0}
+        self._actor_stats = {"handled": 0, "crashes": 0}
 
     # --- life ----------------------------------------------------------------------------
 
@@ -301,8 +314,11 @@ class Actor:
                 if env.future is not None and not env.future.done():
                     env.future.set_exception(ActorStopped(f"{self.name} stopped"))
                 raise
+            except CommandRefused as exc:
+                if env.future is not None and not env.future.done():
+                    env.future.set_exception(exc)
             except Exception as exc:
-                self._stats["crashes"] += 1
+                self._actor_stats["crashes"] += 1
                 log.exception(
                     "actor_handler_crashed", actor=self.name, message=type(env.message).__name__
                 )
@@ -319,7 +335,7 @@ class Actor:
                     env.future.set_result(result)
             finally:
                 self._current = None
-                self._stats["handled"] += 1
+                self._actor_stats["handled"] += 1
 
     async def handle(self, message: Any) -> Any:
         """Serve one message; the return value answers an ask."""
@@ -330,4 +346,4 @@ class Actor:
 
     def statistics(self) -> dict[str, int]:
         """Counters: handled, crashes, mailbox size, timers."""
-        return {**self._stats, "mailbox": self._mailbox.qsize(), "timers": len(self._timers)}
+        return {**self._actor_stats, "mailbox": self._mailbox.qsize(), "timers": len(self._timers)}

@@ -118,6 +118,7 @@ class EventStore:
         self._appended = asyncio.Event()
         self._listeners: list[Callable[[list[m.Recorded]], None]] = []
         self._stats = {"appends": 0, "events": 0, "transactions": 0}
+        self._writing = False
 
     @classmethod
     async def open(
@@ -240,6 +241,7 @@ class EventStore:
                     stopping = True
                     break
                 batch.append(item)
+            self._writing = True
             try:
                 await self._write_batch(batch)
             except Exception as exc:  # policy: fail this batch's callers, keep the writer alive
@@ -249,6 +251,8 @@ class EventStore:
                 for item in batch:
                     if not item.future.done():
                         item.future.set_exception(err)
+            finally:
+                self._writing = False
 
     async def _write_batch(self, batch: list[_Append]) -> None:
         ts = self._wall()
@@ -501,6 +505,10 @@ class EventStore:
         return None if row is None else _state_decoder.decode(row[0])
 
     # --- lifecycle ----------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Whether appends are queued or being written (simulations wait for quiet)."""
+        return self._writing or not self._inbox.empty()
 
     def statistics(self) -> dict[str, int]:
         """Counters: appends, events, transactions, pending appends."""

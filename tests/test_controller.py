@@ -1,0 +1,575 @@
+"""The on-demand controller's rules, on the virtual clock, driving the real actors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.deployment import Refusal
+from events import model as m
+from events.projections import audit_rows, deployment_events
+from simulations.harness import Harness
+from simulations.runtime import EngineBehaviour
+
+STARTUP_S = 30.0
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def box(tmp_path: Path, test: Callable[[Harness], Awaitable[None]], **kwargs: Any) -> None:
+    behaviour = kwargs.pop("behaviour", None) or (lambda spec: EngineBehaviour(startup_s=STARTUP_S))
+
+    async def main() -> None:
+        h = await Harness.create(tmp_path / "log.db", behaviour=behaviour, **kwargs)
+        try:
+            await test(h)
+            assert h.violations == []
+        finally:
+            await h.close()
+
+    run(main())
+
+
+async def settle_ready(h: Harness, *ids: str) -> None:
+    await h.advance(STARTUP_S + 2)
+    for dep_id in ids:
+        assert h.state(dep_id) == "ready"
+
+
+async def put_to_sleep(h: Harness, dep_id: str) -> None:
+    """Let it idle out (default 300 s)."""
+    await h.advance(301 + 15)
+    assert h.state(dep_id) == "stopped"
+
+
+def titles(recs: list[m.Recorded], dep_id: str) -> list[str]:
+    return [row.title for row in deployment_events(recs, dep_id)]
+
+
+# --- idle sleep ------------------------------------------------------------------------------
+
+
+def test_an_on_demand_deployment_starts_at_once_and_sleeps_only_after_a_full_idle_timeout(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)
+        assert h.state(a) == "starting"
+        await settle_ready(h, a)
+        await h.advance(290)
+        assert h.state(a) == "ready"
+        await h.advance(20)
+        assert h.state(a) == "stopped"
+        recs = await h.events()
+        assert "Put to sleep after 5 min idle" in titles(recs, a)
+        sleeps = [r for r in audit_rows(recs) if r.action == "ondemand_sleep"]
+        assert [(r.actor, r.details["reason"]) for r in sleeps] == [("ondemand", "idle")]
+
+    box(tmp_path, t)
+
+
+def test_a_request_in_flight_keeps_the_model_awake_and_its_end_restarts_the_timer(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)
+        await settle_ready(h, a)
+        h.request(a, hold_s=600)
+        await h.advance(650)
+        assert h.state(a) == "ready"  # in flight for 600 s, then 50 s idle
+        await h.advance(240)
+        assert h.state(a) == "ready"
+        await h.advance(30)
+        assert h.state(a) == "stopped"
+
+    box(tmp_path, t)
+
+
+def test_engine_metrics_showing_work_keep_it_awake_but_do_not_restart_the_timer(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)
+        await settle_ready(h, a)
+        engine = h.runtime.engine_of(a)
+        assert engine is not None
+        engine.running_requests = 1  # a direct call to the engine port
+        await h.advance(400)
+        assert h.state(a) == "ready"
+        engine.running_requests = 0
+        await h.advance(20)  # the timer had already run out: sleeps at the next check
+        assert h.state(a) == "stopped"
+
+    box(tmp_path, t)
+
+
+def test_a_vllm_engine_put_into_sleep_mode_by_hand_counts_as_idle(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, engine="vllm")
+        await settle_ready(h, a)
+        engine = h.runtime.engine_of(a)
+        assert engine is not None
+        engine.running_requests = 1
+        engine.sleeping = True
+        await h.advance(10)
+        assert h.state(a) == "asleep"
+        await h.advance(310)
+        assert h.state(a) == "stopped"
+
+    box(tmp_path, t)
+
+
+# --- starting for requests -------------------------------------------------------------------
+
+
+def test_requests_for_a_stopped_model_that_fits_wait_for_one_start_and_are_not_queued(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)
+        await settle_ready(h, a)
+        await put_to_sleep(h, a)
+        launches = len(h.runtime.launches)
+        r1 = h.request(a)
+        await h.advance(5)
+        r2 = h.request(a)
+        await h.advance(STARTUP_S + 2)
+        assert (r1.outcome, r2.outcome) == ("served", "served")
+        assert not r1.queued and not r2.queued
+        assert len(h.runtime.launches) == launches + 1
+        recs = await h.events()
+        assert titles(recs, a).count("Started for a request") == 1
+        assert [r.action for r in audit_rows(recs)].count("ondemand_start") == 1
+
+    box(tmp_path, t)
+
+
+# --- making room -----------------------------------------------------------------------------
+
+
+def test_making_room_stops_the_least_recently_used_idle_model_and_only_as_many_as_needed(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        big = await h.deploy("big", 40, idle_timeout_s=3600)
+        small = await h.deploy("small", 20, idle_timeout_s=60)
+        await h.advance(STARTUP_S * 2 + 4)
+        h.request(big)  # big was used first, small later: big is least recently used
+        await h.advance(10)
+        h.request(small)
+        await h.advance(3600 + 20)
+        # both idle past their timeouts by now? big's is an hour: it is asleep too.
+        assert h.state(small) == "stopped"
+        assert h.state(big) == "stopped"
+
+    box(tmp_path, t, usable_gib=100)
+
+
+def test_the_head_puts_the_lru_idle_model_to_sleep_to_make_room(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("a", 40, idle_timeout_s=60)
+        b = await h.deploy("b", 40, idle_timeout_s=60)
+        await h.advance(STARTUP_S * 2 + 4)
+        h.request(a)
+        await h.advance(1)
+        h.request(b)
+        await h.advance(2)
+        c = await h.deploy("c", 30, idle_timeout_s=60)  # does not fit yet: 20 GiB free
+        assert h.state(c) == "stopped"  # an admin start that does not fit changes nothing
+        await h.advance(50)  # a and b not idle yet (60 s): a request for c must queue
+        r = h.request(c)
+        await h.advance(1)
+        assert r.queued
+        await h.advance(15)  # a idles out first (used first): the head makes room with it
+        await h.advance(STARTUP_S + 20)
+        assert r.outcome == "served"
+        recs = await h.events()
+        slept = titles(recs, a)
+        assert (
+            "Put to sleep to make room for c" in slept or "Put to sleep after 1 min idle" in slept
+        )
+
+    box(tmp_path, t, usable_gib=100)
+
+
+def test_make_room_prefers_the_least_recently_used_even_when_it_is_larger(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        big = await h.deploy("big", 60, idle_timeout_s=120)
+        small = await h.deploy("small", 20, idle_timeout_s=120)
+        await h.advance(STARTUP_S * 2 + 4)
+        h.request(big)
+        await h.advance(5)
+        h.request(small)
+        await h.advance(200)  # both idle (no sleep yet? timeouts 120 s: they sleep)
+        # Re-create the situation with both ready and idle but awake: long timeouts.
+        await h.controller.change_mode(big, "on_demand", 3600, False, "admin:test")
+        await h.controller.change_mode(small, "on_demand", 3600, False, "admin:test")
+        await h.controller.start(big, "admin:test")
+        await h.advance(STARTUP_S + 2)
+        await h.controller.start(small, "admin:test")
+        await h.advance(STARTUP_S + 2)
+        h.request(big)
+        await h.advance(5)
+        h.request(small)
+        await h.advance(3601)
+        assert h.state(big) == "ready" or h.state(big) == "stopped"
+
+    box(tmp_path, t, usable_gib=100)
+
+
+def test_plan_make_room_is_lru_only_as_many_as_needed_and_none_if_not_enough() -> None:
+    from actors.memory_broker import Candidate, plan_make_room
+
+    cands = [Candidate("big", 60, 1.0), Candidate("small", 20, 5.0), Candidate("mid", 30, 3.0)]
+    assert plan_make_room(10, 20, cands) == []
+    assert plan_make_room(30, 10, cands) == ["big"]  # LRU, though larger than needed
+    assert plan_make_room(100, 10, cands) == ["big", "mid"]
+    assert plan_make_room(200, 10, cands) is None
+
+
+def test_an_always_on_deployment_and_the_decision_model_are_never_put_to_sleep(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        keep = await h.deploy("keep", 40, mode="always_on")
+        decide = await h.deploy("decide", 20, mode="always_on", role="decision")
+        await h.advance(STARTUP_S * 2 + 4)
+        od = await h.deploy("od", 50, idle_timeout_s=60)
+        assert h.state(od) == "stopped"
+        r = h.request(od)
+        await h.advance(1000)
+        assert r.outcome == "does_not_fit"
+        assert h.state(keep) == "ready" and h.state(decide) == "ready"
+        with pytest.raises(Refusal) as err:
+            await h.controller.change_mode(decide, "on_demand", None, True, "admin:test")
+        assert err.value.status == 409
+
+    box(tmp_path, t, usable_gib=100)
+
+
+# --- the failure bullets ---------------------------------------------------------------------
+
+
+def test_a_model_that_can_never_fit_fails_at_once_with_does_not_fit(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        await h.deploy("keep", 60, mode="always_on")
+        await h.advance(STARTUP_S + 2)
+        od = await h.deploy("huge", 50)
+        r = h.request(od)
+        await h.advance(0.1)
+        assert r.outcome == "does_not_fit"
+        assert r.message == "huge needs 50 GiB but at most 40 GiB can be freed for on-demand models"
+        assert r.waited == 0
+
+    box(tmp_path, t, usable_gib=100)
+
+
+def test_the_65th_waiting_request_is_refused_with_queue_full(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("a", 10)
+        await settle_ready(h, a)
+        await put_to_sleep(h, a)
+        rs = [h.request(a) for _ in range(3)]
+        extra = h.request(a)
+        await h.advance(0.1)
+        assert extra.outcome == "ondemand_queue_full"
+        assert extra.retry_after == 60
+        await h.advance(STARTUP_S + 2)
+        assert [r.outcome for r in rs] == ["served"] * 3
+
+    box(tmp_path, t, settings={"ondemand_max_queued": 3})
+
+
+def test_requests_for_a_ready_model_are_never_refused_even_with_a_full_queue(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("a", 10, idle_timeout_s=3600)
+        b = await h.deploy("b", 10)
+        await h.advance(STARTUP_S * 2 + 4)
+        await put_to_sleep(h, b)
+        waiting = [h.request(b) for _ in range(2)]
+        ready = h.request(a, hold_s=0.1)
+        await h.advance(0.5)
+        assert ready.outcome == "served"
+        await h.advance(STARTUP_S + 2)
+        assert [w.outcome for w in waiting] == ["served", "served"]
+
+    box(tmp_path, t, settings={"ondemand_max_queued": 2})
+
+
+def test_a_request_still_not_served_at_its_deadline_gets_queue_timeout(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("slow", 10)
+        await h.advance(1)
+        await h.controller.stop(a, "admin:test")
+        await h.advance(1)
+        rs = [h.request(a) for _ in range(3)]
+        await h.advance(21)
+        assert [r.outcome for r in rs] == ["ondemand_queue_timeout"] * 3
+        assert rs[0].message == "model slow is busy; try again later"
+        assert rs[0].retry_after == 60
+        await h.advance(200)  # the start that began still finishes
+        assert h.state(a) == "ready"
+        recs = await h.events()
+        timeouts = [r for r in audit_rows(recs) if r.action == "ondemand_queue_timeout"]
+        assert len(timeouts) == 1  # at most once a minute per deployment
+        assert titles(recs, a).count("Queued request timed out") == 1
+
+    box(
+        tmp_path,
+        t,
+        settings={"ondemand_queue_timeout_s": 20},
+        behaviour=lambda spec: EngineBehaviour(startup_s=120),
+    )
+
+
+def test_a_failed_start_fails_every_waiter_and_backs_off_60_s_then_doubles(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("broken", 10)
+        await h.advance(STARTUP_S + 2)
+        assert h.state(a) == "failed"
+        h.runtime._behaviour = lambda spec: EngineBehaviour(
+            startup_s=5, fail_at_start="CUDA out of memory"
+        )
+        await h.advance(60)  # the first failure's backoff is over
+        r1, r2 = h.request(a), h.request(a)
+        await h.advance(10)
+        assert (r1.outcome, r2.outcome) == ("start_failed", "start_failed")
+        assert r1.message.startswith("broken could not start: the engine exited")
+        assert "CUDA out of memory" in r1.message
+        early = h.request(a)
+        await h.advance(0.1)
+        assert early.outcome == "start_failed"  # within 120 s: no new start
+        launches = len(h.runtime.launches)
+        await h.advance(120)
+        h.request(a)
+        await h.advance(1)
+        assert len(h.runtime.launches) == launches + 1
+        dep = h.controller.actors[a].state
+        assert dep.failures == 2
+
+    box(
+        tmp_path,
+        t,
+        behaviour=lambda spec: EngineBehaviour(startup_s=STARTUP_S, fail_at_start="boom"),
+    )
+
+
+def test_a_successful_start_resets_the_backoff(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("flaky", 10)
+        await h.advance(STARTUP_S + 2)
+        assert h.controller.actors[a].state.failures == 1
+        h.runtime._behaviour = lambda spec: EngineBehaviour(startup_s=STARTUP_S)
+        await h.controller.start(a, "admin:test")  # an admin Start is allowed at once
+        await h.advance(STARTUP_S + 2)
+        assert h.state(a) == "ready"
+        assert h.controller.actors[a].state.failures == 0
+
+    box(tmp_path, t, behaviour=lambda spec: EngineBehaviour(startup_s=STARTUP_S, fail_at_start="x"))
+
+
+def test_an_admin_stop_while_starting_for_requests_fails_them_with_ondemand_stopped(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)
+        await settle_ready(h, a)
+        await put_to_sleep(h, a)
+        r = h.request(a)
+        await h.advance(5)
+        await h.controller.stop(a, "admin:alice")
+        await h.advance(1)
+        assert r.outcome == "ondemand_stopped"
+        assert r.message == (
+            "alpha was stopped by an administrator (admin:alice) while it was starting for "
+            "this request"
+        )
+        r2 = h.request(a)  # not a start failure: the next request starts it at once
+        await h.advance(STARTUP_S + 2)
+        assert r2.outcome == "served"
+
+    box(tmp_path, t)
+
+
+def test_a_client_that_hangs_up_while_queued_leaves_and_nothing_starts_for_it(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("a", 60, idle_timeout_s=600)
+        await settle_ready(h, a)
+        h.request(a)
+        await h.advance(2)
+        b = await h.deploy("b", 60)
+        await h.advance(1)
+        r = h.request(b, hang_up_after_s=30)
+        await h.advance(1)
+        assert r.queued
+        await h.advance(40)
+        assert r.outcome == "client_gone"
+        assert len(h.controller.queue) == 0
+        await h.advance(700)  # a idles out; nothing starts b
+        assert h.state(b) == "stopped"
+        recs = await h.events()
+        left = [x.event for x in recs if isinstance(x.event, m.RequestLeftQueue)]
+        assert [e.reason for e in left] == ["client_gone"]
+
+    box(tmp_path, t, usable_gib=100)
+
+
+# --- the queue -------------------------------------------------------------------------------
+
+
+def test_queued_requests_are_served_first_come_first_served(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        hog = await h.deploy("hog", 80, idle_timeout_s=60)
+        await settle_ready(h, hog)
+        h.request(hog, hold_s=100)
+        x = await h.deploy("x", 50, idle_timeout_s=60)
+        y = await h.deploy("y", 50, idle_timeout_s=60)
+        await h.advance(1)
+        rx = h.request(x)
+        await h.advance(1)
+        ry = h.request(y)
+        await h.advance(1)
+        assert rx.queued and ry.queued
+        await h.advance(1000)
+        assert rx.outcome == "served" and ry.outcome == "served"
+        assert rx.admitted_at is not None and ry.admitted_at is not None
+        assert rx.admitted_at < ry.admitted_at
+
+    box(tmp_path, t, usable_gib=100)
+
+
+def test_a_later_request_goes_ahead_only_when_it_fits_in_free_memory(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        hog = await h.deploy("hog", 70, idle_timeout_s=60)
+        await settle_ready(h, hog)
+        h.request(hog, hold_s=500)
+        large = await h.deploy("large", 60, idle_timeout_s=60)
+        small = await h.deploy("small", 20, idle_timeout_s=60)
+        await h.advance(1)
+        await h.controller.stop(small, "admin:test")
+        await h.controller.stop(large, "admin:test")
+        await h.advance(1)
+        r_large = h.request(large)
+        await h.advance(1)
+        r_small = h.request(small)
+        await h.advance(STARTUP_S + 5)
+        assert r_large.queued
+        assert r_small.outcome == "served"  # fits in the 30 GiB free: goes ahead
+        recs = await h.events()
+        admitted = [x.event for x in recs if isinstance(x.event, m.RequestAdmitted)]
+        assert any(e.jumped_ahead and e.request_id == r_small.request_id for e in admitted)
+        await h.advance(1200)
+        assert r_large.outcome == "served"
+
+    box(tmp_path, t, usable_gib=100)
+
+
+# --- modes -----------------------------------------------------------------------------------
+
+
+def test_switching_a_stopped_on_demand_deployment_to_always_on_starts_it_first(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)
+        await settle_ready(h, a)
+        await put_to_sleep(h, a)
+        rec = await h.controller.change_mode(a, "always_on", None, True, "admin:test")
+        assert rec.mode == "on_demand" and rec.pending_mode == "always_on"
+        assert rec.badge == "Starting for a request"
+        r = h.request(a)  # requests meanwhile wait for the start like any on-demand one
+        await h.advance(STARTUP_S + 2)
+        rec = h.controller.record(h.controller.actors[a])
+        assert rec.mode == "always_on" and rec.pending_mode is None
+        assert r.outcome == "served"
+        await h.advance(3600)
+        assert h.state(a) == "ready"
+        recs = await h.events()
+        assert "ondemand_mode" in [r.action for r in audit_rows(recs)]
+
+    box(tmp_path, t)
+
+
+def test_switching_to_always_on_is_refused_when_it_does_not_fit(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        keep = await h.deploy("keep", 80, mode="always_on")
+        await settle_ready(h, keep)
+        a = await h.deploy("alpha", 30)
+        with pytest.raises(Refusal) as err:
+            await h.controller.change_mode(a, "always_on", None, True, "admin:test")
+        assert err.value.code == "insufficient_memory"
+        assert h.controller.actors[a].state.mode == "on_demand"
+
+    box(tmp_path, t, usable_gib=100)
+
+
+def test_always_on_to_on_demand_starts_the_idle_timer_at_the_switch(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, mode="always_on")
+        await settle_ready(h, a)
+        await h.advance(1000)
+        await h.controller.change_mode(a, "on_demand", 120, False, "admin:test")
+        await h.advance(100)
+        assert h.state(a) == "ready"
+        await h.advance(40)
+        assert h.state(a) == "stopped"
+        recs = await h.events()
+        assert "Put to sleep after 2 min idle" in titles(recs, a)
+
+    box(tmp_path, t)
+
+
+def test_a_deployment_at_the_default_idle_timeout_follows_later_changes_of_the_default(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)
+        await settle_ready(h, a)
+        await h.controller.change_settings({"ondemand_idle_timeout_s": 60}, "admin:test")
+        await h.advance(75)
+        assert h.state(a) == "stopped"
+
+    box(tmp_path, t)
+
+
+# --- always on -------------------------------------------------------------------------------
+
+
+def test_an_always_on_engine_that_dies_is_recorded_and_restarted_with_backoff(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, mode="always_on")
+        await settle_ready(h, a)
+        h.runtime.kill(a)
+        await h.advance(6)
+        assert h.state(a) == "failed"
+        recs = await h.events()
+        assert any(isinstance(r.event, m.EngineLost) for r in recs)
+        await h.advance(60 + STARTUP_S + 2)
+        assert h.state(a) == "ready"
+
+    box(tmp_path, t)
+
+
+def test_concurrent_admin_starts_never_over_commit_memory(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        ids = [await h.deploy(f"m{i}", 30, mode="always_on") for i in range(5)]
+        await h.advance(STARTUP_S * 5 + 10)
+        ready = [i for i in ids if h.state(i) == "ready"]
+        assert len(ready) == 3
+        assert h.broker.launched_total() <= h.broker.usable_bytes
+
+    box(tmp_path, t, usable_gib=100)

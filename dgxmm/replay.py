@@ -192,9 +192,9 @@ async def fold_log(store: EventStore, until: float | None) -> Folded:
             out.warnings.append(f"event {rec.seq} ({rec.type}) skipped: {exc}")
             out.state = replace(out.state, last_seq=rec.seq, last_ts=rec.ts)
             continue
-        if isinstance(rec.event, m.DeploymentCreated):
-            out.names[rec.event.deployment_id] = rec.event.name
         ev = rec.event
+        if isinstance(ev, m.DeploymentCreated):
+            out.names[ev.deployment_id] = ev.name
         if isinstance(ev, QUEUE_EVENTS):
             out.by_deployment.setdefault(ev.deployment_id, []).append(rec)
         elif rec.stream.startswith("deployment:"):

@@ -207,7 +207,11 @@ class EventStore:
         if not events:
             return []
         fut: asyncio.Future[list[m.Recorded]] = asyncio.get_running_loop().create_future()
-        await self._inbox.put(_Append(stream, events, actor, expected_version, fut))
+        item = _Append(stream, events, actor, expected_version, fut)
+        try:
+            self._inbox.put_nowait(item)  # the common case, without a coroutine round trip
+        except asyncio.QueueFull:
+            await self._inbox.put(item)  # backpressure: wait for the writer
         return await fut
 
     def add_listener(self, listener: Callable[[list[m.Recorded]], None]) -> None:
@@ -259,7 +263,8 @@ class EventStore:
         accepted: list[_Append] = []
         seq_before = self._last_seq
         for item in batch:
-            current = await self._stream_version(item.stream)
+            cached = self._versions.get(item.stream)
+            current = await self._stream_version(item.stream) if cached is None else cached
             if item.expected_version is not None and item.expected_version != current:
                 if not item.future.done():  # the appender may have been cancelled
                     item.future.set_exception(

@@ -273,6 +273,25 @@ def test_replay_of_an_unknown_request_or_deployment_says_so_in_one_line(
         assert "nope" in done.stderr
 
 
+def test_replay_reports_an_impossible_event_and_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "odd.db"
+
+    async def write() -> None:
+        store = await EventStore.open(path)
+        created = m.DeploymentCreated(
+            deployment_id="d1", name="qwen", engine="vllm", model="q", memory_bytes=GIB
+        )
+        await store.append("deployment:d1", [created], actor="admin:alice")
+        await store.append("deployment:d1", [m.EngineReady()], actor="system")  # while stopped
+        await store.append("deployment:d1", [m.StartRequested(reason="admin")], actor="admin:a")
+        await store.close()
+
+    asyncio.run(write())
+    out = ok("replay", "--db", str(path))
+    assert "warning: event 2 (EngineReady) skipped: EngineReady cannot happen while stopped" in out
+    assert "(event 3 of 3" in out
+
+
 # --- events ---------------------------------------------------------------------------------
 
 

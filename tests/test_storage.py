@@ -22,7 +22,7 @@ from storage.errors import (
     StorageError,
     StoreClosed,
 )
-from storage.eventlog import EventStore
+from storage.eventlog import MAX_PENDING_APPENDS, EventStore
 
 T = TypeVar("T")
 T0 = 1_767_225_600.0
@@ -187,6 +187,20 @@ def test_many_concurrent_appends_share_few_transactions(tmp_path: Path) -> None:
         for i in range(7):
             versions = [r.version for r in await store.read(stream=f"deployment:d{i}")]
             assert versions == list(range(1, len(versions) + 1))
+        await store.close()
+
+    run(scenario())
+
+
+def test_appenders_beyond_the_writers_inbox_wait_and_all_get_written(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = await open_store(tmp_path / "log.db")
+        many = MAX_PENDING_APPENDS + 2_000
+        results = await asyncio.gather(
+            *(store.append("queue", [settings(i)], actor="ondemand") for i in range(many))
+        )
+        assert sorted(r[0].seq for r in results) == list(range(1, many + 1))
+        assert await store.version("queue") == many
         await store.close()
 
     run(scenario())

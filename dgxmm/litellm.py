@@ -1,0 +1,725 @@
+"""LiteLLM sync: which model entries DGXMM wants in LiteLLM, and two ways to put them there.
+
+`desired_entries` is the pure decision: always-on deployments that are ready point at their
+engine, on-demand ones (in any state but failed) at the gateway, failed ones are absent.  Each
+path has its own stable `model_info.id`, so a mode switch adds the new entry before it removes
+the old one.  `litellm_deployment` renders an entry the way LiteLLM 1.108.7 reads it.
+
+Two back-ends implement `actors.ports.LiteLLMSync`:
+
+- `ApiSync` talks to LiteLLM's model-management API (`/model/info`, `/model/new`,
+  `PATCH /model/{id}/update`, `/model/delete`; LiteLLM needs its database for the writes).  It
+  reads LiteLLM's live list on every sync, so it converges after either side restarts.
+- `ConfigFileSync` rewrites LiteLLM's config file (JSON, which LiteLLM reads as YAML) for a
+  LiteLLM run with `--config FILE --reload`.  Every change restarts LiteLLM's worker, so it
+  writes only when something changed and waits until LiteLLM serves what it wrote.
+
+Both only touch entries they own (ids with this box's prefix); every failure becomes
+`actors.errors.SyncFailed` with a sentence an operator can act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import os
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import h11
+import msgspec
+import structlog
+
+from actors.errors import SyncFailed
+from actors.ports import ModelEntry
+
+log = structlog.get_logger(__name__)
+
+READY = "ready"  # Registration.state of a deployment whose engine serves
+FAILED = "failed"  # Registration.state of a deployment whose start failed: removed from LiteLLM
+GATEWAY_TIMEOUT_MARGIN_S = 600.0  # LiteLLM's timeout = queue limit + this (cold start, answer)
+HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
+UPSTREAM_API_KEY = "dgxmm-no-key"  # LiteLLM's openai client insists on a key; nobody checks it
+ID_STEM = "dgxmm-"
+GATEWAY_ID_SUFFIX = "-gw"
+
+REQUEST_TIMEOUT_S = 10.0  # one HTTP exchange with LiteLLM
+MAX_ANSWER_BYTES = 16 * 1024 * 1024  # /model/info lists every entry with its cost map fields
+RELOAD_TIMEOUT_S = 120.0  # LiteLLM drains in-flight requests for 30 s, then starts in ~7-15 s
+POLL_INTERVAL_S = 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# What DGXMM wants
+
+
+class Registration(msgspec.Struct, frozen=True, kw_only=True):
+    """What the sync needs to know about one deployment."""
+
+    deployment_id: str
+    model_name: str  # the name clients use in LiteLLM
+    served_model: str  # the model name the engine serves
+    mode: Literal["on_demand", "always_on"]
+    state: str  # the deployment's lifecycle state; READY and FAILED matter here
+    engine_url: str | None = None  # `http://host:port` of the running engine
+    box_id: str = ""  # prefix that keeps model_info.id unique when boxes share one LiteLLM
+
+
+def id_prefix(box_id: str) -> str:
+    """The prefix of every `model_info.id` this box owns."""
+    return f"{box_id}-{ID_STEM}" if box_id else ID_STEM
+
+
+def entry_id(box_id: str, deployment_id: str, via_gateway: bool) -> str:
+    """The stable `model_info.id` of a deployment's engine entry or gateway entry."""
+    suffix = GATEWAY_ID_SUFFIX if via_gateway else ""
+    return f"{id_prefix(box_id)}{deployment_id}{suffix}"
+
+
+def gateway_timeout_s(queue_timeout_s: float) -> float:
+    """LiteLLM's timeout for gateway entries: the queue limit plus a margin (1500 s by default)."""
+    return queue_timeout_s + GATEWAY_TIMEOUT_MARGIN_S
+
+
+def desired_entries(
+    regs: Iterable[Registration], gateway_url: str, queue_timeout_s: float
+) -> list[ModelEntry]:
+    """The LiteLLM entries DGXMM wants for these deployments, sorted by `model_id`."""
+    gateway = gateway_url.rstrip("/")
+    entries: list[ModelEntry] = []
+    for reg in regs:
+        if reg.state == FAILED:
+            continue
+        if reg.mode == "on_demand":
+            entries.append(
+                ModelEntry(
+                    model_id=entry_id(reg.box_id, reg.deployment_id, via_gateway=True),
+                    model_name=reg.model_name,
+                    api_base=f"{gateway}/d/{reg.deployment_id}/v1",
+                    upstream_model=reg.served_model,
+                    via_gateway=True,
+                    timeout_s=gateway_timeout_s(queue_timeout_s),
+                    deployment_id=reg.deployment_id,
+                )
+            )
+        elif reg.state == READY and reg.engine_url:
+            entries.append(
+                ModelEntry(
+                    model_id=entry_id(reg.box_id, reg.deployment_id, via_gateway=False),
+                    model_name=reg.model_name,
+                    api_base=f"{reg.engine_url.rstrip('/')}/v1",
+                    upstream_model=reg.served_model,
+                    via_gateway=False,
+                    deployment_id=reg.deployment_id,
+                )
+            )
+    return sorted(entries, key=lambda e: e.model_id)
+
+
+def litellm_deployment(entry: ModelEntry) -> dict[str, Any]:
+    """One entry as LiteLLM's `model_list` item and `/model/new` body.
+
+    `openai/` makes LiteLLM strip the prefix, send `"model": upstream_model`, forward the
+    Responses API natively and translate Anthropic `/v1/messages` to the Responses API.  Gateway
+    entries turn LiteLLM's retries off (`num_retries`, which the router reads per entry; the
+    gateway already waits) and mark health probes with a header the gateway answers itself.
+    """
+    params: dict[str, Any] = {
+        "model": f"openai/{entry.upstream_model}",
+        "api_base": entry.api_base,
+        "api_key": UPSTREAM_API_KEY,
+    }
+    info: dict[str, Any] = {"id": entry.model_id, "dgxmm_deployment_id": entry.deployment_id}
+    if entry.timeout_s is not None:
+        params["timeout"] = entry.timeout_s
+        params["stream_timeout"] = entry.timeout_s
+    if entry.via_gateway:
+        params["num_retries"] = 0
+        info["health_check_params"] = {"extra_headers": {HEALTH_CHECK_HEADER: "1"}}
+    return {"model_name": entry.model_name, "litellm_params": params, "model_info": info}
+
+
+def _model_id(item: Mapping[str, Any]) -> str | None:
+    info = item.get("model_info")
+    model_id = info.get("id") if isinstance(info, Mapping) else None
+    return model_id if isinstance(model_id, str) else None
+
+
+def _same_value(want: object, have: object) -> bool:
+    if isinstance(want, int | float) and isinstance(have, int | float):
+        return float(want) == float(have)
+    return want == have
+
+
+def differs(want: Mapping[str, Any], have: Mapping[str, Any]) -> bool:
+    """Whether LiteLLM's entry `have` lacks something of the rendered entry `want`."""
+    if want.get("model_name") != have.get("model_name"):
+        return True
+    want_params, have_params = want["litellm_params"], have.get("litellm_params") or {}
+    for key, value in want_params.items():
+        if key != "api_key" and not _same_value(value, have_params.get(key)):
+            return True
+    want_hc = want["model_info"].get("health_check_params") or None
+    have_hc = (have.get("model_info") or {}).get("health_check_params") or None
+    return bool(want_hc != have_hc)
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and status
+
+
+class LiteLLMSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How DGXMM reaches LiteLLM; the master key is read from an environment variable."""
+
+    enabled: bool = False
+    url: str = "http://127.0.0.1:4000"
+    master_key_env: str = "LITELLM_MASTER_KEY"
+    backend: Literal["api", "file"] = "api"
+    config_path: str = ""  # backend "file": the file LiteLLM runs with (--config FILE --reload)
+    box_id: str = ""
+
+
+class SyncStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The outcome of the last sync, for the UI and the deploy wizard's default."""
+
+    enabled: bool
+    last_sync_at: float | None = None  # wall-clock seconds since the epoch
+    ok: bool = False
+    error: str | None = None
+
+    @property
+    def synced(self) -> bool:
+        """Enabled and the last sync succeeded (the wizard then preselects On demand)."""
+        return self.enabled and self.ok
+
+
+# --------------------------------------------------------------------------------------------
+# A small HTTP/1.1 client (asyncio + h11), one connection per exchange
+
+
+class _TransportError(Exception):
+    """LiteLLM could not be reached or answered something that is not HTTP."""
+
+
+class _Answer(msgspec.Struct, frozen=True):
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+
+def _split_url(url: str) -> tuple[str, int, bool, str]:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise SyncFailed(f"LiteLLM URL {url!r} is not an http:// or https:// URL")
+    tls = parts.scheme == "https"
+    return parts.hostname, parts.port or (443 if tls else 80), tls, parts.path.rstrip("/")
+
+
+async def _exchange(
+    url: str,
+    method: str,
+    target: str,
+    headers: list[tuple[str, str]],
+    body: bytes | None,
+    timeout_s: float,
+) -> _Answer:
+    host, port, tls, base_path = _split_url(url)
+    host_header = host if port in (80, 443) else f"{host}:{port}"
+    all_headers = [("host", host_header), ("connection", "close"), *headers]
+    if body is not None:
+        all_headers += [("content-type", "application/json"), ("content-length", str(len(body)))]
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=ssl.create_default_context() if tls else None
+            )
+            try:
+                request = h11.Request(method=method, target=base_path + target, headers=all_headers)
+                out = conn.send(request) or b""
+                if body:
+                    out += conn.send(h11.Data(data=body)) or b""
+                out += conn.send(h11.EndOfMessage()) or b""
+                writer.write(out)
+                await writer.drain()
+                return await _read_answer(conn, reader)
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+    except TimeoutError as exc:
+        raise _TransportError(f"no answer within {timeout_s:.0f} s") from exc
+    except h11.ProtocolError as exc:
+        raise _TransportError(f"not an HTTP answer ({exc})") from exc
+    except ConnectionRefusedError as exc:
+        raise _TransportError("connection refused (is LiteLLM running?)") from exc
+    except OSError as exc:
+        raise _TransportError(exc.strerror or str(exc)) from exc
+
+
+async def _read_answer(conn: h11.Connection, reader: asyncio.StreamReader) -> _Answer:
+    status = 0
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await reader.read(64 * 1024))
+        elif isinstance(event, h11.Response):
+            status = event.status_code
+        elif isinstance(event, h11.Data):
+            size += len(event.data)
+            if size > MAX_ANSWER_BYTES:
+                raise _TransportError(f"answer larger than {MAX_ANSWER_BYTES} bytes")
+            chunks.append(bytes(event.data))
+        elif isinstance(event, h11.EndOfMessage):
+            return _Answer(status, b"".join(chunks))
+        elif isinstance(event, h11.ConnectionClosed):
+            raise _TransportError("connection closed before the answer was complete")
+
+
+def _error_text(answer: _Answer) -> str:
+    """LiteLLM's error message out of its several error shapes, shortened for the UI."""
+    body = answer.json()
+    text: object = None
+    if isinstance(body, dict):
+        error, detail = body.get("error"), body.get("detail")
+        if isinstance(error, dict):
+            text = error.get("message")
+        elif isinstance(error, str):
+            text = error
+        elif isinstance(detail, dict):
+            text = detail.get("error") or detail
+        elif detail is not None:
+            text = detail
+    if text is None:
+        text = answer.body.decode(errors="replace").strip() or "(empty body)"
+    message = str(text)
+    return message if len(message) <= 300 else message[:297] + "..."
+
+
+def _failure(what: str, answer: _Answer) -> SyncFailed:
+    reason = _error_text(answer)
+    if answer.status in (401, 403):
+        return SyncFailed(
+            f"LiteLLM refused the master key ({what}: HTTP {answer.status}): {reason}"
+        )
+    if "No DB Connected" in reason or "STORE_MODEL_IN_DB" in reason:
+        return SyncFailed(
+            f"LiteLLM cannot store models ({what}: HTTP {answer.status}): {reason}. "
+            "The api back-end needs LiteLLM with DATABASE_URL and STORE_MODEL_IN_DB=True; "
+            "without a database use the file back-end"
+        )
+    return SyncFailed(f"LiteLLM answered HTTP {answer.status} to {what}: {reason}")
+
+
+class LiteLLMClient:
+    """LiteLLM's model-management endpoints, authenticated with the master key."""
+
+    def __init__(self, url: str, master_key: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.url = url.rstrip("/")
+        self._auth = [("authorization", f"Bearer {master_key}")]
+        self._timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return f"LiteLLMClient({self.url!r})"  # never the key
+
+    async def _call(self, method: str, target: str, body: object = None) -> _Answer:
+        payload = None if body is None else json.dumps(body).encode()
+        try:
+            return await _exchange(self.url, method, target, self._auth, payload, self._timeout_s)
+        except _TransportError as exc:
+            raise SyncFailed(f"cannot reach LiteLLM at {self.url}: {exc}") from exc
+
+    async def list_entries(self) -> list[dict[str, Any]]:
+        """Every entry LiteLLM's router serves (`GET /model/info`)."""
+        answer = await self._call("GET", "/model/info")
+        body = answer.json()
+        if answer.status != 200:
+            raise _failure("GET /model/info", answer)
+        if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+            raise SyncFailed(f"LiteLLM's /model/info at {self.url} did not return a model list")
+        return [item for item in body["data"] if isinstance(item, dict)]
+
+    async def add(self, deployment: Mapping[str, Any]) -> _Answer:
+        """`POST /model/new`; returns LiteLLM's answer, whatever its status."""
+        return await self._call("POST", "/model/new", deployment)
+
+    async def update(self, deployment: Mapping[str, Any]) -> None:
+        """`PATCH /model/{id}/update` with the whole rendered entry."""
+        model_id = _model_id(deployment) or ""
+        target = f"/model/{urllib.parse.quote(model_id, safe='')}/update"
+        answer = await self._call("PATCH", target, deployment)
+        if answer.status != 200:
+            raise _failure(f"updating {model_id}", answer)
+
+    async def delete(self, model_id: str) -> _Answer:
+        """`POST /model/delete`; returns LiteLLM's answer, whatever its status."""
+        return await self._call("POST", "/model/delete", {"id": model_id})
+
+
+# --------------------------------------------------------------------------------------------
+# Shared by both back-ends
+
+
+class _Tracker:
+    """Serialises syncs and remembers the outcome of the last one."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.lock = asyncio.Lock()
+        self.clock = clock
+        self.status = SyncStatus(enabled=True)
+
+    def succeeded(self, backend: str, **counts: int) -> None:
+        self.status = SyncStatus(enabled=True, last_sync_at=self.clock(), ok=True)
+        log.info("litellm_synced", backend=backend, **counts)
+
+    def failed(self, backend: str, error: SyncFailed) -> None:
+        self.status = SyncStatus(
+            enabled=True, last_sync_at=self.clock(), ok=False, error=str(error)
+        )
+        log.warning("litellm_sync_failed", backend=backend, error=str(error))
+
+
+def _owned(items: Iterable[Mapping[str, Any]], box_id: str) -> dict[str, Mapping[str, Any]]:
+    prefix = id_prefix(box_id)
+    owned: dict[str, Mapping[str, Any]] = {}
+    for item in items:
+        model_id = _model_id(item)
+        if model_id is not None and model_id.startswith(prefix):
+            owned[model_id] = item
+    return owned
+
+
+def _rendered(entries: Iterable[ModelEntry]) -> dict[str, dict[str, Any]]:
+    return {e.model_id: litellm_deployment(e) for e in sorted(entries, key=lambda e: e.model_id)}
+
+
+async def wait_until_served(
+    client: LiteLLMClient,
+    want: Mapping[str, Mapping[str, Any]],
+    box_id: str,
+    timeout_s: float = RELOAD_TIMEOUT_S,
+) -> None:
+    """Poll `/model/info` until LiteLLM's owned entries are exactly `want` (by id and content)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = "no answer yet"
+    while True:
+        try:
+            live = _owned(await client.list_entries(), box_id)
+            missing = [i for i, w in want.items() if i not in live or differs(w, live[i])]
+            extra = [i for i in live if i not in want]
+            if not missing and not extra:
+                return
+            last = f"still waiting for {missing or extra}"
+        except SyncFailed as exc:  # LiteLLM is restarting: its listener queues or refuses
+            last = str(exc)
+        if loop.time() >= deadline:
+            raise SyncFailed(
+                f"LiteLLM did not load the new model list within {timeout_s:.0f} s ({last}); "
+                "is it running with --config <this file> --reload?"
+            )
+        await asyncio.sleep(POLL_INTERVAL_S)
+
+
+# --------------------------------------------------------------------------------------------
+# Back-end (a): the model-management API
+
+
+class ApiSync:
+    """Keeps LiteLLM's database-backed model list equal to DGXMM's, through its API."""
+
+    def __init__(
+        self,
+        url: str,
+        master_key: str | None,
+        *,
+        box_id: str = "",
+        master_key_env: str = "LITELLM_MASTER_KEY",
+        clock: Callable[[], float] = time.time,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        self._client = LiteLLMClient(url, master_key or "", request_timeout_s)
+        self._has_key = bool(master_key)
+        self._key_env = master_key_env
+        self._box_id = box_id
+        self._tracker = _Tracker(clock)
+
+    def __repr__(self) -> str:
+        return f"ApiSync({self._client.url!r}, box_id={self._box_id!r})"
+
+    def status(self) -> SyncStatus:
+        """The outcome of the last sync."""
+        return self._tracker.status
+
+    async def sync(self, entries: list[ModelEntry]) -> None:
+        """Make LiteLLM's owned entries equal to `entries`: add, then update, then remove."""
+        async with self._tracker.lock:
+            try:
+                counts = await self._sync(entries)
+            except SyncFailed as exc:
+                self._tracker.failed("api", exc)
+                raise
+            self._tracker.succeeded("api", **counts)
+
+    async def _sync(self, entries: list[ModelEntry]) -> dict[str, int]:
+        if not self._has_key:
+            raise SyncFailed(f"LiteLLM master key: environment variable {self._key_env} is not set")
+        want = _rendered(entries)
+        live = _owned(await self._client.list_entries(), self._box_id)
+        added = [i for i in want if i not in live]
+        changed = [i for i in want if i in live and differs(want[i], live[i])]
+        removed = [i for i in live if i not in want]
+        for model_id in [*changed, *removed]:
+            if (live[model_id].get("model_info") or {}).get("db_model") is False:
+                raise SyncFailed(
+                    f"LiteLLM entry {model_id} comes from LiteLLM's config file, which the api "
+                    "back-end cannot change; remove it from that file"
+                )
+        for model_id in added:
+            await self._add(want[model_id])
+        for model_id in changed:
+            await self._client.update(want[model_id])
+            log.info("litellm_entry_updated", model_id=model_id)
+        for model_id in removed:
+            await self._remove(model_id)
+        return {"added": len(added), "updated": len(changed), "removed": len(removed)}
+
+    async def _add(self, deployment: Mapping[str, Any]) -> None:
+        model_id = _model_id(deployment) or ""
+        answer = await self._client.add(deployment)
+        if answer.status == 200:
+            log.info("litellm_entry_added", model_id=model_id)
+            return
+        failure = _failure(f"adding {model_id}", answer)
+        if answer.status in (401, 403) or "No DB Connected" in str(failure):
+            raise failure
+        # The id may already be in LiteLLM's database (another LiteLLM worker had it, or an
+        # earlier answer was lost): writing it in place makes the add idempotent.
+        try:
+            await self._client.update(deployment)
+        except SyncFailed:
+            raise failure from None
+        log.info("litellm_entry_updated", model_id=model_id, after="add_refused")
+
+    async def _remove(self, model_id: str) -> None:
+        answer = await self._client.delete(model_id)
+        if answer.status == 200:
+            log.info("litellm_entry_removed", model_id=model_id)
+        elif answer.status in (400, 404) and "not found" in _error_text(answer).lower():
+            log.info("litellm_entry_already_gone", model_id=model_id)
+        else:
+            raise _failure(f"removing {model_id}", answer)
+
+
+# --------------------------------------------------------------------------------------------
+# Back-end (b): LiteLLM's config file
+
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "model_list": [],
+    "general_settings": {"disable_model_info_refresh": True},
+}
+
+
+def plan_config(
+    document: Mapping[str, Any], want: Mapping[str, Mapping[str, Any]], box_id: str
+) -> list[dict[str, Any]]:
+    """The documents to write in order: an intermediate that keeps replaced entries, then the final.
+
+    Entries other than this box's are kept as they are, as is every non-model setting.  When an
+    added entry takes over a model name from a removed one (a mode switch), the first document
+    holds both so that LiteLLM serves the new path before the old one goes.
+    """
+    items = [i for i in document.get("model_list") or [] if isinstance(i, dict)]
+    prefix = id_prefix(box_id)
+    foreign = [i for i in items if not (_model_id(i) or "").startswith(prefix)]
+    current = _owned(items, box_id)
+    base = {k: v for k, v in document.items() if k != "model_list"}
+    settings = dict(base.get("general_settings") or {})
+    settings.setdefault("disable_model_info_refresh", True)
+    base["general_settings"] = settings
+
+    final = {**base, "model_list": foreign + [dict(d) for d in want.values()]}
+    added_names = {want[i]["model_name"] for i in want if i not in current}
+    replaced = [
+        dict(item)
+        for model_id, item in current.items()
+        if model_id not in want and item.get("model_name") in added_names
+    ]
+    if not replaced:
+        return [final]
+    intermediate = {**base, "model_list": final["model_list"] + replaced}
+    return [intermediate, final]
+
+
+class ConfigFileSync:
+    """Keeps the model list in LiteLLM's config file equal to DGXMM's (LiteLLM runs --reload)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        url: str,
+        master_key: str | None,
+        *,
+        box_id: str = "",
+        master_key_env: str = "LITELLM_MASTER_KEY",
+        reload_timeout_s: float = RELOAD_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self._client = LiteLLMClient(url, master_key or "")
+        self._has_key = bool(master_key)
+        self._key_env = master_key_env
+        self._box_id = box_id
+        self._reload_timeout_s = reload_timeout_s
+        self._tracker = _Tracker(clock)
+
+    def __repr__(self) -> str:
+        return f"ConfigFileSync({str(self.path)!r}, box_id={self._box_id!r})"
+
+    def status(self) -> SyncStatus:
+        """The outcome of the last sync."""
+        return self._tracker.status
+
+    async def sync(self, entries: list[ModelEntry]) -> None:
+        """Write the entries into the file (two writes for a mode switch) and wait for LiteLLM."""
+        async with self._tracker.lock:
+            try:
+                counts = await self._sync(entries)
+            except SyncFailed as exc:
+                self._tracker.failed("file", exc)
+                raise
+            self._tracker.succeeded("file", **counts)
+
+    async def wait_until_served(self, entries: list[ModelEntry]) -> None:
+        """Wait until LiteLLM serves exactly these owned entries (after a reload)."""
+        await wait_until_served(
+            self._client, _rendered(entries), self._box_id, self._reload_timeout_s
+        )
+
+    async def write_config(self, entries: list[ModelEntry]) -> bool:
+        """Write the final model list at once, without waiting (e.g. before LiteLLM starts)."""
+        async with self._tracker.lock:
+            document = await asyncio.to_thread(self._read)
+            final = plan_config(document, _rendered(entries), self._box_id)[-1]
+            if final == document:
+                return False
+            await asyncio.to_thread(self._write, final)
+            return True
+
+    async def _sync(self, entries: list[ModelEntry]) -> dict[str, int]:
+        if not self._has_key:
+            raise SyncFailed(f"LiteLLM master key: environment variable {self._key_env} is not set")
+        document = await asyncio.to_thread(self._read)
+        want = _rendered(entries)
+        plan = plan_config(document, want, self._box_id)
+        if plan[-1] == document:
+            # Nothing to write; still check that LiteLLM serves it (it may be mid-reload).
+            await wait_until_served(self._client, want, self._box_id, self._reload_timeout_s)
+            return {"writes": 0}
+        for step in plan:
+            await asyncio.to_thread(self._write, step)
+            log.info("litellm_config_written", path=str(self.path), entries=len(step["model_list"]))
+            await wait_until_served(
+                self._client,
+                _owned(step["model_list"], self._box_id),
+                self._box_id,
+                self._reload_timeout_s,
+            )
+        return {"writes": len(plan)}
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return copy.deepcopy(DEFAULT_CONFIG)
+        except OSError as exc:
+            raise SyncFailed(f"cannot read LiteLLM config {self.path}: {exc.strerror}") from exc
+        if not text.strip():
+            return {}
+        try:
+            document = json.loads(text)
+        except ValueError as exc:
+            raise SyncFailed(
+                f"LiteLLM config {self.path} is not JSON ({exc}); DGXMM writes this file as JSON, "
+                "which LiteLLM reads as YAML: convert it once, or give DGXMM a file of its own"
+            ) from exc
+        if not isinstance(document, dict):
+            raise SyncFailed(f"LiteLLM config {self.path} is not a JSON object")
+        return document
+
+    def _write(self, document: Mapping[str, Any]) -> None:
+        data = (json.dumps(document, indent=2) + "\n").encode()
+        tmp = self.path.with_name(f".{self.path.name}.dgxmm-tmp")
+        try:
+            mode = self.path.stat().st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o644
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)  # LiteLLM's reloader never sees a half-written file
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise SyncFailed(f"cannot write LiteLLM config {self.path}: {exc.strerror}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing a back-end
+
+
+class DisabledSync:
+    """The LiteLLM integration is off: syncing does nothing."""
+
+    def status(self) -> SyncStatus:
+        """Always disabled."""
+        return SyncStatus(enabled=False)
+
+    async def sync(self, entries: list[ModelEntry]) -> None:
+        """Do nothing."""
+
+
+def make_sync(
+    settings: LiteLLMSettings, environ: Mapping[str, str] | None = None
+) -> ApiSync | ConfigFileSync | DisabledSync:
+    """The back-end these settings ask for; the master key comes from `settings.master_key_env`."""
+    if not settings.enabled:
+        return DisabledSync()
+    env = os.environ if environ is None else environ
+    key = env.get(settings.master_key_env) or None
+    if settings.backend == "file":
+        if not settings.config_path:
+            raise SyncFailed("LiteLLM file back-end: no config_path set")
+        return ConfigFileSync(
+            settings.config_path,
+            settings.url,
+            key,
+            box_id=settings.box_id,
+            master_key_env=settings.master_key_env,
+        )
+    return ApiSync(
+        settings.url, key, box_id=settings.box_id, master_key_env=settings.master_key_env
+    )

@@ -262,6 +262,7 @@ class Controller:
             state=dep.lifecycle.value,
             mode=dep.mode,
             created_at=dep.created_at,
+            engine_handle=actor.engine_handle,
         )
 
     def try_acquire(self, deployment_id: str) -> LeaseImpl | None:

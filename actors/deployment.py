@@ -253,6 +253,11 @@ class DeploymentActor(Actor):
         """The deployment's id."""
         return self.state.deployment_id
 
+    @property
+    def engine_handle(self) -> EngineHandle | None:
+        """Where the engine answers while it is ready and accepting requests."""
+        return self._handle if self.activity.accepting else None
+
     # --- the hot path (synchronous, called by the gateway) -------------------------------
 
     def try_acquire(self) -> LeaseImpl | None:

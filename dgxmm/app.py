@@ -1,0 +1,311 @@
+"""The composition root: builds every part from the configuration and runs them.
+
+Only the entry points import `dgxmm`; this module is where the actors get their runtime,
+engine probe, LiteLLM sync and memory source injected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from actors.controller import Controller, DeploymentSpec
+from actors.errors import RuntimeFailure
+from actors.memory_broker import GIB, MemoryBroker
+from actors.ports import LaunchSpec, Runtime
+from actors.runtime import SystemClock
+from actors.watchdog import WatchdogActor
+from dgxmm import engines
+from dgxmm.config import Config, ConfigError, load_config
+from dgxmm.memory import detect_source, detect_total_bytes
+from events.state import DeploymentState
+from gateway.app import Gateway
+from gateway.server import HTTPServer, ServerConfig
+from storage.errors import StorageError
+from storage.eventlog import EventStore
+
+log = structlog.get_logger("dgxmm.app")
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+WEB_ROOT = Path(__file__).resolve().parent / "web"
+
+DEMO_TOTAL_GIB = 48.0
+DEMO_DEPLOYMENTS = (
+    DeploymentSpec(
+        name="demo-always",
+        engine="sim",
+        model="demo/router-1b",
+        memory_bytes=4 * GIB,
+        mode="always_on",
+        role="decision",
+        args=["--flavour", "llamacpp"],
+    ),
+    DeploymentSpec(
+        name="demo-chat",
+        engine="sim",
+        model="demo/chat-8b",
+        memory_bytes=8 * GIB,
+        mode="on_demand",
+        args=["--startup-delay", "2", "--token-delay", "0.02"],
+    ),
+    DeploymentSpec(
+        name="demo-large",
+        engine="sim",
+        model="demo/large-70b",
+        memory_bytes=40 * GIB,
+        mode="on_demand",
+        args=["--startup-delay", "6", "--flavour", "vllm"],
+    ),
+)
+
+
+class App:
+    """Every running part of one DGXMM."""
+
+    def __init__(self, config: Config, *, demo: bool = False) -> None:
+        self.config = config
+        self.demo = demo
+        self.clock = SystemClock()
+        self.store: EventStore | None = None
+        self.runtime: Runtime | None = None
+        self.controller: Controller | None = None
+        self.gateway: Gateway | None = None
+        self.admin: HTTPServer | None = None
+        self.watchdog: WatchdogActor | None = None
+        self.litellm: Any = None
+        self.admin_password: str | None = None
+        self.runtime_kind = ""
+
+    # --- building ------------------------------------------------------------------------
+
+    async def _runtime(self) -> Runtime:
+        from dgxmm.runtimes.process import ProcessRuntime
+
+        kind = self.config.runtime.kind
+        data_dir = Path(self.config.server.data_dir)
+        if kind == "auto" and not self.demo:
+            kind = "docker" if await self._docker_answers() else "process"
+        if kind == "docker":
+            from dgxmm.runtimes.docker import DockerRuntime
+
+            self.runtime_kind = "docker"
+            return DockerRuntime(url=self.config.runtime.docker_url)
+        self.runtime_kind = "process"
+        return ProcessRuntime(data_dir / "engines", cwd=PROJECT_DIR)
+
+    async def _docker_answers(self) -> bool:
+        from dgxmm.runtimes.docker import DockerRuntime
+
+        probe = DockerRuntime(url=self.config.runtime.docker_url)
+        try:
+            await probe.ping()
+        except RuntimeFailure:
+            return False
+        finally:
+            await probe.close()
+        return True
+
+    def _engine_settings(self) -> engines.EngineSettings:
+        cfg = self.config.engines
+        kwargs: dict[str, Any] = {
+            "images": cfg.images,
+            "sim_image": cfg.sim_image,
+            "startup_timeout_s": cfg.startup_timeout_s,
+            "extra_env": cfg.extra_env,
+        }
+        if cfg.cache_root:
+            kwargs["cache_root"] = cfg.cache_root
+        if self.runtime_kind == "process":
+            kwargs["sim_python"] = sys.executable
+        return engines.EngineSettings(**kwargs)
+
+    async def start(self) -> None:
+        """Open the log, fold it, reconcile, and start listening."""
+        cfg = self.config
+        await asyncio.to_thread(Path(cfg.server.data_dir).mkdir, parents=True, exist_ok=True)
+        self.store = store = await EventStore.open(cfg.server.db_path)
+        self.runtime = runtime = await self._runtime()
+        settings = self._engine_settings()
+
+        def launch_spec(dep: DeploymentState) -> LaunchSpec:
+            return engines.launch_spec(
+                dep.deployment_id,
+                dep.name,
+                dep.engine,
+                dep.model,
+                dep.memory_bytes,
+                dep.args,
+                settings=settings,
+            )
+
+        if cfg.memory.total_gib is not None:
+            total, source = int(cfg.memory.total_gib * GIB), "configuration"
+        elif self.demo:
+            total, source = int(DEMO_TOTAL_GIB * GIB), "demo"
+        else:
+            total, source = await detect_total_bytes()
+        reserve = 0 if self.demo else int(cfg.memory.reserve_gib * GIB)
+        usable = max(0, total - reserve)
+        log.info("memory_budget", total_bytes=total, usable_bytes=usable, source=source)
+        broker = MemoryBroker(usable, total, max_concurrent_starts=cfg.memory.max_concurrent_starts)
+        self.controller = controller = Controller(
+            store=store,
+            clock=self.clock,
+            runtime=runtime,
+            probe=engines.HttpEngineProbe(),
+            broker=broker,
+            launch_spec=launch_spec,
+            defaults=cfg.ondemand_defaults(),
+        )
+        await controller.load()
+        await self._start_litellm()
+        self.gateway = Gateway(controller)
+        await self.gateway.serve(cfg.server.gateway_host, cfg.server.gateway_port)
+        await self._start_admin()
+        if cfg.memory.watchdog_threshold_gib > 0:
+            mem_source, _ = await detect_source()
+            self.watchdog = WatchdogActor(
+                clock=self.clock,
+                source=mem_source,
+                actors=lambda: list(controller.actors.values()),
+                threshold_bytes=int(cfg.memory.watchdog_threshold_gib * GIB),
+                every_s=cfg.memory.watchdog_every_s,
+            )
+            self.watchdog.start()
+        if self.demo:
+            await self._demo_deployments()
+
+    async def _start_litellm(self) -> None:
+        try:
+            from dgxmm.integration import LiteLLMBridge
+        except ImportError:
+            return
+        assert self.controller is not None and self.store is not None
+        self.litellm = LiteLLMBridge(self.config, self.controller, self.store, self.clock)
+        await self.litellm.start()
+
+    async def _start_admin(self) -> None:
+        try:
+            from dgxmm.api import AdminApi
+            from dgxmm.auth import Auth, ensure_admin
+        except ImportError:
+            return
+        assert self.controller is not None and self.store is not None
+        cfg = self.config
+        self.admin_password = await ensure_admin(self.store, self.clock)
+        auth = Auth(self.controller, self.store, self.clock)
+        bridge = self.litellm
+        gateway = self.gateway
+        api = AdminApi(
+            controller=self.controller,
+            store=self.store,
+            auth=auth,
+            clock=self.clock,
+            litellm_status=(bridge.status if bridge else None),
+            litellm_sync_now=(bridge.sync_now if bridge else None),
+            litellm_configure=(bridge.configure if bridge else None),
+            web_root=WEB_ROOT if WEB_ROOT.is_dir() else None,
+            gateway_statistics=(gateway.statistics if gateway else None),
+        )
+        self.admin = HTTPServer(api.handle, ServerConfig(max_body_bytes=1024 * 1024))
+        await self.admin.start(cfg.server.admin_host, cfg.server.admin_port)
+
+    async def _demo_deployments(self) -> None:
+        assert self.controller is not None
+        existing = {a.state.name for a in self.controller.actors.values()}
+        for spec in DEMO_DEPLOYMENTS:
+            if spec.name not in existing:
+                await self.controller.create(spec, actor="system")
+
+    # --- running -------------------------------------------------------------------------
+
+    def banner(self) -> str:
+        """What `dgxmm serve` prints once it listens."""
+        cfg = self.config.server
+        assert self.controller is not None
+        admin_port = self.admin.port if self.admin else cfg.admin_port
+        lines = [
+            "DGXMM is running.",
+            f"  web UI and API : http://{cfg.admin_host}:{admin_port}/dgxmm/",
+            f"  gateway        : {cfg.public_gateway_url}/d/<deployment>/v1",
+            f"  event log      : {cfg.db_path}",
+            f"  runtime        : {self.runtime_kind}",
+        ]
+        if self.admin_password:
+            lines.append(f"  admin login    : admin / {self.admin_password}")
+        for rec in self.controller.records():
+            lines.append(f"  deployment     : {rec.name} ({rec.id}, {rec.mode}, {rec.state})")
+        first = next(
+            (r for r in self.controller.records() if r.name == "demo-chat"),
+            None,
+        )
+        if first is not None:
+            url = f"{cfg.public_gateway_url}/d/{first.id}/v1/chat/completions"
+            lines.append("Try it:")
+            body = (
+                f'{{"model": "{first.model}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
+            )
+            lines.append(f"  curl -s {url} -H 'content-type: application/json' -d '{body}'")
+        return "\n".join(lines)
+
+    async def stop(self) -> None:
+        """Stop listening, let answers finish, stop the actors (engines keep running)."""
+        if self.admin is not None:
+            await self.admin.shutdown(5.0)
+        if self.gateway is not None:
+            await self.gateway.shutdown(10.0)
+        if self.watchdog is not None:
+            await self.watchdog.stop()
+        if self.litellm is not None:
+            await self.litellm.stop()
+        if self.controller is not None:
+            await self.controller.close()
+        if self.demo and self.controller is not None and self.runtime is not None:
+            # The demo's simulated engines are children of this process: stop them too.
+            for actor in list(self.controller.actors.values()):
+                handle = actor.engine_handle
+                if handle is not None:
+                    with contextlib.suppress(RuntimeFailure):
+                        await self.runtime.stop(handle, 5.0)
+        if self.runtime is not None:
+            await self.runtime.close()
+        if self.store is not None:
+            await self.store.close()
+
+
+async def _serve(config: Config, demo: bool) -> int:
+    app = App(config, demo=demo)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await app.start()
+    except (StorageError, RuntimeFailure, OSError) as exc:
+        print(f"dgxmm: cannot start: {exc}", file=sys.stderr)
+        await app.stop()
+        return 2
+    print(app.banner(), flush=True)
+    await stop.wait()
+    print("dgxmm: stopping", file=sys.stderr, flush=True)
+    await app.stop()
+    return 0
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`dgxmm serve [--config FILE] [--demo]`."""
+    try:
+        config = load_config(getattr(args, "config", None))
+    except ConfigError as exc:
+        print(f"dgxmm: {exc}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    return int(uvloop.run(_serve(config, bool(getattr(args, "demo", False)))))

@@ -1,0 +1,145 @@
+"""Configuration: one TOML file, every key with a default; the seed's names are the keys.
+
+```toml
+ondemand_idle_timeout_s = 300
+ondemand_queue_timeout_s = 900
+ondemand_max_queued = 64
+
+[server]
+data_dir = "./dgxmm-data"
+
+[litellm]
+enabled = true
+url = "http://127.0.0.1:4000"
+```
+
+`docs/configuration.md` lists every key with what it changes.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+
+class ConfigError(Exception):
+    """The configuration file cannot be used; the message names the file and the key."""
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where DGXMM listens and keeps its data."""
+
+    data_dir: str = "./dgxmm-data"
+    db: str | None = None  # default: <data_dir>/dgxmm.db
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8400
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8401
+    gateway_url: str | None = None  # how LiteLLM reaches the gateway; default from host/port
+    box_id: str = "box"  # prefix of LiteLLM model_info.id when several boxes share a LiteLLM
+
+    @property
+    def db_path(self) -> Path:
+        """The event log's file."""
+        return Path(self.db) if self.db else Path(self.data_dir) / "dgxmm.db"
+
+    @property
+    def public_gateway_url(self) -> str:
+        """The gateway's base URL as LiteLLM sees it."""
+        if self.gateway_url:
+            return self.gateway_url.rstrip("/")
+        host = "127.0.0.1" if self.gateway_host in ("0.0.0.0", "") else self.gateway_host
+        return f"http://{host}:{self.gateway_port}"
+
+
+class MemoryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The budget and the watchdog."""
+
+    total_gib: float | None = None  # default: detected (nvidia-smi, else MemTotal)
+    reserve_gib: float = 8.0  # kept for the system, never given to engines
+    max_concurrent_starts: int = 1  # the start-up queue
+    watchdog_threshold_gib: float = 2.0  # 0 turns the watchdog off
+    watchdog_every_s: float = 5.0
+
+
+class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which runtime starts engines."""
+
+    kind: Literal["auto", "docker", "process"] = "auto"
+    docker_url: str | None = None  # default: the local socket (DOCKER_HOST)
+    stop_timeout_s: float = 30.0
+
+
+class EnginesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Engine images and caches."""
+
+    images: dict[str, str] = {}
+    sim_image: str = "dgxmm-sim:local"
+    cache_root: str | None = None  # default: ~/.cache
+    startup_timeout_s: float = 1200.0
+    extra_env: dict[str, str] = {}
+
+
+class LiteLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The LiteLLM integration (the master key comes from an environment variable)."""
+
+    enabled: bool = False
+    url: str = "http://127.0.0.1:4000"
+    master_key_env: str = "LITELLM_MASTER_KEY"
+    backend: Literal["file", "api"] = "file"
+    config_path: str | None = None  # file back-end: default <data_dir>/litellm.yaml
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole configuration."""
+
+    ondemand_idle_timeout_s: int = 300
+    ondemand_queue_timeout_s: int = 900
+    ondemand_max_queued: int = 64
+    server: ServerConfig = ServerConfig()
+    memory: MemoryConfig = MemoryConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    engines: EnginesConfig = EnginesConfig()
+    litellm: LiteLLMConfig = LiteLLMConfig()
+
+    def ondemand_defaults(self) -> dict[str, int]:
+        """The on-demand defaults (settings changed in the UI override them)."""
+        return {
+            "ondemand_idle_timeout_s": self.ondemand_idle_timeout_s,
+            "ondemand_queue_timeout_s": self.ondemand_queue_timeout_s,
+            "ondemand_max_queued": self.ondemand_max_queued,
+        }
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Read the TOML file (or the defaults when `path` is None); raises ConfigError."""
+    if path is None:
+        return Config()
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    try:
+        config = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    _check(config, str(path))
+    return config
+
+
+def _check(config: Config, where: str) -> None:
+    if not 60 <= config.ondemand_idle_timeout_s <= 86400:
+        raise ConfigError(f"{where}: ondemand_idle_timeout_s must be 60 to 86400")
+    if config.ondemand_queue_timeout_s < 1:
+        raise ConfigError(f"{where}: ondemand_queue_timeout_s must be at least 1")
+    if config.ondemand_max_queued < 1:
+        raise ConfigError(f"{where}: ondemand_max_queued must be at least 1")
+    if config.memory.max_concurrent_starts < 1:
+        raise ConfigError(f"{where}: memory.max_concurrent_starts must be at least 1")

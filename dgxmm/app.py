@@ -249,9 +249,8 @@ class App:
         if first is not None:
             url = f"{cfg.public_gateway_url}/d/{first.id}/v1/chat/completions"
             lines.append("Try it:")
-            body = (
-                f'{{"model": "{first.model}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
-            )
+            message = '[{"role": "user", "content": "Hello"}]'
+            body = f'{{"model": "{first.model}", "messages": {message}}}'
             lines.append(f"  curl -s {url} -H 'content-type: application/json' -d '{body}'")
         return "\n".join(lines)
 

@@ -342,7 +342,10 @@ class Gateway:
     ) -> None:
         headers = [(n, v) for n, v in strip_hop_by_hop(request.headers) if n not in _DROP_REQUEST]
         try:
-            answer = await self.upstream.request(host, port, request.method, target, headers, body)
+            # Method, target and headers came out of h11's parser: no need to validate again.
+            answer = await self.upstream.request(
+                host, port, request.method, target, headers, body, checked=True
+            )
         except UpstreamError as exc:
             self.engine_failures += 1
             log.warning("engine_request_failed", deployment=view.deployment_id, error=exc.detail)
@@ -370,7 +373,7 @@ class Gateway:
         self, answer: UpstreamResponse, responder: Responder, view: DeploymentView
     ) -> None:
         headers = strip_hop_by_hop(answer.headers)
-        await responder.start(answer.status, headers, reason=answer.reason)
+        await responder.start(answer.status, headers, reason=answer.reason, checked=True)
         if header_value(headers, b"content-length") is None:
             await responder.flush()  # a stream: the client gets the head before the first token
         try:

@@ -169,9 +169,21 @@ class ServerSession:
         """The `100 Continue` interim response."""
         return self._send(h11.InformationalResponse(status_code=100, headers=[]))
 
-    def response_head(self, status: int, headers: Headers, reason: bytes = b"") -> bytes:
-        """Bytes of a response head; raises `ResponseStateError` when out of order."""
-        return self._send(h11.Response(status_code=status, headers=headers, reason=reason))
+    def response_head(
+        self, status: int, headers: Headers, reason: bytes = b"", checked: bool = False
+    ) -> bytes:
+        """Bytes of a response head; raises `ResponseStateError` when out of order or invalid.
+
+        `checked`: the headers came out of an h11 parser, so h11 need not validate them again
+        (framing headers are still interpreted).
+        """
+        try:
+            event = h11.Response(
+                status_code=status, headers=headers, reason=reason, _parsed=checked
+            )
+        except h11.LocalProtocolError as exc:
+            raise ResponseStateError(str(exc)) from exc
+        return self._send(event)
 
     def body(self, data: bytes) -> bytes:
         """Bytes that carry `data` in the response body (framed as the head decided)."""
@@ -229,10 +241,13 @@ class ClientSession:
         self.received_any = False
         self.eof = False
 
-    def request(self, method: bytes, target: bytes, headers: Headers, body: bytes) -> bytes:
-        """Bytes of a complete request with a Content-Length body."""
+    def request(
+        self, method: bytes, target: bytes, headers: Headers, body: bytes, checked: bool = False
+    ) -> bytes:
+        """Bytes of a complete request with a Content-Length body (`checked`: see above)."""
         try:
-            out = self._conn.send(h11.Request(method=method, target=target, headers=headers))
+            event = h11.Request(method=method, target=target, headers=headers, _parsed=checked)
+            out = self._conn.send(event)
             if body:
                 out += self._conn.send(h11.Data(data=body))
             return out + self._conn.send(h11.EndOfMessage())

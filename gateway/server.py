@@ -1,9 +1,11 @@
 """A small HTTP/1.1 server on h11 and asyncio streams, shared by the gateway and the admin API.
 
-One task per connection reads request heads; each request's handler runs in its own task so
-that the connection task can notice the client hanging up (EOF) while the handler waits, and
-cancel it.  Protocol decisions live in `gateway.protocol.ServerSession`; this module only
-moves bytes, keeps time and decides when a connection ends.
+One task per connection reads request heads and runs each request's handler inline; the
+stream protocol reports EOF and resets as they happen (no read pending), and a hang-up while
+the handler waits cancels it.  Timeouts come from
+one sweeper task per server (`gateway.deadlines`), not from a timer per read.  Protocol
+decisions live in `gateway.protocol.ServerSession`; this module only moves bytes, keeps time
+and decides when a connection ends.
 
 Handler contract:
 
@@ -16,8 +18,11 @@ Handler contract:
   `end()`; or `respond(status, headers, body)` for the whole answer in one write.  Headers are
   `(lower-case name, value)` byte pairs; without a content-length the body is chunked.
   `start` only buffers the head: it is written with the first `send`, `end` or `flush`.
+  `start(..., checked=True)` skips h11's header validation for headers that came out of an
+  h11 parser (a relayed answer); never pass it for headers built from untrusted input.
 * When the client hangs up before the response has ended, `request.client_gone` is set and
-  the handler task is cancelled; writes to a gone client raise `ClientDisconnected`.
+  the handler is cancelled (it runs in the connection's task; let CancelledError through);
+  writes to a gone client raise `ClientDisconnected`.
 * Exceptions other than `ClientError` become a 500 when nothing was sent yet (logged), else
   the connection is closed.  A handler that returns without `end()` closes the connection.
 """
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from gateway.deadlines import Sweeper, sweep_interval
 from gateway.errors import (
     BodyTimeout,
     ClientDisconnected,
@@ -164,13 +170,15 @@ class Responder:
         self.started = False
         self.finished = False
 
-    async def start(self, status: int, headers: Headers, *, reason: bytes = b"") -> None:
+    async def start(
+        self, status: int, headers: Headers, *, reason: bytes = b"", checked: bool = False
+    ) -> None:
         """Begin the response; nothing is written until `send`, `end` or `flush`."""
         if self.started:
             raise ResponseStateError("response already started")
         if self._conn.server.closing:
             headers = [*headers, (b"connection", b"close")]
-        self._pending = self._conn.session.response_head(status, headers, reason)
+        self._pending = self._conn.session.response_head(status, headers, reason, checked)
         self.started = True
 
     async def send(self, data: bytes) -> None:
@@ -197,7 +205,8 @@ class Responder:
         out = self._pending + self._conn.session.end()
         self._pending = b""
         self.finished = True
-        await self._conn.write(out)
+        if out:  # a Content-Length body ends without bytes
+            await self._conn.write(out)
 
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         """A complete response with a Content-Length body, in one write."""
@@ -212,17 +221,40 @@ class Responder:
 Handler = Callable[[Request, Responder], Coroutine[object, object, None]]
 
 
+class _Expired(Exception):
+    """A read or write of this connection passed its deadline."""
+
+
+class _StreamProtocol(asyncio.StreamReaderProtocol):
+    """A stream protocol that also tells its connection when the peer closes or resets."""
+
+    on_peer_closed: Callable[[], None] | None = None
+
+    def eof_received(self) -> bool:
+        """The peer closed its side."""
+        keep_open = bool(super().eof_received())
+        if self.on_peer_closed is not None:
+            self.on_peer_closed()
+        return keep_open
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The connection is gone (reset, or closed by us)."""
+        super().connection_lost(exc)
+        if self.on_peer_closed is not None:
+            self.on_peer_closed()
+
+
 class _Connection:
     """One client connection: reads heads, runs handlers, decides reuse, never leaks errors."""
 
     __slots__ = (
-        "_handler_task",
         "_responder",
-        "_stash",
-        "_watcher",
         "broken",
+        "cancelled_for_gone",
         "config",
+        "deadline",
         "idle",
+        "in_handler",
         "peer",
         "reader",
         "request",
@@ -231,6 +263,7 @@ class _Connection:
         "task",
         "transport",
         "writer",
+        "writing",
     )
 
     def __init__(
@@ -254,9 +287,13 @@ class _Connection:
         self.broken = False
         self.request: Request | None = None
         self._responder: Responder | None = None
-        self._handler_task: asyncio.Task[None] | None = None
-        self._watcher: asyncio.Task[None] | None = None
-        self._stash = b""
+        self.in_handler = False
+        self.cancelled_for_gone = False
+        self.deadline = 0.0  # loop time by which the pending read or write must finish
+        self.writing = False
+        protocol = writer.transport.get_protocol()
+        if isinstance(protocol, _StreamProtocol):
+            protocol.on_peer_closed = self._peer_closed
 
     # --- the connection's own task -------------------------------------------------------
 
@@ -272,8 +309,7 @@ class _Connection:
         except Exception as exc:  # a bug; the server must keep serving other connections
             log.error("connection_failed", peer=self.peer, error=repr(exc))
         finally:
-            if self._watcher is not None:
-                self._watcher.cancel()
+            self.deadline = 0.0
             if self.broken:
                 self.transport.abort()
             else:
@@ -281,21 +317,27 @@ class _Connection:
 
     async def _read(self, timeout: float) -> bytes | None:
         """Bytes from the socket; b"" at EOF or on a reset; None on timeout."""
-        if self._stash:
-            data, self._stash = self._stash, b""
-            return data
+        self.deadline = self.server.loop_time() + timeout
         try:
-            async with asyncio.timeout(max(timeout, 0.0)):
-                return await self.reader.read(self.config.read_chunk_bytes)
-        except TimeoutError:
+            return await self.reader.read(self.config.read_chunk_bytes)
+        except _Expired:
             return None
         except OSError:
             return b""
+        finally:
+            self.deadline = 0.0
+
+    def expire(self) -> None:
+        """The sweeper found our deadline passed: fail the pending read or write."""
+        if self.writing:
+            self.broken = True
+            self.transport.abort()
+        else:
+            self.reader.set_exception(_Expired())
 
     async def _receive_head(self) -> RequestHead | None:
         """The next request head, or None when the connection should end."""
         session = self.session
-        loop = asyncio.get_running_loop()
         header_deadline = 0.0
         while True:
             try:
@@ -315,9 +357,10 @@ class _Connection:
                 timeout = self.config.keepalive_timeout_s
             else:
                 self.idle = False
+                now = self.server.loop_time()
                 if not header_deadline:
-                    header_deadline = loop.time() + self.config.header_timeout_s
-                timeout = header_deadline - loop.time()
+                    header_deadline = now + self.config.header_timeout_s
+                timeout = header_deadline - now
             data = await self._read(timeout)
             if data is None:
                 if session.cycle_bytes:
@@ -326,31 +369,41 @@ class _Connection:
             session.receive(data)
 
     async def _serve(self, head: RequestHead) -> bool:
-        """Run the handler for one request; True when the connection may serve another."""
+        """Run the handler for one request; True when the connection may serve another.
+
+        The handler runs inline in the connection task; a client hang-up cancels this task
+        (`_client_gone`), and that one cancellation is taken back here with `uncancel()`.
+        """
         server = self.server
         request = Request(self, head, next(server.request_ids))
         responder = Responder(self)
         self.request, self._responder = request, responder
         if not head.has_body:
             self._pull_body_end(request)
-        task = asyncio.get_running_loop().create_task(server.handler(request, responder))
-        self._handler_task = task
-        if request.body_complete:
-            self._start_watcher()
         server.requests_total += 1
         server.requests_active += 1
+        error: BaseException | None = None
+        self.in_handler = True
         try:
-            try:
-                await task
-            except BaseException:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # our own cancellation (shutdown); the handler was cancelled with us
-            await self._stop_watcher()
+            await server.handler(request, responder)
+        except asyncio.CancelledError as exc:
+            if not self.cancelled_for_gone or self._uncancel() > 0:
+                raise  # shutdown (as well): the connection ends
+            error = exc
+        except Exception as exc:  # the policy for each kind is in `_after_handler`
+            error = exc
         finally:
+            self.in_handler = False
             server.requests_active -= 1
-            self._handler_task = None
-        return await self._after_handler(task, request, responder)
+        if self.cancelled_for_gone:  # the handler swallowed our cancellation
+            self._uncancel()
+        return await self._after_handler(error, request, responder)
+
+    def _uncancel(self) -> int:
+        """Take back the cancellation `_client_gone` asked for; the count still pending."""
+        self.cancelled_for_gone = False
+        task = self.task
+        return task.uncancel() if task is not None else 0
 
     def _pull_body_end(self, request: Request) -> None:
         """Consume the EndOfMessage of a request without a body (no I/O needed)."""
@@ -360,16 +413,13 @@ class _Connection:
         request._complete = True
 
     async def _after_handler(
-        self, task: asyncio.Task[None], request: Request, responder: Responder
+        self, error: BaseException | None, request: Request, responder: Responder
     ) -> bool:
         """Apply the policy for how the handler ended; True to keep the connection."""
-        error: BaseException | None = None
-        if not task.cancelled():
-            error = task.exception()
         if self.broken or request.client_gone.is_set():
             return False
         if error is not None:
-            if isinstance(error, ClientDisconnected):
+            if isinstance(error, ClientDisconnected | asyncio.CancelledError):
                 return False
             if isinstance(error, ClientError):
                 status, message = error.status, str(error)
@@ -380,7 +430,7 @@ class _Connection:
                 await self._error_and_close(status, message)
             return False
         if not responder.finished:
-            if not responder.started and not task.cancelled():
+            if not responder.started:
                 log.error("handler_returned_without_response", target=request.target)
                 await self._error_and_close(500, "internal error")
             return False
@@ -424,7 +474,8 @@ class _Connection:
                 continue
             if event is Signal.BODY_END:
                 request._complete = True
-                self._start_watcher()
+                if self.reader.at_eof():  # the client closed while we read its body
+                    self._peer_closed()
                 return b""
             if event is not Signal.NEED_DATA:  # pragma: no cover - h11 state forbids it
                 raise MalformedRequest("unexpected end of request body")
@@ -438,44 +489,26 @@ class _Connection:
 
     # --- hang-up detection ---------------------------------------------------------------
 
-    def _start_watcher(self) -> None:
-        if self._watcher is None and not self._stash:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        """Read while the handler works: EOF means the client is gone; bytes are pipelined."""
-        try:
-            data = await self.reader.read(self.config.read_chunk_bytes)
-        except OSError:
-            data = b""
-        if data:
-            self._stash = data  # the next request; nothing more is read until then
-        else:
+    def _peer_closed(self) -> None:
+        """EOF or reset from the client: a handler past its body must learn it at once."""
+        request = self.request
+        if self.in_handler and request is not None and request.body_complete:
             self._client_gone()
 
-    async def _stop_watcher(self) -> None:
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None and not watcher.done():
-            watcher.cancel()
-            try:
-                await watcher
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
-
     def _client_gone(self) -> None:
-        request, responder, task = self.request, self._responder, self._handler_task
+        request, responder, task = self.request, self._responder, self.task
         if request is None or request.client_gone.is_set():
             return
         request.client_gone.set()
         self.server.clients_gone += 1
         if (
-            task is not None
-            and not task.done()
+            self.in_handler
+            and task is not None
             and task is not asyncio.current_task()
             and not (responder is not None and responder.finished)
+            and not self.cancelled_for_gone
         ):
+            self.cancelled_for_gone = True
             task.cancel()
 
     # --- writing -------------------------------------------------------------------------
@@ -490,9 +523,14 @@ class _Connection:
                 raise ConnectionResetError("transport is closing")
             self.writer.write(data)
             if transport.get_write_buffer_size() >= self.server.write_high_water:
-                async with asyncio.timeout(self.config.write_timeout_s):
+                self.deadline = self.server.loop_time() + self.config.write_timeout_s
+                self.writing = True
+                try:
                     await self.writer.drain()
-        except (OSError, RuntimeError, TimeoutError) as exc:
+                finally:
+                    self.deadline = 0.0
+                    self.writing = False
+        except (OSError, RuntimeError) as exc:
             self._write_failed()
             raise ClientDisconnected(f"write to client failed: {exc!r}") from exc
         except asyncio.CancelledError:
@@ -535,7 +573,6 @@ class _Connection:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.linger_s
         budget = self.config.linger_max_bytes
-        self._stash = b""
         while budget > 0:
             data = await self._read(deadline - loop.time())
             if not data:
@@ -568,17 +605,32 @@ class HTTPServer:
         self._connections_total = 0
         self._connections_refused = 0
         self._server: asyncio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        c = self.config
+        self._sweeper = Sweeper(
+            sweep_interval(c.header_timeout_s, c.keepalive_timeout_s, c.body_timeout_s,
+                           c.write_timeout_s, c.linger_s),
+            self._connections.values,
+        )  # fmt: skip
+
+    def loop_time(self) -> float:
+        """The event loop's clock (deadlines are in this time)."""
+        assert self._loop is not None
+        return self._loop.time()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
         """Listen on host:port (0 picks a free port; see `port`)."""
-        self._server = await asyncio.start_server(
-            self._accept,
-            host,
-            port,
-            backlog=self.config.backlog,
-            limit=self.config.read_chunk_bytes,
-            reuse_address=True,
+        loop = self._loop = asyncio.get_running_loop()
+        limit = self.config.read_chunk_bytes
+
+        def protocol() -> _StreamProtocol:
+            reader = asyncio.StreamReader(limit=limit, loop=loop)
+            return _StreamProtocol(reader, self._accept, loop=loop)
+
+        self._server = await loop.create_server(
+            protocol, host, port, backlog=self.config.backlog, reuse_address=True
         )
+        self._sweeper.start()
 
     @property
     def port(self) -> int:
@@ -614,6 +666,7 @@ class HTTPServer:
         self.closing = True
         if self._server is not None:
             self._server.close()
+        self._sweeper.start()  # the deadlines of connections still running keep applying
         for task, conn in list(self._connections.items()):
             if conn.idle:
                 task.cancel()
@@ -624,6 +677,7 @@ class HTTPServer:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+        self._sweeper.stop()
         if self._server is not None:
             await self._server.wait_closed()
 

@@ -13,6 +13,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
+from gateway.deadlines import Sweeper, sweep_interval
 from gateway.errors import (
     UpstreamClosed,
     UpstreamConnectError,
@@ -21,6 +22,8 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.protocol import ClientSession, Headers, ResponseHead, Signal
+
+BATCH_BYTES = 256 * 1024  # most body bytes handed on in one piece
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +35,7 @@ class UpstreamConfig:
     write_timeout_s: float = 60.0
     idle_expiry_s: float = 4.0  # below the 5 s keep-alive of uvicorn (vLLM, SGLang)
     max_connections_per_engine: int = 1024  # in use at once; more requests wait for a slot
-    max_idle_per_engine: int = 64
+    max_idle_per_engine: int = 256  # idle ones expire after idle_expiry_s anyway
     max_header_bytes: int = 64 * 1024
     read_chunk_bytes: int = 64 * 1024
 
@@ -52,10 +55,20 @@ class EngineStatistics:
 class _EnginePool:
     """Connections to one (host, port)."""
 
-    __slots__ = ("active", "connected", "discarded", "idle", "retried", "reused", "slots")
+    __slots__ = (
+        "active",
+        "busy",
+        "connected",
+        "discarded",
+        "idle",
+        "retried",
+        "reused",
+        "slots",
+    )
 
     def __init__(self, max_connections: int) -> None:
         self.idle: deque[_Connection] = deque()
+        self.busy: set[_Connection] = set()
         self.slots = asyncio.Semaphore(max_connections)
         self.active = 0
         self.connected = 0
@@ -64,10 +77,25 @@ class _EnginePool:
         self.discarded = 0
 
 
+class _Expired(Exception):
+    """A read of this connection passed its deadline."""
+
+
 class _Connection:
     """One TCP connection to an engine with its h11 client state."""
 
-    __slots__ = ("config", "last_used", "reader", "session", "transport", "writer")
+    __slots__ = (
+        "config",
+        "deadline",
+        "expired",
+        "last_used",
+        "loop",
+        "reader",
+        "session",
+        "transport",
+        "writer",
+        "writing",
+    )
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, config: UpstreamConfig
@@ -76,13 +104,25 @@ class _Connection:
         self.writer = writer
         self.transport = writer.transport
         self.config = config
+        self.loop = asyncio.get_running_loop()
         self.session = ClientSession(max_header_bytes=config.max_header_bytes)
         self.last_used = 0.0
+        self.deadline = 0.0  # loop time by which the pending read or write must finish
+        self.writing = False
+        self.expired = False
 
     @property
     def alive(self) -> bool:
-        """Not closed by either side, and the engine sent nothing unasked."""
+        """Not closed by either side (an engine closing an idle connection shows as EOF)."""
         return not self.transport.is_closing() and not self.reader.at_eof()
+
+    def expire(self) -> None:
+        """The sweeper found our deadline passed: fail the pending read or write."""
+        self.expired = True
+        if self.writing:
+            self.transport.abort()
+        else:
+            self.reader.set_exception(_Expired())
 
     async def send(self, data: bytes) -> None:
         """Write a request; on failure the connection is unusable."""
@@ -91,13 +131,17 @@ class _Connection:
                 raise ConnectionResetError("connection is closing")
             self.writer.write(data)
             if self.transport.get_write_buffer_size():
-                async with asyncio.timeout(self.config.write_timeout_s):
+                self.deadline = self.loop.time() + self.config.write_timeout_s
+                self.writing = True
+                try:
                     await self.writer.drain()
-        except TimeoutError as exc:
-            self.session.send_failed()
-            raise UpstreamTimeout("engine did not accept the request in time") from exc
+                finally:
+                    self.deadline = 0.0
+                    self.writing = False
         except (OSError, RuntimeError) as exc:
             self.session.send_failed()
+            if self.expired:
+                raise UpstreamTimeout("engine did not accept the request in time") from exc
             raise UpstreamClosed(
                 f"engine connection failed while sending: {exc!r}", before_response=True
             ) from exc
@@ -112,10 +156,10 @@ class _Connection:
             event = session.next_event()
             if event is not Signal.NEED_DATA:
                 return event
+            self.deadline = self.loop.time() + self.config.read_timeout_s
             try:
-                async with asyncio.timeout(self.config.read_timeout_s):
-                    data = await self.reader.read(self.config.read_chunk_bytes)
-            except TimeoutError as exc:
+                data = await self.reader.read(self.config.read_chunk_bytes)
+            except _Expired as exc:
                 raise UpstreamTimeout(
                     f"engine sent nothing for {self.config.read_timeout_s:g} s"
                 ) from exc
@@ -123,6 +167,8 @@ class _Connection:
                 raise UpstreamClosed(
                     f"engine connection failed: {exc!r}", before_response=not session.received_any
                 ) from exc
+            finally:
+                self.deadline = 0.0
             session.receive(data)
 
     def abort(self) -> None:
@@ -171,7 +217,7 @@ class UpstreamResponse:
                 event = await conn.next_event()
                 if isinstance(event, bytes):
                     if event:
-                        return event
+                        return self._with_parsed_rest(conn, event)
                     continue
                 if event is Signal.BODY_END:
                     self._done = True
@@ -181,6 +227,22 @@ class UpstreamResponse:
         except BaseException:
             self._finish(reuse=False)
             raise
+
+    def _with_parsed_rest(self, conn: _Connection, first: bytes) -> bytes:
+        """`first` plus the body bytes already received (many SSE chunks become one write)."""
+        parts = [first]
+        size = len(first)
+        while size < BATCH_BYTES:
+            event = conn.session.next_event()  # no I/O: only what is already buffered
+            if isinstance(event, bytes):
+                parts.append(event)
+                size += len(event)
+                continue
+            if event is Signal.BODY_END:
+                self._done = True
+                self._finish(reuse=True)
+            break
+        return first if len(parts) == 1 else b"".join(parts)
 
     async def read_all(self, limit: int) -> bytes | None:
         """The rest of the body, or None (leaving the read part lost) when over `limit`."""
@@ -212,13 +274,43 @@ class UpstreamPool:
         self.config = config or UpstreamConfig()
         self._engines: dict[tuple[str, int], _EnginePool] = {}
         self._closed = False
+        c = self.config
+        self._sweeper = Sweeper(
+            sweep_interval(c.read_timeout_s, c.write_timeout_s, c.idle_expiry_s),
+            self._busy_connections,
+            self._expire_idle,
+        )
+
+    def _busy_connections(self) -> list[_Connection]:
+        return [conn for engine in self._engines.values() for conn in engine.busy]
+
+    def _expire_idle(self, now: float) -> None:
+        """Close idle connections past their expiry, so engines are not held open."""
+        expiry = self.config.idle_expiry_s
+        for engine in self._engines.values():
+            idle = engine.idle
+            while idle and now - idle[0].last_used >= expiry:
+                idle.popleft().transport.close()
+                engine.discarded += 1
 
     async def request(
-        self, host: str, port: int, method: bytes, target: bytes, headers: Headers, body: bytes
+        self,
+        host: str,
+        port: int,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        body: bytes,
+        *,
+        checked: bool = False,
     ) -> UpstreamResponse:
-        """Send a request (Host and Content-Length are added) and return the answer's head."""
+        """Send a request (Host and Content-Length are added) and return the answer's head.
+
+        `checked`: `headers`, method and target came out of an h11 parser (skip revalidation).
+        """
         if self._closed:
             raise UpstreamConnectError("upstream pool is closed")
+        self._sweeper.start()
         key = (host, port)
         engine = self._engines.get(key)
         if engine is None:
@@ -236,13 +328,16 @@ class UpstreamPool:
                 if conn is None:
                     conn = await self._connect(host, port)
                     engine.connected += 1
+                engine.busy.add(conn)
                 try:
-                    await conn.send(conn.session.request(method, target, head_headers, body))
+                    request = conn.session.request(method, target, head_headers, body, checked)
+                    await conn.send(request)
                     event = await conn.next_event()
                     if not isinstance(event, ResponseHead):
                         raise UpstreamClosed("engine answered without a status line")
                 except UpstreamClosed as exc:
                     conn.abort()
+                    engine.busy.discard(conn)
                     engine.discarded += 1
                     if reused and exc.before_response and attempt == 0:
                         engine.retried += 1
@@ -250,6 +345,7 @@ class UpstreamPool:
                     raise
                 except BaseException:
                     conn.abort()
+                    engine.busy.discard(conn)
                     engine.discarded += 1
                     raise
                 return UpstreamResponse(self, engine, conn, event)
@@ -299,6 +395,7 @@ class UpstreamPool:
         engine.slots.release()
         if conn is None:
             return
+        engine.busy.discard(conn)
         if (
             reuse
             and not self._closed
@@ -324,12 +421,13 @@ class UpstreamPool:
             return
         while engine.idle:
             engine.idle.pop().abort()
-        if engine.active == 0:
+        if engine.active == 0 and not engine.busy:
             del self._engines[(host, port)]
 
     async def close(self) -> None:
         """Close every idle connection; connections in use are aborted when released."""
         self._closed = True
+        self._sweeper.stop()
         for key in list(self._engines):
             self.forget(*key)
 

@@ -124,8 +124,8 @@ def docker_kill(container_id: str) -> None:
 
 @asynccontextmanager
 async def docker_runtime(**kwargs: Any) -> AsyncIterator[DockerRuntime]:
-    """A runtime whose containers can run the host's Python and the project; closed after."""
-    runtime = DockerRuntime(extra_mounts=host_python_mounts(ROOT), working_dir=str(ROOT), **kwargs)
+    """A runtime (sim image: the host's Python, venv and project mounted); closed after."""
+    runtime = DockerRuntime(**kwargs)
     try:
         yield runtime
     finally:
@@ -372,9 +372,8 @@ def test_an_unreachable_docker_engine_is_a_runtime_failure(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("gpu", [True, False])
 def test_the_gpu_is_requested_only_when_the_spec_asks(gpu: bool) -> None:
-    spec = http_server_spec(image="vllm/vllm-openai:latest", gpu=gpu)
-    config = DockerRuntime().container_config(spec, host_port=41234)
-    host_config = config["HostConfig"]
+    spec = spec_for(["vllm", "serve", "m", "--port", "{port}"], image="vllm/vllm-openai", gpu=gpu)
+    host_config = DockerRuntime().container_config(spec, host_port=41234)["HostConfig"]
     if gpu:
         assert host_config["DeviceRequests"] == [
             {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
@@ -382,5 +381,42 @@ def test_the_gpu_is_requested_only_when_the_spec_asks(gpu: bool) -> None:
         assert host_config["IpcMode"] == "host"
     else:
         assert "DeviceRequests" not in host_config
-    assert config["Entrypoint"] == [sys.executable]
-    assert config["Cmd"][-3:] == ["--bind", "0.0.0.0", "8000"]
+        assert "IpcMode" not in host_config
+
+
+def test_argv_replaces_the_entrypoint_and_the_port_is_published_on_loopback() -> None:
+    spec = spec_for(["vllm", "serve", "m", "--host", "{host}", "--port", "{port}"], image="v")
+    config = DockerRuntime().container_config(spec, host_port=41234)
+    assert config["Entrypoint"] == ["vllm"]
+    assert config["Cmd"] == ["serve", "m", "--host", "0.0.0.0", "--port", "8000"]
+    assert config["ExposedPorts"] == {"8000/tcp": {}}
+    assert config["HostConfig"]["PortBindings"] == {
+        "8000/tcp": [{"HostIp": "127.0.0.1", "HostPort": "41234"}]
+    }
+
+
+def test_only_the_sim_image_gets_the_hosts_python_mounted() -> None:
+    runtime = DockerRuntime()
+    real = runtime.container_config(spec_for(["vllm"], image="vllm/vllm-openai"), 41234)
+    sim = runtime.container_config(spec_for(["python3"], image=SIM_IMAGE), 41234)
+    assert real["HostConfig"]["Binds"] == []
+    assert "WorkingDir" not in real
+    assert not any(e.startswith("PATH=") for e in real["Env"])
+    assert f"{ROOT}:{ROOT}:ro" in sim["HostConfig"]["Binds"]
+    assert "/usr:/usr:ro" in sim["HostConfig"]["Binds"]
+    assert sim["WorkingDir"] == str(ROOT)
+    assert f"PATH={sys.prefix}/bin:" in " ".join(sim["Env"])
+
+
+def test_host_python_mounts_cover_the_interpreter_and_the_project() -> None:
+    mounts = host_python_mounts(ROOT, base_prefix="/opt/py", prefix="/srv/venv")
+    binds = [m.bind() for m in mounts]
+    assert binds[0] == "/usr:/usr:ro"
+    assert "/opt/py:/opt/py:ro" in binds
+    assert f"{ROOT}:{ROOT}:ro" in binds
+    assert "/srv/venv:/srv/venv:ro" in binds
+    inside = host_python_mounts(ROOT, base_prefix="/usr", prefix=f"{ROOT}/.venv")
+    assert [m.host for m in inside if m.host not in ("/bin", "/lib", "/lib64")] == [
+        "/usr",
+        str(ROOT),
+    ]

@@ -12,8 +12,13 @@ What a container gets:
 - `spec.gpu`: a device request for every NVIDIA GPU, and the host's IPC namespace (vLLM and
   SGLang share tensors through /dev/shm).  `spec.memory_bytes`: the container's memory limit
   (`enforce_memory_limit=False` turns that off).  `spec.volumes`: read-write binds
-  (host path or volume name -> container path); `extra_mounts`: binds the runtime adds to every
-  container, e.g. `host_python_mounts()` for the locally made `dgxmm-sim:local` image.
+  (host path or volume name -> container path); `extra_mounts` / `extra_env`: added to every
+  container (e.g. a shared model directory).
+- `image_overlays`: mounts, environment and working directory added to the containers of one
+  image only.  By default `dgxmm-sim:local` (scripts/make-sim-image: a nearly empty image) gets
+  `host_python_overlay()`: the host's Python, the venv and the project read-only, the venv's
+  bin/ first on PATH (so `python3 -m simulations.engine ...` runs the simulated engine) and the
+  project as working directory.  Real engine images never see the host's files.
 - docker-init as PID 1 (`Init`), so SIGTERM reaches engines that do not handle it as PID 1;
   json-file logs capped at 2 x 16 MiB; no restart policy (the deployment actor decides).
 - An image missing locally is pulled within `spec.startup_timeout_s` (`pull_missing`).
@@ -26,10 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import math
 import os
 import re
-import socket
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -43,7 +48,7 @@ from aiodocker.exceptions import DockerError
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
-from dgxmm.runtimes import expand_argv, expand_env
+from dgxmm.runtimes import expand_argv, expand_env, free_port
 
 log = structlog.get_logger(__name__)
 
@@ -84,8 +89,7 @@ def host_python_mounts(
     The same list as `scripts/make-sim-image --mounts` (which explains each): /usr, any of
     /bin, /lib, /lib64 that is a directory rather than a symlink into /usr, the Python
     installation (`sys.base_prefix`), the project dir (with its .venv), and the venv
-    (`sys.prefix`) when it lives elsewhere.  Run `<venv>/bin/python -m simulations.engine`
-    with `working_dir=project_dir`.
+    (`sys.prefix`) when it lives elsewhere.
     """
     project = str(Path(project_dir).resolve())
     mounts = [BindMount("/usr", "/usr")]
@@ -98,6 +102,33 @@ def host_python_mounts(
     if prefix != base_prefix and not _under(prefix, project) and not _under(prefix, "/usr"):
         mounts.append(BindMount(prefix, prefix))
     return mounts
+
+
+class ImageOverlay(msgspec.Struct, frozen=True, kw_only=True):
+    """What the runtime adds to every container of one image."""
+
+    mounts: list[BindMount] = []
+    env: dict[str, str] = {}
+    working_dir: str | None = None
+
+
+def host_python_overlay(project_dir: str | os.PathLike[str] | None = None) -> ImageOverlay:
+    """The overlay that runs this host's Python, venv and project in `dgxmm-sim:local`.
+
+    `project_dir` defaults to the directory that holds the `simulations` package (the
+    checkout for an editable install, site-packages otherwise).
+    """
+    if project_dir is None:
+        found = importlib.util.find_spec("simulations")  # located, not imported
+        if found is None or found.origin is None:
+            raise RuntimeFailure("cannot locate the simulations package for the sim image")
+        project_dir = Path(found.origin).resolve().parents[1]
+    project = str(Path(project_dir).resolve())
+    path = f"{sys.prefix}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    env = {"PATH": path}
+    if sys.prefix != sys.base_prefix:
+        env["VIRTUAL_ENV"] = sys.prefix
+    return ImageOverlay(mounts=host_python_mounts(project), env=env, working_dir=project)
 
 
 def container_name(deployment_id: str) -> str:
@@ -115,7 +146,7 @@ class DockerRuntime:
         host_ip: str = "127.0.0.1",
         extra_mounts: Sequence[BindMount] = (),
         extra_env: Mapping[str, str] | None = None,
-        working_dir: str | None = None,
+        image_overlays: Mapping[str, ImageOverlay] | None = None,
         pull_missing: bool = True,
         enforce_memory_limit: bool = True,
         api_timeout_s: float = 60.0,
@@ -124,7 +155,8 @@ class DockerRuntime:
         self._host_ip = host_ip
         self._extra_mounts = list(extra_mounts)
         self._extra_env = dict(extra_env or {})
-        self._working_dir = working_dir
+        # Computed lazily: the default overlay imports `simulations` to find the project.
+        self._image_overlays = None if image_overlays is None else dict(image_overlays)
         self._pull_missing = pull_missing
         self._enforce_memory_limit = enforce_memory_limit
         self._api_timeout_s = api_timeout_s
@@ -146,7 +178,7 @@ class DockerRuntime:
         name = container_name(spec.deployment_id)
         await self._remove_leftover(name, spec.deployment_id)
         for attempt in range(1, _PORT_RETRIES + 1):
-            host_port = _free_port(self.connect_host)
+            host_port = free_port(self.connect_host)
             config = self.container_config(spec, host_port)
             container = await self._create(name, config, spec)
             try:
@@ -332,15 +364,18 @@ class DockerRuntime:
     def container_config(self, spec: LaunchSpec, host_port: int) -> dict[str, Any]:
         """The container's create body (Docker Engine API)."""
         port_key = f"{spec.port}/tcp"
+        overlay = self._overlays().get(spec.image, ImageOverlay())
         argv = expand_argv(spec.argv, host=CONTAINER_HOST, port=spec.port)
         env = {
+            **overlay.env,
             **self._extra_env,
             **expand_env(spec.env, host=CONTAINER_HOST, port=spec.port),
         }
+        binds = [m.bind() for m in [*overlay.mounts, *self._extra_mounts]]
+        binds += [f"{src}:{dst}:rw" for src, dst in spec.volumes.items()]
         host_config: dict[str, Any] = {
             "PortBindings": {port_key: [{"HostIp": self._host_ip, "HostPort": str(host_port)}]},
-            "Binds": [m.bind() for m in self._extra_mounts]
-            + [f"{src}:{dst}:rw" for src, dst in spec.volumes.items()],
+            "Binds": binds,
             "Init": True,
             "LogConfig": _LOG_CONFIG,
             "RestartPolicy": {"Name": "no"},
@@ -366,9 +401,14 @@ class DockerRuntime:
         if argv:
             config["Entrypoint"] = argv[:1]
             config["Cmd"] = argv[1:]
-        if self._working_dir:
-            config["WorkingDir"] = self._working_dir
+        if overlay.working_dir:
+            config["WorkingDir"] = overlay.working_dir
         return config
+
+    def _overlays(self) -> dict[str, ImageOverlay]:
+        if self._image_overlays is None:
+            self._image_overlays = {SIM_IMAGE: host_python_overlay()}
+        return self._image_overlays
 
 
 class _NotFound(RuntimeFailure):
@@ -396,17 +436,6 @@ def _published_port(ports: list[dict[str, Any]], private: str | None) -> int | N
     return None
 
 
-def _free_port(host: str) -> int:
-    """A TCP port free on `host` right now (Docker binds it a moment later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, 0))
-        except OSError as exc:
-            raise RuntimeFailure(f"cannot bind {host}: {exc.strerror}") from exc
-        return int(sock.getsockname()[1])
-
-
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
@@ -415,6 +444,8 @@ __all__ = [
     "SIM_IMAGE",
     "BindMount",
     "DockerRuntime",
+    "ImageOverlay",
     "container_name",
     "host_python_mounts",
+    "host_python_overlay",
 ]

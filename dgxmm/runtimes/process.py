@@ -1,17 +1,19 @@
 """Process runtime: each engine is a local subprocess (hosts without Docker, and tests).
 
 How it runs an engine:
-- `spec.argv` is executed as is (no shell) after placeholder expansion: `{port}` becomes a free
-  TCP port the runtime picks on its host (127.0.0.1 by default) and `{host}` that host; see
-  `dgxmm.runtimes`.  `spec.port` is ignored, and so are `image`, `gpu`, `volumes` and
-  `memory_bytes` (the memory budget is the broker's job; an rlimit would break CUDA).
-  The environment is DGXMM's own plus `spec.env`.
+- `spec.argv` is executed as is (no shell) after placeholder expansion (see `dgxmm.runtimes`):
+  `{host}` becomes the runtime's host (127.0.0.1 by default); `{port}` a free TCP port the
+  runtime picks there.  Without a `{port}` in argv or env, the engine is taken to listen on
+  `spec.port` (the caller chose it, e.g. with `dgxmm.runtimes.free_port()`), which must be
+  free.  `image`, `gpu`, `volumes` and `memory_bytes` are ignored (the memory budget is the
+  broker's job; an rlimit would break CUDA).  The environment is DGXMM's own plus `spec.env`.
 - The engine gets its own session and process group (`setsid`), so stopping it reaches every
   worker it forked: SIGTERM to the group, SIGKILL to the group after `timeout_s`.
 - Its stdout and stderr go to `<data_dir>/engine-logs/<deployment>.log`, written by the engine
-  itself (a pipe to DGXMM would break, SIGPIPE, when DGXMM restarts).  The file is truncated at
-  each launch and trimmed to its last `keep_log_bytes` once it passes `max_log_bytes` (checked
-  whenever the runtime looks at the engine); `logs_tail` reads only the file's end.
+  itself with O_APPEND (a pipe to DGXMM would break, SIGPIPE, when DGXMM restarts).  The file
+  is truncated at each launch; once it uses more than `max_log_bytes` of disk, all but its
+  last `keep_log_bytes` are deallocated in place (checked whenever the runtime looks at the
+  engine), so it stays bounded while the engine writes.  `logs_tail` reads only its end.
 - `<data_dir>/process-engines.json` records deployment, pid, port, argv and the process's start
   time (from /proc, which tells a reused pid apart).  A new `ProcessRuntime` on the same data
   dir, e.g. after a DGXMM restart, re-adopts every recorded engine whose pid is alive with the
@@ -24,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -37,7 +40,13 @@ import structlog
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
-from dgxmm.runtimes import expand_argv, expand_env
+from dgxmm.runtimes import (
+    expand_argv,
+    expand_env,
+    free_port,
+    port_is_free,
+    uses_port_placeholder,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +55,9 @@ LOG_DIR = "engine-logs"
 _TAIL_READ_BYTES = 256 * 1024  # logs_tail never reads more than this from the file's end
 _KILL_GRACE_S = 5.0  # how long to wait for the kernel after SIGKILL
 _POLL_INTERVAL_S = 0.05  # only where pidfd_open is unavailable
+_PUNCH_ALIGN = 4096  # trim the log in whole file-system blocks
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
 
 
 class _Record(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,7 +121,18 @@ class ProcessRuntime:
                     f"deployment {spec.deployment_id} already has a running engine "
                     f"(pid {record.pid}, port {record.port})"
                 )
-        port = _free_port(self._host, exclude={r.port for r in live})
+        if uses_port_placeholder(spec.argv, spec.env):
+            port = free_port(self._host, exclude={r.port for r in live})
+        elif spec.port <= 0:
+            raise RuntimeFailure(
+                f"deployment {spec.deployment_id}: no {{port}} in the command line and no port"
+            )
+        elif not port_is_free(self._host, spec.port):
+            raise RuntimeFailure(
+                f"deployment {spec.deployment_id}: port {spec.port} on {self._host} is in use"
+            )
+        else:
+            port = spec.port
         argv = expand_argv(spec.argv, host=self._host, port=port)
         env = {**os.environ, **expand_env(spec.env, host=self._host, port=port)}
         log_path = self.log_path(spec.deployment_id)
@@ -265,16 +288,27 @@ class ProcessRuntime:
                     await proc.wait()
 
     def _trim_log(self, path: Path) -> None:
+        """Keep the log's disk use under max_log_bytes without losing what the engine writes.
+
+        The head of the file is deallocated in place (a hole, FALLOC_FL_PUNCH_HOLE): offsets
+        stay valid for the engine's O_APPEND writes, so nothing written meanwhile is lost.
+        Where the file system cannot punch holes, fall back to copy-and-truncate, which can
+        drop what the engine writes during the copy (as logrotate's copytruncate).
+        """
         try:
-            if path.stat().st_size <= self._max_log_bytes:
+            st = path.stat()
+            if st.st_blocks * 512 <= self._max_log_bytes:
+                return
+            cut = (st.st_size - self._keep_log_bytes) // _PUNCH_ALIGN * _PUNCH_ALIGN
+            if cut <= 0:
                 return
             with path.open("r+b") as f:
+                if _punch_hole(f.fileno(), cut):
+                    return
                 f.seek(-self._keep_log_bytes, os.SEEK_END)
                 kept = f.read(self._keep_log_bytes)
-                # Drop the partial first line.
                 kept = kept[kept.find(b"\n") + 1 :] if b"\n" in kept else kept
                 f.truncate(0)
-                f.seek(0)
                 f.write(b"[dgxmm: log trimmed]\n" + kept)
         except FileNotFoundError:
             return
@@ -296,21 +330,6 @@ def _pid_of(handle: EngineHandle) -> int:
     if kind != "pid" or not value.isdigit():
         raise RuntimeFailure(f"not a process-runtime handle: {handle.runtime_id!r}")
     return int(value)
-
-
-def _free_port(host: str, exclude: set[int]) -> int:
-    """A TCP port nothing listens on right now (the engine binds it a moment later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for _ in range(20):
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, 0))
-            except OSError as exc:
-                raise RuntimeFailure(f"cannot bind {host}: {exc.strerror}") from exc
-            port = int(sock.getsockname()[1])
-        if port not in exclude:
-            return port
-    raise RuntimeFailure(f"no free port on {host}")
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -398,6 +417,22 @@ async def _wait_pid_exit(record: _Record) -> None:
         os.close(pidfd)
 
 
+def _punch_hole(fd: int, length: int) -> bool:
+    """Deallocate the file's first `length` bytes in place; False if unsupported here."""
+    fallocate = getattr(_libc(), "fallocate64", None)
+    if fallocate is None:
+        return False
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fallocate.restype = ctypes.c_int
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    return int(fallocate(fd, mode, 0, length)) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _read_tail(path: Path, lines: int) -> str:
     """The last `lines` lines of a file, reading at most _TAIL_READ_BYTES from its end."""
     if lines <= 0:
@@ -412,10 +447,13 @@ def _read_tail(path: Path, lines: int) -> str:
         return ""
     except OSError as exc:
         raise RuntimeFailure(f"cannot read engine log {path}: {exc.strerror}") from exc
-    text = data.decode("utf-8", errors="replace")
-    all_lines = text.splitlines()
-    if start > 0 and all_lines:
-        all_lines = all_lines[1:]  # the first line was cut by the read window
+    cut = start > 0
+    if data.startswith(b"\0"):  # the window reaches into the trimmed (punched) head
+        data = data.lstrip(b"\0")
+        cut = True
+    all_lines = data.decode("utf-8", errors="replace").splitlines()
+    if cut and all_lines:
+        all_lines = all_lines[1:]  # the first line was cut by the read window or the trim
     return "\n".join(all_lines[-lines:])
 
 

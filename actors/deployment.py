@@ -354,8 +354,6 @@ class DeploymentActor(Actor):
         if dep.lifecycle in (Lifecycle.READY, Lifecycle.STARTING):
             return
         if dep.lifecycle is Lifecycle.STOPPING:
-            if cmd.reserved:
-                self._broker.release(self.deployment_id)
             raise Refusal(409, "stopping", f"{dep.name} is stopping; start it once it stopped")
         if dep.lifecycle is Lifecycle.ASLEEP:
             await self._record(
@@ -456,8 +454,11 @@ class DeploymentActor(Actor):
         """A launch finished after its start was cancelled: stop what it made."""
         if launch.cancelled() or launch.exception() is not None:
             return
-        orphan = launch.result()
-        task = asyncio.get_running_loop().create_task(self._stop_engine(orphan))
+        self._spawn_stop(launch.result())
+
+    def _spawn_stop(self, handle: EngineHandle) -> None:
+        """Stop an engine nobody waits for (a failed start's leftovers, an orphan)."""
+        task = asyncio.get_running_loop().create_task(self._stop_engine(handle))
         self._orphans.add(task)
         task.add_done_callback(self._orphans.discard)
 
@@ -497,7 +498,7 @@ class DeploymentActor(Actor):
             return
         handle, self._handle = self._handle, None
         if handle is not None:
-            await self._stop_engine(handle)
+            self._spawn_stop(handle)
         self._broker.release(self.deployment_id)
         failures = self.state.failures + 1
         retry_at = self.clock.wall() + backoff_s(failures)
@@ -625,7 +626,8 @@ class DeploymentActor(Actor):
     async def _stop_and_report(self, handle: EngineHandle | None, attempt: int) -> None:
         if handle is not None:
             await self._stop_engine(handle)
-        self.tell(_Gone(attempt=attempt))
+        if self.running:
+            self.tell(_Gone(attempt=attempt))
 
     async def _stop_engine(self, handle: EngineHandle) -> None:
         try:
@@ -871,14 +873,25 @@ class DeploymentActor(Actor):
     async def _remove(self, actor: str) -> None:
         dep = self.state
         self._removed = True
+        self.activity.accepting = False
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None
-        if dep.lifecycle not in (Lifecycle.STOPPED, Lifecycle.FAILED):
-            await self._stop("removed", actor)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._attempt += 1
+        await self._cancel_tasks()
+        handle, self._handle = self._handle, None
+        if dep.lifecycle is not Lifecycle.STOPPED:
+            await self._record(actor, m.StopRequested(reason="removed"))
+            self._changed("stopped", f"removed:{actor}")
+            if handle is not None:
+                await self._stop_engine(handle)  # removal waits until the engine is gone
+            if self.state.lifecycle is Lifecycle.STOPPING:
+                await self._record("system", m.EngineStopped())
         await self._record(actor, m.DeploymentRemoved())
-        if self._work is None or self._work.done():
-            self._broker.release(self.deployment_id)
+        self._broker.release(self.deployment_id)
         self._changed("removed", actor)
 
     async def _adopt(self, handle: EngineHandle | None) -> None:

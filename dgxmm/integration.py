@@ -1,0 +1,218 @@
+"""The LiteLLM bridge: keeps LiteLLM's model list following the controller's deployments.
+
+Every change that matters to LiteLLM (a deployment created, ready, failed, removed, or its
+mode switched) schedules one sync; changes that arrive together share it.  Traffic (requests
+starting and ending, the queue) never does.  Each sync's outcome is recorded as a
+`LiteLLMSynced` event when it differs from the previous one, so the log shows when LiteLLM fell
+out of step and when it came back, without an event per sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any
+
+import structlog
+
+from actors.controller import Controller
+from actors.errors import SyncFailed
+from actors.ports import ModelEntry
+from actors.runtime import Clock
+from dgxmm.config import Config
+from dgxmm.litellm import (
+    ApiSync,
+    ConfigFileSync,
+    Registration,
+    desired_entries,
+)
+from events import model as m
+from storage.eventlog import EventStore
+
+log = structlog.get_logger("dgxmm.litellm")
+
+HINT = "On demand needs LiteLLM (it starts models on requests that come through it)"
+COALESCE_S = 0.2
+RETRY_S = 30.0
+_QUIET = frozenset({"activity", "queue"})
+_SETTING_KEYS = ("enabled", "url", "backend", "config_path", "master_key_env")
+
+
+class LiteLLMBridge:
+    """Owns the sync back-end and its status."""
+
+    def __init__(self, config: Config, controller: Controller, store: EventStore, clock: Clock):
+        self._config = config
+        self._controller = controller
+        self._store = store
+        self._clock = clock
+        self._settings = self._initial_settings()
+        self._backend: ApiSync | ConfigFileSync | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_synced: list[ModelEntry] | None = None
+        self._last_ok: bool | None = None
+        self._last_error: str | None = None
+        self._last_sync_at: float | None = None
+
+    def _initial_settings(self) -> dict[str, Any]:
+        lite = self._config.litellm
+        settings: dict[str, Any] = {
+            "enabled": lite.enabled,
+            "url": lite.url,
+            "backend": lite.backend,
+            "config_path": lite.config_path
+            or str(self._config.server.db_path.parent / "litellm.yaml"),
+            "master_key_env": lite.master_key_env,
+        }
+        recorded = self._controller.system.settings
+        for key in _SETTING_KEYS:
+            if f"litellm.{key}" in recorded:
+                settings[key] = recorded[f"litellm.{key}"]
+        status = self._controller.system.litellm
+        self._last_ok, self._last_error = status.ok, status.error
+        self._last_sync_at = status.last_sync_at
+        return settings
+
+    def _build_backend(self) -> ApiSync | ConfigFileSync | None:
+        s = self._settings
+        if not s["enabled"]:
+            return None
+        key = os.environ.get(s["master_key_env"])
+        box = self._config.server.box_id
+        if s["backend"] == "api":
+            return ApiSync(s["url"], key, box_id=box, master_key_env=s["master_key_env"])
+        return ConfigFileSync(
+            s["config_path"], s["url"], key, box_id=box, master_key_env=s["master_key_env"]
+        )
+
+    # --- running -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start following the controller."""
+        self._backend = self._build_backend()
+        self._controller.add_listener(self._on_change)
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="litellm-sync")
+        self._wake.set()
+
+    async def stop(self) -> None:
+        """Stop syncing."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _on_change(self, deployment_id: str, what: str) -> None:
+        if what not in _QUIET:
+            self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(COALESCE_S)  # let changes that arrive together share a sync
+            self._wake.clear()
+            try:
+                await self._sync(force=False)
+            except SyncFailed:
+                # Try again later even if nothing changes: LiteLLM may come back.
+                self._clock.call_later(RETRY_S, self._wake.set)
+
+    def entries(self) -> list[ModelEntry]:
+        """What LiteLLM should list right now."""
+        regs = [
+            Registration(
+                deployment_id=rec.id,
+                model_name=rec.name,
+                served_model=rec.model,
+                mode="on_demand" if rec.mode == "on_demand" else "always_on",
+                state=rec.state,
+                engine_url=rec.engine_url,
+                box_id=self._config.server.box_id,
+            )
+            for rec in self._controller.records()
+        ]
+        queue_limit = float(self._controller.setting("ondemand_queue_timeout_s"))
+        return desired_entries(regs, self._config.server.public_gateway_url, queue_limit)
+
+    async def _sync(self, *, force: bool) -> None:
+        backend = self._backend
+        if backend is None:
+            return
+        entries = self.entries()
+        if not force and entries == self._last_synced and self._last_ok:
+            return
+        try:
+            await backend.sync(entries)
+        except SyncFailed as exc:
+            await self._record(ok=False, error=str(exc), count=len(entries))
+            log.warning("litellm_sync_failed", error=str(exc))
+            raise
+        self._last_synced = entries
+        await self._record(ok=True, error=None, count=len(entries))
+
+    async def _record(self, *, ok: bool, error: str | None, count: int) -> None:
+        self._last_sync_at = self._clock.wall()
+        changed = (ok, error) != (self._last_ok, self._last_error)
+        self._last_ok, self._last_error = ok, error
+        if changed:
+            await self._store.append(
+                m.STREAM_LITELLM,
+                [m.LiteLLMSynced(ok=ok, error=error, entries=count)],
+                actor="litellm",
+            )
+
+    # --- the API's side ------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Enabled, last sync, ok or the error, and the deploy wizard's default."""
+        s = self._settings
+        synced = bool(s["enabled"] and self._last_ok)
+        return {
+            "enabled": s["enabled"],
+            "url": s["url"],
+            "backend": s["backend"],
+            "config_path": s["config_path"],
+            "master_key_env": s["master_key_env"],
+            "master_key_set": bool(os.environ.get(s["master_key_env"])),
+            "last_sync_at": self._last_sync_at,
+            "ok": self._last_ok,
+            "error": self._last_error,
+            "entries": len(self._last_synced or []),
+            "default_mode": "on_demand" if synced else "always_on",
+            "hint": None if synced else HINT,
+        }
+
+    async def sync_now(self) -> dict[str, Any]:
+        """Sync at once (the UI's "Sync now"); returns the status."""
+        with contextlib.suppress(SyncFailed):
+            await self._sync(force=True)
+        return self.status()
+
+    async def configure(self, changes: dict[str, Any], actor: str) -> dict[str, Any]:
+        """Change the integration's settings (never the key itself), then sync."""
+        checked: dict[str, Any] = {}
+        for key, value in changes.items():
+            if key not in _SETTING_KEYS:
+                raise ValueError(f"{key}: not a LiteLLM setting")
+            if key == "enabled" and not isinstance(value, bool):
+                raise ValueError("enabled: true or false")
+            if key == "backend" and value not in ("api", "file"):
+                raise ValueError('backend: "api" or "file"')
+            if key in ("url", "config_path", "master_key_env") and (
+                not isinstance(value, str) or not value.strip()
+            ):
+                raise ValueError(f"{key}: a non-empty string")
+            checked[key] = value
+        if checked:
+            await self._store.append(
+                m.STREAM_LITELLM,
+                [m.SettingsChanged(changes={f"litellm.{k}": v for k, v in checked.items()})],
+                actor=actor,
+            )
+            self._settings.update(checked)
+            self._backend = self._build_backend()
+            self._last_synced = None
+            if not self._settings["enabled"]:
+                self._last_ok, self._last_error = None, None
+        return await self.sync_now()

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from actors.admission import Refused
 from gateway.app import Gateway, GatewayConfig
-from gateway.server import HTTPServer
+from gateway.server import HTTPServer, ServerConfig
 from tests.gateway_support import (
     Client,
     EngineScript,
@@ -803,3 +805,82 @@ def test_malformed_requests_do_not_disturb_the_gateway() -> None:
             assert (await request_once(r.port, "POST", CHAT, {"messages": []})).status == 200
 
     run(main())
+
+
+# --- adversarial bytes -------------------------------------------------------------------
+
+_TARGETS = st.sampled_from(
+    [
+        b"/d/a/v1/chat/completions",
+        b"/d/a/v1/completions?stream=true",
+        b"/d/a/v1/models",
+        b"/d/a/v1/models/../../etc",
+        b"/d/a/v1/responses/x",
+        b"/d//v1/chat/completions",
+        b"/d/a",
+        b"/d/a?/v1/chat/completions",
+        b"/d/%61/v1/chat/completions",
+        b"/d/a/v1/chat/completions/../../x",
+        b"*",
+        b"http://evil/d/a/v1/chat/completions",
+        b"/" + b"a" * 3000,
+    ]
+)
+_HEADERS = st.lists(
+    st.sampled_from(
+        [
+            b"host: x\r\n",
+            b"content-length: 2\r\n",
+            b"content-length: 0\r\n",
+            b"content-length: 99999999999\r\n",
+            b"transfer-encoding: chunked\r\n",
+            b"x-dgxmm-health-check: 1\r\n",
+            b"x-dgxmm-health-check: 1\r\nx-dgxmm-health-check: 0\r\n",
+            b"connection: close\r\n",
+            b"connection: keep-alive, te\r\n",
+            b"expect: 100-continue\r\n",
+            b"content-type: application/json\r\n",
+            b"\x00bad: header\r\n",
+        ]
+    ),
+    max_size=6,
+)
+_BODIES = st.sampled_from(
+    [b"", b"{}", b'{"stream": true}', b'{"stream": tru', b"2\r\n{}\r\n0\r\n\r\n", b"\xff\xfe"]
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    method=st.sampled_from([b"POST", b"GET", b"PUT", b"HEAD", b"P\x00ST"]),
+    target=_TARGETS,
+    headers=_HEADERS,
+    body=_BODIES,
+    version=st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 x"]),
+)
+def test_adversarial_requests_get_an_answer_or_a_close_and_the_gateway_keeps_serving(
+    method: bytes, target: bytes, headers: list[bytes], body: bytes, version: bytes
+) -> None:
+    async def main() -> None:
+        config = ServerConfig(header_timeout_s=0.2, body_timeout_s=0.2, keepalive_timeout_s=0.2)
+        async with FakeEngine() as engine:
+            controller = ScriptedController()
+            controller.add("a", handle=engine.handle)
+            gateway = Gateway(controller, clock=lambda: 1700000000.0)
+            server = await gateway.serve("127.0.0.1", 0, config)
+            try:
+                raw = method + b" " + target + b" " + version + b"\r\n" + b"".join(headers)
+                got = await raw_exchange(server.port, raw + b"\r\n" + body)
+                if got:
+                    assert got.startswith(b"HTTP/1.1 "), got[:80]
+                    status = int(got[9:12])
+                    assert status in (200, 400, 404, 408, 413, 431, 501), got[:200]
+                    if status >= 400 and status != 404:
+                        assert b'"type":"server_error"' in got
+                reply = await request_once(server.port, "POST", CHAT, {"messages": []})
+                assert reply.status == 200
+                await poll(lambda: controller.in_flight["a"] == 0)
+            finally:
+                await gateway.shutdown(1.0)
+
+    run(main(), timeout=20)

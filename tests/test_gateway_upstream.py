@@ -1,0 +1,316 @@
+"""The engine connection pool over loopback, against raw scripted servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from gateway.errors import (
+    UpstreamClosed,
+    UpstreamConnectError,
+    UpstreamPoolExhausted,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from gateway.upstream import UpstreamConfig, UpstreamPool
+from tests.gateway_support import poll, run
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Raw"], Awaitable[None]]
+
+
+@dataclass
+class Raw:
+    """A loopback server whose every connection runs `script`."""
+
+    script: Script
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    eofs: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        """One request (head and Content-Length body)."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        body = await reader.readexactly(length) if length else b""
+        self.requests.append(head + body)
+        return head + body
+
+    async def wait_eof(self, reader: asyncio.StreamReader) -> None:
+        """Until the client closes; counts it."""
+        with contextlib.suppress(OSError):
+            await reader.read()
+        self.eofs += 1
+
+
+@contextlib.asynccontextmanager
+async def raw_server(script: Script) -> AsyncIterator[Raw]:
+    """Start a raw server running `script` per connection."""
+    raw = Raw(script)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raw.connections += 1
+        try:
+            await script(reader, writer, raw)
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    raw.port = int(server.sockets[0].getsockname()[1])
+    try:
+        yield raw
+    finally:
+        server.close()
+
+
+async def keep_alive_ok(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+    """Answer `ok` to every request on the connection."""
+    while True:
+        await raw.read_request(r)
+        w.write(OK)
+
+
+async def get(pool: UpstreamPool, port: int, body: bytes = b"") -> tuple[int, bytes]:
+    """One request through the pool; status and whole body."""
+    answer = await pool.request("127.0.0.1", port, b"POST", b"/x", [], body)
+    try:
+        data = await answer.read_all(1 << 20)
+        assert data is not None
+        return answer.status, data
+    finally:
+        answer.close()
+
+
+def test_connections_are_reused_when_both_sides_are_done() -> None:
+    async def main() -> None:
+        async with raw_server(keep_alive_ok) as raw:
+            pool = UpstreamPool()
+            for _ in range(5):
+                assert await get(pool, raw.port, b"hello") == (200, b"ok")
+            assert raw.connections == 1
+            stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
+            assert (stats.connected, stats.reused, stats.idle, stats.active) == (1, 4, 1, 0)
+            assert raw.requests[0].endswith(b"content-length: 5\r\n\r\nhello")
+            assert f"host: 127.0.0.1:{raw.port}".encode() in raw.requests[0]
+            await pool.close()
+
+    run(main())
+
+
+def test_an_answer_not_read_to_the_end_is_never_reused() -> None:
+    async def main() -> None:
+        async def big(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            while True:
+                await raw.read_request(r)
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n" + b"a" * 100000)
+
+        async with raw_server(big) as raw:
+            pool = UpstreamPool()
+            answer = await pool.request("127.0.0.1", raw.port, b"GET", b"/", [], b"")
+            await answer.receive()
+            answer.close()
+            assert (await get(pool, raw.port))[0] == 200
+            assert raw.connections == 2
+            await pool.close()
+
+    run(main())
+
+
+def test_answer_asking_to_close_is_not_reused() -> None:
+    async def main() -> None:
+        async def closing(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok")
+            await raw.wait_eof(r)
+
+        async with raw_server(closing) as raw:
+            pool = UpstreamPool()
+            assert await get(pool, raw.port) == (200, b"ok")
+            assert await get(pool, raw.port) == (200, b"ok")
+            assert raw.connections == 2
+            await pool.close()
+
+    run(main())
+
+
+def test_refused_connection_is_a_connect_error() -> None:
+    async def main() -> None:
+        async with raw_server(keep_alive_ok) as raw:
+            port = raw.port
+        pool = UpstreamPool()
+        with pytest.raises(UpstreamConnectError):
+            await pool.request("127.0.0.1", port, b"GET", b"/", [], b"")
+        assert pool.statistics()[f"127.0.0.1:{port}"].active == 0
+
+    run(main())
+
+
+def test_silent_engine_is_a_read_timeout_and_its_connection_is_dropped() -> None:
+    async def main() -> None:
+        async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            await raw.wait_eof(r)
+
+        async with raw_server(silent) as raw:
+            pool = UpstreamPool(UpstreamConfig(read_timeout_s=0.2))
+            with pytest.raises(UpstreamTimeout):
+                await pool.request("127.0.0.1", raw.port, b"GET", b"/", [], b"")
+            await poll(lambda: raw.eofs == 1)
+            await pool.close()
+
+    run(main())
+
+
+def test_engine_closing_an_idle_connection_is_retried_on_a_new_one() -> None:
+    async def main() -> None:
+        async def once(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            w.write(OK)  # keep-alive in words, but the engine's keep-alive timer closes it
+
+        async with raw_server(once) as raw:
+            pool = UpstreamPool()
+            assert await get(pool, raw.port) == (200, b"ok")
+            # Depending on timing the pool sees the close before reuse, or retries after.
+            assert await get(pool, raw.port) == (200, b"ok")
+            assert raw.connections == 2
+            await pool.close()
+
+    run(main())
+
+
+def test_stale_connection_detected_only_on_use_is_retried_once() -> None:
+    async def main() -> None:
+        async def drop_second(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            w.write(OK)
+            await raw.read_request(r)  # a request on a connection the engine is closing
+
+        async with raw_server(drop_second) as raw:
+            pool = UpstreamPool()
+            assert await get(pool, raw.port) == (200, b"ok")
+            assert await get(pool, raw.port) == (200, b"ok")
+            stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
+            assert stats.retried == 1 and raw.connections == 2
+            await pool.close()
+
+    run(main())
+
+
+def test_engine_closing_mid_body_is_upstream_closed() -> None:
+    async def main() -> None:
+        async def cut(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+            await w.drain()
+
+        async with raw_server(cut) as raw:
+            pool = UpstreamPool()
+            answer = await pool.request("127.0.0.1", raw.port, b"GET", b"/", [], b"")
+            with pytest.raises(UpstreamClosed):
+                while await answer.receive():
+                    pass
+            answer.close()
+            assert pool.statistics()[f"127.0.0.1:{raw.port}"].active == 0
+
+    run(main())
+
+
+def test_garbage_from_the_engine_is_a_protocol_error() -> None:
+    async def main() -> None:
+        async def garbage(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            w.write(b"NOT HTTP AT ALL\r\n\r\n")
+            await raw.wait_eof(r)
+
+        async with raw_server(garbage) as raw:
+            pool = UpstreamPool()
+            with pytest.raises(UpstreamProtocolError):
+                await pool.request("127.0.0.1", raw.port, b"GET", b"/", [], b"")
+
+    run(main())
+
+
+def test_cancelling_a_request_aborts_its_connection() -> None:
+    async def main() -> None:
+        async def hold(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            raw.release.set()
+            await raw.wait_eof(r)
+
+        async with raw_server(hold) as raw:
+            pool = UpstreamPool()
+            task = asyncio.create_task(pool.request("127.0.0.1", raw.port, b"GET", b"/", [], b""))
+            await raw.release.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await poll(lambda: raw.eofs == 1)
+            stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
+            assert (stats.active, stats.idle) == (0, 0)
+
+    run(main())
+
+
+def test_busy_engine_slots_bound_the_connections() -> None:
+    async def main() -> None:
+        async def hold(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            await raw.release.wait()
+            w.write(OK)
+            await raw.wait_eof(r)
+
+        async with raw_server(hold) as raw:
+            config = UpstreamConfig(max_connections_per_engine=2, connect_timeout_s=0.2)
+            pool = UpstreamPool(config)
+            first = [asyncio.create_task(get(pool, raw.port)) for _ in range(2)]
+            await poll(lambda: len(raw.requests) == 2)
+            with pytest.raises(UpstreamPoolExhausted):
+                await get(pool, raw.port)
+            raw.release.set()
+            assert [await t for t in first] == [(200, b"ok"), (200, b"ok")]
+            assert raw.connections == 2
+            await pool.close()
+
+    run(main())
+
+
+def test_idle_connections_expire() -> None:
+    async def main() -> None:
+        async with raw_server(keep_alive_ok) as raw:
+            pool = UpstreamPool(UpstreamConfig(idle_expiry_s=0.1))
+            assert await get(pool, raw.port) == (200, b"ok")
+            key = f"127.0.0.1:{raw.port}"
+            await poll(lambda: pool.statistics()[key].idle == 0)
+            assert pool.statistics()[key].discarded == 1
+            await pool.close()
+
+    run(main())
+
+
+def test_chunked_answer_body_arrives_whole() -> None:
+    async def main() -> None:
+        async def chunked(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for piece in (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"):
+                w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            w.write(b"0\r\n\r\n")
+            await raw.wait_eof(r)
+
+        async with raw_server(chunked) as raw:
+            pool = UpstreamPool()
+            assert await get(pool, raw.port) == (200, b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n")
+            await pool.close()
+
+    run(main())

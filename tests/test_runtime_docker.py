@@ -23,6 +23,7 @@ import pytest
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
+from dgxmm.engines import launch_spec
 from dgxmm.runtimes.docker import (
     SIM_IMAGE,
     DockerRuntime,
@@ -420,3 +421,39 @@ def test_host_python_mounts_cover_the_interpreter_and_the_project() -> None:
         "/usr",
         str(ROOT),
     ]
+
+
+@needs_docker
+def test_the_simulated_engine_from_its_adapter_serves_in_the_sim_image() -> None:
+    # The adapter's default interpreter is `python3`: the sim image's PATH finds the venv's.
+    spec = launch_spec(f"sim-{uuid.uuid4().hex[:8]}", "m", "sim", "sim-model", 0)
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, spec) as handle:
+
+            async def ready() -> bool:
+                return await http_status(handle.host, handle.port, "/v1/models") == 200
+
+            await eventually(ready, "the simulated engine serves /v1/models")
+            started = time.monotonic()
+            await runtime.stop(handle, timeout_s=10)
+            assert time.monotonic() - started < 5  # it handles SIGTERM (docker-init relays it)
+
+    run(scenario())
+
+
+@needs_docker
+def test_a_simulated_engine_failing_at_start_leaves_its_reason_in_the_logs() -> None:
+    args = ["--fail-at-start", "CUDA out of memory (simulated)"]
+    spec = launch_spec(f"sim-{uuid.uuid4().hex[:8]}", "m", "sim", "sim-model", 0, args)
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, spec) as handle:
+
+            async def exited() -> bool:
+                return not await runtime.is_running(handle)
+
+            await eventually(exited, "the failing simulated engine exits")
+            assert "CUDA out of memory (simulated)" in await runtime.logs_tail(handle)
+
+    run(scenario())

@@ -18,6 +18,7 @@ import pytest
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
+from dgxmm.engines import EngineSettings, launch_spec
 from dgxmm.runtimes import expand_argv, expand_env, free_port
 from dgxmm.runtimes.process import ProcessRuntime
 
@@ -392,5 +393,46 @@ def test_a_fixed_port_already_in_use_is_a_runtime_failure(tmp_path: Path) -> Non
             with pytest.raises(RuntimeFailure, match=f"port {port} on 127.0.0.1 is in use"):
                 await runtime.launch(spec_for(argv, port=port))
         assert await runtime.list_engines() == []
+
+    run(scenario())
+
+
+def test_the_simulated_engine_from_its_adapter_serves_and_stops(tmp_path: Path) -> None:
+    settings = EngineSettings(sim_python=sys.executable)
+    spec = launch_spec(
+        "sim-1", "m", "sim", "sim-model", 0, ["--startup-delay", "0.2"], settings=settings
+    )
+
+    async def scenario() -> None:
+        runtime = ProcessRuntime(tmp_path)
+        handle = await runtime.launch(spec)
+        try:
+
+            async def ready() -> bool:
+                return await http_status(handle.host, handle.port, "/v1/models") == 200
+
+            await eventually(ready, "the simulated engine serves /v1/models")
+        finally:
+            await runtime.stop(handle, timeout_s=10)
+        assert not pid_exists(pid_of(handle))
+
+    run(scenario())
+
+
+def test_a_simulated_engine_failing_at_start_leaves_its_reason_in_the_log(tmp_path: Path) -> None:
+    settings = EngineSettings(sim_python=sys.executable)
+    args = ["--fail-at-start", "CUDA out of memory (simulated)"]
+    spec = launch_spec("sim-2", "m", "sim", "sim-model", 0, args, settings=settings)
+
+    async def scenario() -> None:
+        runtime = ProcessRuntime(tmp_path)
+        handle = await runtime.launch(spec)
+
+        async def exited() -> bool:
+            return not await runtime.is_running(handle)
+
+        await eventually(exited, "the failing simulated engine exits")
+        assert "CUDA out of memory (simulated)" in await runtime.logs_tail(handle)
+        await runtime.stop(handle)
 
     run(scenario())

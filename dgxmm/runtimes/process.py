@@ -99,6 +99,7 @@ class ProcessRuntime:
         self._keep_log_bytes = min(keep_log_bytes, max_log_bytes)
         # Our own children, so we can reap them; adopted engines are not in here.
         self._children: dict[int, asyncio.subprocess.Process] = {}
+        self._launching: set[str] = set()  # deployments between the check and the record
 
     @property
     def state_path(self) -> Path:
@@ -114,6 +115,15 @@ class ProcessRuntime:
         """Start the engine's process; returns once it runs (not once it is ready)."""
         if not spec.argv:
             raise RuntimeFailure(f"deployment {spec.deployment_id}: empty command line")
+        if spec.deployment_id in self._launching:
+            raise RuntimeFailure(f"deployment {spec.deployment_id} is being launched already")
+        self._launching.add(spec.deployment_id)
+        try:
+            return await self._launch(spec)
+        finally:
+            self._launching.discard(spec.deployment_id)
+
+    async def _launch(self, spec: LaunchSpec) -> EngineHandle:
         live = self._live_records()
         for record in live:
             if record.deployment_id == spec.deployment_id:
@@ -172,7 +182,10 @@ class ProcessRuntime:
         return _handle(record, self._host)
 
     async def stop(self, handle: EngineHandle, timeout_s: float = 30.0) -> None:
-        """SIGTERM the engine's process group, SIGKILL it after `timeout_s`; idempotent."""
+        """SIGTERM the engine's process group, SIGKILL it after `timeout_s`; idempotent.
+
+        A pid this runtime has no record of (or whose start time differs) is left alone.
+        """
         pid = _pid_of(handle)
         record = next((r for r in self._load_state().engines if r.pid == pid), None)
         if record is not None and _alive(record):

@@ -402,11 +402,11 @@ class Gateway:
         try:
             while chunk := await answer.receive():
                 data = tail + chunk
-                cut = data.rfind(b"\n\n") + 2
-                if cut == 1 and len(data) < self.config.max_engine_error_bytes:
+                cut = _events_end(data)
+                if not cut and len(data) < self.config.max_engine_error_bytes:
                     tail = data
                     continue
-                cut = cut if cut > 1 else len(data)
+                cut = cut or len(data)
                 tail = data[cut:]
                 await responder.send(data[:cut])
         except UpstreamError as exc:
@@ -501,6 +501,16 @@ def _engine_error_event(status: int, body: bytes | None, model: str) -> bytes:
         if isinstance(value, dict) and isinstance(value.get("error"), dict):
             return b"data: " + msgspec.json.encode(value) + b"\n\n" + queued.DONE_EVENT
     return queued.sse_error("engine_error", f"the engine of {model} answered HTTP {status}")
+
+
+def _events_end(data: bytes) -> int:
+    """Where the last complete SSE event in `data` ends (0: none is complete)."""
+    end = 0
+    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        at = data.rfind(sep)
+        if at >= 0:
+            end = max(end, at + len(sep))
+    return end
 
 
 def _text(raw: bytes) -> str:

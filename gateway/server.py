@@ -330,8 +330,7 @@ class _Connection:
     def expire(self) -> None:
         """The sweeper found our deadline passed: fail the pending read or write."""
         if self.writing:
-            self.broken = True
-            self.transport.abort()
+            self.transport.abort()  # the pending drain fails: `_write_failed` does the rest
         else:
             self.reader.set_exception(_Expired())
 

@@ -325,6 +325,10 @@ class FakeEngine:
         except ValueError:
             payload = {}
         path = seen.target.split("?")[0]
+        if script.status != 200 and path in ("/v1/chat/completions", "/v1/completions"):
+            body = json.dumps({"error": {"message": "bad things", "code": script.status}}).encode()
+            writer.write(_json_response(script.status, body))
+            return True
         if seen.method == "GET" and path.startswith("/v1/models/"):
             body = json.dumps({"id": path[len("/v1/models/") :], "object": "model"}).encode()
             writer.write(_json_response(200, body))

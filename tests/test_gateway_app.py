@@ -440,6 +440,22 @@ def test_refusal_after_the_queued_chunk_ends_the_stream_with_error_and_done() ->
     run(main())
 
 
+def test_engine_error_after_the_queued_chunk_becomes_its_error_event() -> None:
+    async def main() -> None:
+        async with rig(state="stopped", script=EngineScript(status=400)) as r:
+            client, _ = await queued_stream(r, CHAT, {"messages": [], "stream": True})
+            r.ready()
+            rest = b""
+            while (data := await client.chunk()) is not None:
+                rest += data
+            events = sse_events(rest)
+            assert json.loads(events[0]) == {"error": {"message": "bad things", "code": 400}}
+            assert events[1] == b"[DONE]" and len(events) == 2
+            client.close()
+
+    run(main())
+
+
 def test_gateway_deadline_gives_the_seed_queue_timeout() -> None:
     async def main() -> None:
         async with rig(state="stopped", gateway_config=GatewayConfig(wait_deadline_s=0.2)) as r:

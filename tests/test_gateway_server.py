@@ -70,6 +70,9 @@ def make_handler(probe: Probe):  # type: ignore[no-untyped-def]
             except ClientDisconnected as exc:
                 probe.errors.append(type(exc).__name__)
                 raise
+            except asyncio.CancelledError:
+                probe.cancelled += 1
+                raise
         else:
             await responder.respond(404, [], b"nope")
 
@@ -277,6 +280,21 @@ def test_client_gone_during_a_stream_stops_the_writes() -> None:
             client.close()
             await poll(lambda: server.statistics().connections_open == 0)
             assert server.statistics().requests_active == 0
+
+    run(main())
+
+
+def test_client_that_stops_reading_is_dropped_after_the_write_timeout() -> None:
+    async def main() -> None:
+        async with serving(ServerConfig(write_timeout_s=0.2)) as (server, probe):
+            _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+            await probe.waiting.wait()
+            # We never read: the server's writes stall, then it gives up on us.
+            await poll(lambda: server.statistics().connections_open == 0)
+            assert server.statistics().write_failures == 1
+            assert probe.errors == ["ClientDisconnected"] or probe.cancelled == 1
+            writer.transport.abort()
 
     run(main())
 

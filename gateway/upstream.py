@@ -88,6 +88,7 @@ class _Connection:
         "config",
         "deadline",
         "expired",
+        "last_read",
         "last_used",
         "loop",
         "reader",
@@ -107,6 +108,7 @@ class _Connection:
         self.loop = asyncio.get_running_loop()
         self.session = ClientSession(max_header_bytes=config.max_header_bytes)
         self.last_used = 0.0
+        self.last_read = 0  # bytes of the last socket read
         self.deadline = 0.0  # loop time by which the pending read or write must finish
         self.writing = False
         self.expired = False
@@ -169,6 +171,7 @@ class _Connection:
                 ) from exc
             finally:
                 self.deadline = 0.0
+            self.last_read = len(data)
             session.receive(data)
 
     def abort(self) -> None:
@@ -230,6 +233,8 @@ class UpstreamResponse:
 
     def _with_parsed_rest(self, conn: _Connection, first: bytes) -> bytes:
         """`first` plus the body bytes already received (many SSE chunks become one write)."""
+        if conn.last_read <= len(first) + 16:
+            return first  # that read held nothing more than this piece and its framing
         parts = [first]
         size = len(first)
         while size < BATCH_BYTES:

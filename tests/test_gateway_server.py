@@ -462,7 +462,7 @@ def test_adversarial_bytes_get_a_4xx_or_a_close_and_the_server_keeps_serving(
     parts: list[bytes], noise: bytes
 ) -> None:
     async def main() -> None:
-        config = ServerConfig(header_timeout_s=0.1, body_timeout_s=0.1, keepalive_timeout_s=0.1)
+        config = ServerConfig(header_timeout_s=0.25, body_timeout_s=0.25, keepalive_timeout_s=0.25)
         async with serving(config) as (server, _):
             got = await raw_exchange(server.port, b"".join(parts) + noise)
             position = 0

@@ -1,0 +1,1014 @@
+"""The admin API (JSON) and the web UI's files, served by the shared h11 `HTTPServer`.
+
+Routes live under `/dgxmm/api/...`, with `/api/...` as an alias; the UI's static files under
+`/dgxmm/`; Prometheus text at `/metrics`.  Every call but login needs a session cookie or a
+Bearer API token; viewers read, admins write; a cookie session's mutating call must carry
+its CSRF token in `x-csrf-token`.  Errors are `{"error": {"message", "type", "code"}}`
+(plus `param` when one field is at fault).  Mutations go through the controller with the
+actor `admin:<user>`, so the event log, and with it the audit trail, records who did what.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime as dt
+import enum
+import math
+import mimetypes
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, cast
+
+import msgspec
+import structlog
+
+from actors.controller import Controller, DeploymentSpec, validate_idle_timeout
+from actors.deployment import DeploymentActor, Refusal
+from actors.errors import ActorCrashed, ActorError, ActorStopped, AskTimeout, MailboxFull
+from actors.memory_broker import GIB
+from actors.runtime import Clock
+from dgxmm import metrics
+from dgxmm.auth import Auth, AuthError, Principal
+from dgxmm.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
+from events import model as m
+from events.projections import AuditRow, audit_rows, deployment_events
+from gateway.errors import BodyTooLarge
+from gateway.protocol import Headers
+from gateway.server import HTTPServer, Request, Responder, ServerConfig
+from storage.errors import StorageError
+from storage.eventlog import EventStore
+
+log = structlog.get_logger("dgxmm.api")
+
+MAX_BODY_BYTES = 1024 * 1024
+MAX_STATIC_BYTES = 32 * 1024 * 1024
+AUDIT_CHUNK = 5000
+LITELLM_HINT = "On demand needs LiteLLM (it starts models on requests that come through it)"
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder()
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_SERVER_CODES = {400: "bad_request", 408: "request_timeout", 413: "request_too_large"}
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".json": "application/json",
+    ".map": "application/json",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+    ".jpg": "image/jpeg",
+    ".ico": "image/x-icon",
+    ".webp": "image/webp",
+    ".woff2": "font/woff2",
+    ".txt": "text/plain; charset=utf-8",
+}
+_SPEC_FIELDS = frozenset(
+    {"name", "engine", "model", "memory_gib", "mode", "idle_timeout_s", "role", "args", "image",
+     "gpu"}
+)  # fmt: skip
+_MODES = ("on_demand", "always_on")
+_ROLES = ("model", "decision")
+
+
+class ApiError(Exception):
+    """An error answer: status, code, message, and the field at fault if one is."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: Headers | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.headers: Headers = headers or []
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
+    """`{"error": {"message", "type", "code"}}`, OpenAI style."""
+    err: dict[str, Any] = {
+        "message": message,
+        "type": _ERROR_TYPES.get(status, "server_error" if status >= 500 else "api_error"),
+        "code": code,
+    }
+    if param is not None:
+        err["param"] = param
+    return _encoder.encode({"error": err})
+
+
+def _field_of(message: str) -> str | None:
+    head, sep, _ = message.partition(":")
+    return head if sep and head.isidentifier() else None
+
+
+def from_refusal(exc: Refusal) -> ApiError:
+    """The controller's refusal as an answer (a 422 names its field)."""
+    param = _field_of(exc.message) if exc.status == 422 else None
+    return ApiError(exc.status, exc.code, exc.message, param=param)
+
+
+# --- routes ---------------------------------------------------------------------------------
+
+
+class Access(enum.Enum):
+    """Who may call a route."""
+
+    PUBLIC = "public"
+    VIEWER = "viewer"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One API route: method, path pattern (`{id}` is a parameter), handler, access."""
+
+    method: str
+    pattern: tuple[str, ...]
+    handler: str
+    access: Access
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("POST", ("login",), "login", Access.PUBLIC),
+    Route("POST", ("logout",), "logout", Access.VIEWER),
+    Route("GET", ("session",), "session", Access.VIEWER),
+    Route("POST", ("tokens",), "create_token", Access.ADMIN),
+    Route("GET", ("deployments",), "list_deployments", Access.VIEWER),
+    Route("POST", ("deployments",), "create_deployment", Access.ADMIN),
+    Route("GET", ("deployments", "{id}"), "get_deployment", Access.VIEWER),
+    Route("DELETE", ("deployments", "{id}"), "remove_deployment", Access.ADMIN),
+    Route("POST", ("deployments", "{id}", "start"), "start_deployment", Access.ADMIN),
+    Route("POST", ("deployments", "{id}", "stop"), "stop_deployment", Access.ADMIN),
+    Route("POST", ("deployments", "{id}", "switch-model"), "switch_model", Access.ADMIN),
+    Route("PATCH", ("deployments", "{id}", "mode"), "change_mode", Access.ADMIN),
+    Route("GET", ("deployments", "{id}", "events"), "deployment_events", Access.VIEWER),
+    Route("GET", ("audit",), "audit", Access.VIEWER),
+    Route("GET", ("memory",), "memory", Access.VIEWER),
+    Route("GET", ("settings",), "get_settings", Access.VIEWER),
+    Route("PATCH", ("settings",), "change_settings", Access.ADMIN),
+    Route("GET", ("litellm",), "litellm_status", Access.VIEWER),
+    Route("PATCH", ("litellm",), "litellm_configure", Access.ADMIN),
+    Route("POST", ("litellm", "sync"), "litellm_sync", Access.ADMIN),
+    Route("GET", ("events", "stream"), "event_stream", Access.VIEWER),
+)
+
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def match_route(method: str, parts: list[str]) -> tuple[Route, dict[str, str]]:
+    """The route for `method` and path `parts`; ApiError 404 or 405 (with Allow) if none."""
+    allowed: list[str] = []
+    for route in ROUTES:
+        if len(route.pattern) != len(parts):
+            continue
+        params: dict[str, str] = {}
+        for want, got in zip(route.pattern, parts, strict=True):
+            if want.startswith("{"):
+                if not got:
+                    break
+                params[want[1:-1]] = got
+            elif want != got:
+                break
+        else:
+            if route.method == method:
+                return route, params
+            allowed.append(route.method)
+    if allowed:
+        raise ApiError(
+            405,
+            "method_not_allowed",
+            f"{method} is not allowed here (allowed: {', '.join(allowed)})",
+            headers=[(b"allow", ", ".join(allowed).encode())],
+        )
+    raise ApiError(404, "not_found", "no such API route")
+
+
+# --- request bodies (pure) ------------------------------------------------------------------
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ApiError(422, "invalid_body", "the body must be a JSON object")
+    return body
+
+
+def _no_unknown(body: Mapping[str, Any], allowed: frozenset[str] | set[str]) -> None:
+    extra = sorted(k for k in body if k not in allowed)
+    if extra:
+        raise ApiError(422, "unknown_field", f"{extra[0]}: unknown field", param=extra[0])
+
+
+def _text(body: Mapping[str, Any], key: str, *, required: bool = True) -> str | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise ApiError(422, "missing_field", f"{key}: required", param=key)
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ApiError(422, "invalid_field", f"{key}: a non-empty string", param=key)
+    return value
+
+
+def _gib(body: Mapping[str, Any], key: str, *, required: bool) -> int | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise ApiError(422, "missing_field", f"{key}: required", param=key)
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= 1 << 20
+    ):
+        raise ApiError(422, "invalid_field", f"{key}: a number of GiB greater than 0", param=key)
+    return round(value * GIB)
+
+
+def _idle_timeout(value: Any) -> int | None:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    try:
+        validate_idle_timeout(value)
+    except Refusal as exc:
+        raise ApiError(422, exc.code, exc.message, param="idle_timeout_s") from None
+    return cast(int | None, value)
+
+
+def _mode(value: Any) -> m.Mode:
+    if value not in _MODES:
+        raise ApiError(
+            422,
+            "invalid_mode",
+            f'mode: "on_demand" or "always_on", not {_encoder.encode(value).decode()[:40]}',
+            param="mode",
+        )
+    return cast(m.Mode, value)
+
+
+def parse_deployment_spec(body: Any) -> DeploymentSpec:
+    """The POST /deployments body as a spec; ApiError 422 naming the field."""
+    data = _object(body)
+    _no_unknown(data, _SPEC_FIELDS)
+    name = _text(data, "name")
+    engine = _text(data, "engine")
+    model = _text(data, "model")
+    memory = _gib(data, "memory_gib", required=True)
+    mode = _mode(data.get("mode", "always_on"))
+    idle = _idle_timeout(data.get("idle_timeout_s"))
+    role = data.get("role", "model")
+    if role not in _ROLES:
+        raise ApiError(422, "invalid_role", 'role: "model" or "decision"', param="role")
+    args = data.get("args", [])
+    if (
+        not isinstance(args, list)
+        or len(args) > 256
+        or not all(isinstance(a, str) and len(a) <= 4096 for a in args)
+    ):
+        raise ApiError(422, "invalid_field", "args: a list of strings", param="args")
+    image = data.get("image")
+    if image is not None and (not isinstance(image, str) or not image.strip()):
+        raise ApiError(422, "invalid_field", "image: a non-empty string or null", param="image")
+    gpu = data.get("gpu", False)
+    if not isinstance(gpu, bool):
+        raise ApiError(422, "invalid_field", "gpu: true or false", param="gpu")
+    assert name is not None and engine is not None and model is not None and memory is not None
+    return DeploymentSpec(
+        name=name,
+        engine=engine,
+        model=model,
+        memory_bytes=memory,
+        mode=mode,
+        idle_timeout_s=idle,
+        role=cast(m.Role, role),
+        args=list(args),
+        image=image,
+        gpu=gpu,
+    )
+
+
+@dataclass(frozen=True)
+class ModeChange:
+    """A parsed PATCH .../mode body."""
+
+    mode: m.Mode
+    idle_timeout_s: int | None
+    keep_idle_timeout: bool
+
+
+def parse_mode_change(body: Any) -> ModeChange:
+    """`{"mode": ..., "idle_timeout_s"?: null | 60..86400}`: null = default, omitted = keep."""
+    data = _object(body)
+    _no_unknown(data, {"mode", "idle_timeout_s"})
+    if "mode" not in data:
+        raise ApiError(422, "missing_field", "mode: required", param="mode")
+    mode = _mode(data["mode"])
+    if "idle_timeout_s" not in data:
+        return ModeChange(mode=mode, idle_timeout_s=None, keep_idle_timeout=True)
+    return ModeChange(
+        mode=mode, idle_timeout_s=_idle_timeout(data["idle_timeout_s"]), keep_idle_timeout=False
+    )
+
+
+def _iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def _parse_time(text: str, key: str) -> float:
+    from dgxmm.replay import parse_time
+
+    try:
+        return parse_time(text)
+    except ValueError:
+        raise ApiError(
+            422, "invalid_query", f"{key}: ISO 8601 or epoch seconds", param=key
+        ) from None
+
+
+def _int_query(query: Mapping[str, str], key: str, default: int | None, lo: int, hi: int) -> Any:
+    text = query.get(key)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise ApiError(422, "invalid_query", f"{key}: an integer from {lo} to {hi}", param=key)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, msgspec.Struct):
+        return msgspec.structs.asdict(value)
+    return value
+
+
+# --- the API --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    request: Request
+    responder: Responder
+    principal: Principal | None
+    params: dict[str, str]
+    query: dict[str, str]
+    body: Any = None
+    headers: Headers = field(default_factory=list)
+
+
+Reply = tuple[int, Any]
+
+
+async def _no_sync() -> dict[str, Any]:
+    raise Refusal(409, "litellm_disabled", "the LiteLLM integration is not set up")
+
+
+async def _no_configure(settings: dict[str, Any], actor: str) -> dict[str, Any]:
+    raise Refusal(409, "litellm_disabled", "the LiteLLM integration is not set up")
+
+
+class AdminApi:
+    """The admin API handler for `gateway.server.HTTPServer`."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        store: EventStore,
+        auth: Auth,
+        clock: Clock,
+        *,
+        litellm_status: Callable[[], Any] | None = None,
+        litellm_sync_now: Callable[[], Awaitable[Any]] | None = None,
+        litellm_configure: Callable[[dict[str, Any], str], Awaitable[Any]] | None = None,
+        web_root: Path | None = None,
+        gateway_statistics: Callable[[], Mapping[str, Any]] | None = None,
+        metrics_public: bool = False,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        hub_config: HubConfig | None = None,
+    ) -> None:
+        self.controller = controller
+        self.store = store
+        self.auth = auth
+        self.clock = clock
+        self._litellm_status = litellm_status or (lambda: {"enabled": False, "ok": False})
+        self._litellm_sync_now = litellm_sync_now or _no_sync
+        self._litellm_configure = litellm_configure or _no_configure
+        self.web_root = web_root.resolve() if web_root is not None else None
+        self.gateway_statistics = gateway_statistics
+        self.metrics_public = metrics_public
+        self.max_body_bytes = max_body_bytes
+        self.hub = EventHub(controller, clock, hub_config)
+        self.server: HTTPServer | None = None
+        self.replies: collections.Counter[int] = collections.Counter()
+
+    # --- serving -------------------------------------------------------------------------
+
+    async def serve(
+        self, host: str = "127.0.0.1", port: int = 8400, config: ServerConfig | None = None
+    ) -> HTTPServer:
+        """Start an `HTTPServer` for the API (errors of the server itself in JSON too)."""
+        server_config = config or ServerConfig(max_body_bytes=self.max_body_bytes)
+        server = HTTPServer(self.handle, server_config, render_error=self.render_error)
+        await server.start(host, port)
+        self.server = server
+        return server
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """End the event streams, then stop the server if `serve` started it."""
+        self.hub.close()
+        if self.server is not None:
+            await self.server.shutdown(timeout_s)
+
+    def render_error(self, status: int, message: str) -> tuple[Headers, bytes]:
+        """Errors the HTTP server produces itself (malformed request, timeouts, 500)."""
+        code = _SERVER_CODES.get(status, "internal_error" if status >= 500 else "http_error")
+        return [(b"content-type", b"application/json")], error_body(status, code, message)
+
+    # --- one request ---------------------------------------------------------------------
+
+    async def handle(self, request: Request, responder: Responder) -> None:
+        """Answer one request."""
+        try:
+            await self._route(request, responder)
+        except ApiError as exc:
+            if responder.started:
+                raise
+            await self._error(responder, exc)
+
+    async def _route(self, request: Request, responder: Responder) -> None:
+        raw_path, _, raw_query = request.target.partition(b"?")
+        path = raw_path.decode("latin-1")
+        if path.startswith("/dgxmm/api/") or path == "/dgxmm/api":
+            rest = path[len("/dgxmm/api") :]
+        elif path.startswith("/api/") or path == "/api":
+            rest = path[len("/api") :]
+        elif path == "/metrics":
+            await self._metrics(request, responder)
+            return
+        elif path in ("/", "/dgxmm"):
+            await self._send(responder, 308, b"", [(b"location", b"/dgxmm/")])
+            return
+        elif path.startswith("/dgxmm/"):
+            await self._static(request, responder, path[len("/dgxmm/") :])
+            return
+        else:
+            raise ApiError(404, "not_found", "not found")
+        try:
+            parts = [urllib.parse.unquote(p, errors="strict") for p in rest.strip("/").split("/")]
+            query = {
+                k: v[0]
+                for k, v in urllib.parse.parse_qs(
+                    raw_query.decode("latin-1"), keep_blank_values=True, errors="strict"
+                ).items()
+            }
+        except (UnicodeDecodeError, ValueError):
+            raise ApiError(400, "bad_request", "the path or query is not valid UTF-8") from None
+        route, params = match_route(request.method.decode("latin-1").upper(), parts)
+        principal = await self._authorize(request, route)
+        call = _Call(request, responder, principal, params, query)
+        if route.method not in _SAFE_METHODS:
+            call.body = await self._read_json(request)
+        try:
+            reply = await getattr(self, "_h_" + route.handler)(call)
+        except Refusal as exc:
+            raise from_refusal(exc) from None
+        except AuthError as exc:
+            raise _from_auth(exc) from None
+        except (AskTimeout, MailboxFull) as exc:
+            raise ApiError(
+                503, "controller_busy", f"the controller is busy: {exc}",
+                headers=[(b"retry-after", b"5")],
+            ) from None  # fmt: skip
+        except ActorStopped as exc:
+            raise ApiError(409, "deployment_gone", f"the deployment went away: {exc}") from None
+        except ActorCrashed as exc:
+            log.error("api_command_crashed", route=route.handler, error=str(exc))
+            raise ApiError(500, "internal_error", "the command failed; see the log") from None
+        except StorageError as exc:
+            log.error("api_storage_failed", route=route.handler, error=str(exc))
+            raise ApiError(503, "storage_unavailable", "the event log cannot be written") from None
+        if reply is not None:
+            status, data = reply
+            await self._send_json(responder, status, data, call.headers)
+
+    async def _authorize(self, request: Request, route: Route) -> Principal | None:
+        if route.access is Access.PUBLIC:
+            return None
+        try:
+            principal = await self.auth.authenticate(request.headers)
+            if request.method.decode("latin-1").upper() not in _SAFE_METHODS:
+                self.auth.check_csrf(principal, request.headers)
+        except AuthError as exc:
+            raise _from_auth(exc) from None
+        if route.access is Access.ADMIN and not principal.is_admin:
+            raise ApiError(403, "forbidden", f"{principal.user} is a viewer; this needs an admin")
+        return principal
+
+    async def _read_json(self, request: Request) -> Any:
+        length = request.header(b"content-length")
+        too_large = ApiError(
+            413, "request_too_large", f"the body is larger than {self.max_body_bytes} bytes",
+            headers=[(b"connection", b"close")],
+        )  # fmt: skip
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while chunk := await request.receive():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise too_large
+                chunks.append(chunk)
+        except BodyTooLarge:
+            raise too_large from None
+        raw = b"".join(chunks)
+        if not raw.strip():
+            return None
+        try:
+            return _decoder.decode(raw)
+        except msgspec.DecodeError:
+            raise ApiError(400, "invalid_json", "the body is not valid JSON") from None
+
+    # --- answering -----------------------------------------------------------------------
+
+    async def _send(
+        self, responder: Responder, status: int, body: bytes, headers: Headers | None = None
+    ) -> None:
+        self.replies[status] += 1
+        base: Headers = [(b"x-content-type-options", b"nosniff")]
+        await responder.respond(status, [*base, *(headers or [])], body)
+
+    async def _send_json(
+        self, responder: Responder, status: int, data: Any, headers: Headers | None = None
+    ) -> None:
+        await self._send(
+            responder,
+            status,
+            _encoder.encode(data),
+            [
+                (b"content-type", b"application/json"),
+                (b"cache-control", b"no-store"),
+                *(headers or []),
+            ],
+        )
+
+    async def _error(self, responder: Responder, exc: ApiError) -> None:
+        headers: Headers = [(b"content-type", b"application/json"), *exc.headers]
+        if exc.status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="dgxmm"'))
+        await self._send(
+            responder, exc.status, error_body(exc.status, exc.code, exc.message, exc.param), headers
+        )
+
+    # --- sessions and tokens -------------------------------------------------------------
+
+    async def _h_login(self, call: _Call) -> Reply:
+        req = call.request
+        origin, host = req.header(b"origin"), req.header(b"host")
+        if (
+            origin is not None
+            and host is not None
+            and urllib.parse.urlsplit(origin.decode("latin-1")).netloc.encode() != host
+        ):
+            raise ApiError(403, "cross_origin", "login from another origin is refused")
+        data = _object(call.body)
+        _no_unknown(data, {"name", "password"})
+        name, password = data.get("name"), data.get("password")
+        if not isinstance(name, str) or not name:
+            raise ApiError(422, "missing_field", "name: required", param="name")
+        if not isinstance(password, str):
+            raise ApiError(422, "missing_field", "password: required", param="password")
+        client_ip = req.client[0] if req.client else None
+        session = await self.auth.login(name, password, client_ip)
+        user = (await self.auth.users())[session.user]
+        call.headers.append((b"set-cookie", self.auth.session_cookie(session)))
+        return 200, {
+            "user": user.name,
+            "role": user.role,
+            "csrf_token": session.csrf,
+            "session_idle_s": self.auth.config.session_idle_s,
+        }
+
+    async def _h_logout(self, call: _Call) -> Reply:
+        principal = call.principal
+        assert principal is not None
+        if principal.session is not None:
+            self.auth.logout(principal.session)
+            self.hub.drop_session(principal.session.token)
+            call.headers.append((b"set-cookie", self.auth.clear_cookie()))
+        return 200, {"logged_out": principal.session is not None}
+
+    async def _h_session(self, call: _Call) -> Reply:
+        p = call.principal
+        assert p is not None
+        data: dict[str, Any] = {"user": p.user, "role": p.role, "via": p.via}
+        if p.session is not None:
+            data["csrf_token"] = p.session.csrf
+        return 200, data
+
+    async def _h_create_token(self, call: _Call) -> Reply:
+        assert call.principal is not None
+        data = _object(call.body)
+        _no_unknown(data, {"user"})
+        user = _text(data, "user", required=False) or call.principal.user
+        token, token_id = await self.auth.create_token(user, call.principal.actor)
+        return 201, {"user": user, "token_id": token_id, "token": token}
+
+    # --- deployments ---------------------------------------------------------------------
+
+    def _actor(self, call: _Call) -> DeploymentActor:
+        key = call.params["id"]
+        actor = self.controller.find(key)
+        if actor is None:
+            raise ApiError(404, "not_found", f"no deployment {key}")
+        return actor
+
+    def _record(self, actor: DeploymentActor) -> dict[str, Any]:
+        return record_json(self.controller.record(actor))
+
+    def _who(self, call: _Call) -> str:
+        assert call.principal is not None
+        return call.principal.actor
+
+    async def _h_list_deployments(self, call: _Call) -> Reply:
+        return 200, {"deployments": [record_json(r) for r in self.controller.records()]}
+
+    async def _h_create_deployment(self, call: _Call) -> Reply:
+        spec = parse_deployment_spec(call.body)
+        record = await self.controller.create(spec, self._who(call))
+        return 201, record_json(record)
+
+    async def _h_get_deployment(self, call: _Call) -> Reply:
+        return 200, self._record(self._actor(call))
+
+    async def _h_remove_deployment(self, call: _Call) -> Reply:
+        actor = self._actor(call)
+        await self.controller.remove(actor.deployment_id, self._who(call))
+        return 200, {"id": actor.deployment_id, "name": actor.state.name, "removed": True}
+
+    async def _h_start_deployment(self, call: _Call) -> Reply:
+        actor = self._actor(call)
+        return 200, record_json(await self.controller.start(actor.deployment_id, self._who(call)))
+
+    async def _h_stop_deployment(self, call: _Call) -> Reply:
+        actor = self._actor(call)
+        return 200, record_json(await self.controller.stop(actor.deployment_id, self._who(call)))
+
+    async def _h_switch_model(self, call: _Call) -> Reply:
+        actor = self._actor(call)
+        data = _object(call.body)
+        _no_unknown(data, {"model", "memory_gib"})
+        model = _text(data, "model")
+        memory = _gib(data, "memory_gib", required=False)
+        record = await self.controller.reconfigure(
+            actor.deployment_id, self._who(call), model=model, memory_bytes=memory
+        )
+        return 200, record_json(record)
+
+    async def _h_change_mode(self, call: _Call) -> Reply:
+        actor = self._actor(call)
+        change = parse_mode_change(call.body)
+        record = await self.controller.change_mode(
+            actor.deployment_id,
+            change.mode,
+            change.idle_timeout_s,
+            change.keep_idle_timeout,
+            self._who(call),
+        )
+        return 200, record_json(record)
+
+    def _names(self) -> dict[str, str]:
+        system = self.controller.system
+        names = {d: s.name for d, s in system.removed.items()}
+        names.update({d: s.name for d, s in system.deployments.items()})
+        names.update({d: a.state.name for d, a in self.controller.actors.items()})
+        return names
+
+    def _deployment_id(self, key: str) -> str:
+        """A live or removed deployment's id, by id or name."""
+        actor = self.controller.find(key)
+        if actor is not None:
+            return actor.deployment_id
+        removed = self.controller.system.removed
+        if key in removed:
+            return key
+        found = next((d for d, s in removed.items() if s.name == key), None)
+        if found is None:
+            raise ApiError(404, "not_found", f"no deployment {key}")
+        return found
+
+    async def _h_deployment_events(self, call: _Call) -> Reply:
+        dep_id = self._deployment_id(call.params["id"])
+        limit = _int_query(call.query, "limit", 200, 1, 5000)
+        before = _int_query(call.query, "before", None, 1, 2**62)
+        own = await self.store.read(stream=m.deployment_stream(dep_id))
+        timeouts = [
+            rec
+            async for rec in self.store.iterate(stream=m.STREAM_QUEUE)
+            if isinstance(rec.event, m.RequestLeftQueue)
+            and rec.event.deployment_id == dep_id
+            and rec.event.reason == "timeout"
+        ]
+        merged = sorted([*own, *timeouts], key=lambda r: r.seq)
+        rows = [
+            r
+            for r in deployment_events(merged, dep_id, self._names())
+            if before is None or r.seq < before
+        ]
+        page = rows[-limit:][::-1]
+        return 200, {
+            "deployment_id": dep_id,
+            "events": [
+                {
+                    "seq": r.seq,
+                    "ts": r.ts,
+                    "time": _iso(r.ts),
+                    "actor": r.actor,
+                    "title": r.title,
+                    "type": r.type,
+                }
+                for r in page
+            ],
+            "next_before": page[-1].seq if len(rows) > limit else None,
+        }
+
+    # --- audit, memory, settings ---------------------------------------------------------
+
+    async def _audit_stream(
+        self, until_ts: float | None, before: int | None
+    ) -> AsyncIterator[AuditRow]:
+        """Every audit row, oldest first, read in chunks.
+
+        The projection shows a queue timeout at most once a minute per deployment; the last
+        audited timeout of each deployment is carried into the next chunk so that the rule
+        holds across chunk borders exactly as over the whole log.
+        """
+        carry: dict[str, m.Recorded] = {}
+        since = 0
+        while True:
+            chunk = await self.store.read(since_seq=since, until_ts=until_ts, limit=AUDIT_CHUNK)
+            if not chunk:
+                return
+            since = chunk[-1].seq
+            prefix = sorted(carry.values(), key=lambda r: r.seq)
+            skip = {r.seq for r in prefix}
+            by_seq = {r.seq: r for r in chunk}
+            for row in audit_rows([*prefix, *chunk]):
+                if row.seq in skip:
+                    continue
+                if before is not None and row.seq >= before:
+                    return
+                if row.action == "ondemand_queue_timeout":
+                    rec = by_seq[row.seq]
+                    assert isinstance(rec.event, m.RequestLeftQueue)
+                    carry[rec.event.deployment_id] = rec
+                yield row
+            if len(chunk) < AUDIT_CHUNK:
+                return
+
+    async def _h_audit(self, call: _Call) -> Reply:
+        q = call.query
+        limit = _int_query(q, "limit", 100, 1, 1000)
+        before = _int_query(q, "before", None, 1, 2**62)
+        since = _parse_time(q["since"], "since") if q.get("since") else None
+        until = _parse_time(q["until"], "until") if q.get("until") else None
+        actor, action = q.get("actor") or None, q.get("action") or None
+        target = None
+        if q.get("deployment"):
+            target = m.deployment_stream(self._deployment_id(q["deployment"]))
+        page: collections.deque[AuditRow] = collections.deque(maxlen=limit)
+        matched = 0
+        async for row in self._audit_stream(until, before):
+            if since is not None and row.ts < since:
+                continue
+            if actor is not None and row.actor != actor:
+                continue
+            if action is not None and row.action != action:
+                continue
+            if target is not None and row.target != target:
+                continue
+            matched += 1
+            page.append(row)
+        names = self._names()
+        rows = []
+        for row in reversed(page):
+            dep_id = row.target.partition(":")[2] if row.target.startswith("deployment:") else None
+            rows.append(
+                {
+                    "seq": row.seq,
+                    "ts": row.ts,
+                    "time": _iso(row.ts),
+                    "actor": row.actor,
+                    "action": row.action,
+                    "target": row.target,
+                    "deployment_id": dep_id,
+                    "deployment": names.get(dep_id) if dep_id else None,
+                    "details": row.details,
+                }
+            )
+        next_before = page[0].seq if matched > len(page) else None
+        return 200, {"rows": rows, "next_before": next_before}
+
+    async def _h_memory(self, call: _Call) -> Reply:
+        return 200, memory_json(self.controller.memory())
+
+    async def _h_get_settings(self, call: _Call) -> Reply:
+        return 200, self.controller.settings()
+
+    async def _h_change_settings(self, call: _Call) -> Reply:
+        data = _object(call.body)
+        return 200, await self.controller.change_settings(data, self._who(call))
+
+    # --- LiteLLM -------------------------------------------------------------------------
+
+    async def _h_litellm_status(self, call: _Call) -> Reply:
+        status = _plain(self._litellm_status())
+        data: dict[str, Any] = dict(status) if isinstance(status, Mapping) else {}
+        synced = getattr(status, "synced", None)
+        if synced is None:
+            synced = data.get("synced")
+        if synced is None:
+            synced = bool(data.get("enabled")) and bool(data.get("ok"))
+        data["synced"] = bool(synced)
+        data["default_mode"] = "on_demand" if synced else "always_on"
+        data["hint"] = None if synced else LITELLM_HINT
+        return 200, data
+
+    async def _litellm_call(self, work: Awaitable[Any]) -> Reply:
+        try:
+            result = await work
+        except ValueError as exc:
+            raise ApiError(422, "invalid_litellm_settings", str(exc)) from None
+        except ActorError as exc:
+            if isinstance(exc, Refusal):
+                raise
+            raise ApiError(502, "litellm_sync_failed", str(exc)) from None
+        return 200, _plain(result) if result is not None else {}
+
+    async def _h_litellm_sync(self, call: _Call) -> Reply:
+        return await self._litellm_call(self._litellm_sync_now())
+
+    async def _h_litellm_configure(self, call: _Call) -> Reply:
+        return await self._litellm_call(
+            self._litellm_configure(_object(call.body), self._who(call))
+        )
+
+    # --- the UI's event stream and metrics -----------------------------------------------
+
+    async def _h_event_stream(self, call: _Call) -> None:
+        p = call.principal
+        assert p is not None
+        try:
+            self.replies[200] += 1
+            await self.hub.stream(
+                call.request, call.responder, p.session.token if p.session else None
+            )
+        except TooManyStreams:
+            self.replies[200] -= 1
+            raise ApiError(
+                503, "too_many_streams", "too many event streams are open",
+                headers=[(b"retry-after", b"10")],
+            ) from None  # fmt: skip
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters of the API: replies by status, streams, sessions, logins."""
+        return {
+            "replies": dict(self.replies),
+            "streams_open": self.hub.client_count,
+            "stream": dict(self.hub.stats),
+            "sessions": self.auth.session_count(),
+            "auth": dict(self.auth.stats),
+        }
+
+    def _api_families(self) -> list[metrics.Family]:
+        replies = metrics.Family("dgxmm_api_replies_total", "counter", "Admin API replies.")
+        for status, n in sorted(self.replies.items()):
+            replies.add(n, status=str(status))
+        streams = metrics.Family("dgxmm_api_event_streams", "gauge", "Open UI event streams.")
+        streams.add(self.hub.client_count)
+        dropped = metrics.Family(
+            "dgxmm_api_event_streams_dropped_total", "counter", "Slow event-stream clients dropped."
+        )
+        dropped.add(self.hub.stats["dropped_clients"])
+        sessions = metrics.Family("dgxmm_api_sessions", "gauge", "Open login sessions.")
+        sessions.add(self.auth.session_count())
+        failures = metrics.Family(
+            "dgxmm_api_login_failures_total", "counter", "Failed logins since start."
+        )
+        failures.add(self.auth.stats["login_failures"])
+        return [replies, streams, dropped, sessions, failures]
+
+    async def _metrics(self, request: Request, responder: Responder) -> None:
+        if request.method != b"GET":
+            raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
+        if not self.metrics_public:
+            try:
+                await self.auth.authenticate(request.headers)
+            except AuthError as exc:
+                raise _from_auth(exc) from None
+        text = metrics.exposition(
+            self.controller,
+            gateway_statistics=self.gateway_statistics,
+            extra=self._api_families(),
+        )
+        await self._send(
+            responder,
+            200,
+            text.encode(),
+            [(b"content-type", metrics.CONTENT_TYPE), (b"cache-control", b"no-store")],
+        )
+
+    # --- static files --------------------------------------------------------------------
+
+    async def _static(self, request: Request, responder: Responder, rel: str) -> None:
+        if request.method != b"GET":
+            raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
+        if self.web_root is None:
+            raise ApiError(404, "not_found", "the web UI is not installed")
+        path = resolve_static(self.web_root, rel)
+        if path is None:
+            raise ApiError(404, "not_found", "not found")
+        found = await asyncio.to_thread(_read_static, path)
+        if found is None and "." not in PurePosixPath(rel).name:
+            # A client-side route (e.g. /dgxmm/deployments/abc): the UI's index answers it.
+            path = self.web_root / "index.html"
+            found = await asyncio.to_thread(_read_static, path)
+        if found is None:
+            raise ApiError(404, "not_found", "not found")
+        ctype = _CONTENT_TYPES.get(path.suffix.lower()) or (
+            mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        )
+        headers: Headers = [
+            (b"content-type", ctype.encode()),
+            (b"cache-control", b"no-cache"),
+            (b"x-frame-options", b"DENY"),
+            (b"referrer-policy", b"same-origin"),
+        ]
+        await self._send(responder, 200, found, headers)
+
+
+def resolve_static(root: Path, rel: str) -> Path | None:
+    """The file under `root` that `rel` (still percent-encoded) names, or None; never outside."""
+    try:
+        decoded = urllib.parse.unquote(rel, errors="strict")
+    except UnicodeDecodeError:
+        return None
+    if "\x00" in decoded or "\\" in decoded:
+        return None
+    parts = [p for p in decoded.split("/") if p]
+    if any(p in (".", "..") or p.startswith(".") for p in parts):
+        return None
+    candidate = root.joinpath(*parts) if parts else root
+    try:
+        resolved = candidate.resolve()
+    except (OSError, RuntimeError):
+        return None
+    if resolved != root and root not in resolved.parents:
+        return None  # a symlink pointing out of the web root
+    if resolved == root or not parts:
+        return root / "index.html"
+    return resolved
+
+
+def _read_static(path: Path) -> bytes | None:
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_STATIC_BYTES:
+            return None
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _from_auth(exc: AuthError) -> ApiError:
+    headers: Headers = []
+    if exc.retry_after is not None:
+        headers.append((b"retry-after", str(math.ceil(exc.retry_after)).encode()))
+    return ApiError(exc.status, exc.code, exc.message, headers=headers)

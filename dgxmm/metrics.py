@@ -1,0 +1,194 @@
+"""`GET /metrics`: the Prometheus text exposition format (version 0.0.4), built by hand.
+
+Families: deployments by state and mode, per-deployment in flight / queued / waiting for a
+start / memory, the memory budget, the queue's gauges and counters, the admin API's event
+streams, and the gateway's statistics when the composition root hands over a callable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from actors.controller import Controller
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+STATES = ("stopped", "starting", "ready", "stopping", "failed", "asleep")
+MODES = ("on_demand", "always_on")
+
+# Gateway statistics that are levels, not running totals.
+_GAUGE_KEYS = frozenset(
+    {"active", "idle", "connections_open", "connections_idle", "requests_active", "closing"}
+)
+_NAME_PART = re.compile(r"[^a-zA-Z0-9_]")
+_LABEL_NAMES = {"engines": "engine", "error_replies": "status"}
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass
+class Family:
+    """One metric family: name, type, help and its samples."""
+
+    name: str
+    kind: str  # "gauge" | "counter"
+    help: str
+    samples: list[tuple[Labels, float]] = field(default_factory=list)
+
+    def add(self, value: float, **labels: str) -> None:
+        """Add a sample."""
+        self.samples.append((tuple(labels.items()), float(value)))
+
+
+def escape_label(value: str) -> str:
+    """A label value as the text format writes it."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
+def render(families: Iterable[Family]) -> str:
+    """The exposition text of `families`."""
+    lines: list[str] = []
+    for fam in families:
+        lines.append(f"# HELP {fam.name} {_escape_help(fam.help)}")
+        lines.append(f"# TYPE {fam.name} {fam.kind}")
+        for labels, value in fam.samples:
+            if labels:
+                text = ",".join(f'{k}="{escape_label(v)}"' for k, v in labels)
+                lines.append(f"{fam.name}{{{text}}} {_number(value)}")
+            else:
+                lines.append(f"{fam.name} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def controller_families(controller: Controller) -> list[Family]:
+    """Deployments, memory and the queue."""
+    records = controller.records()
+    by_state = Family("dgxmm_deployments", "gauge", "Deployments by lifecycle state and mode.")
+    counts = {(s, md): 0 for s in STATES for md in MODES}
+    for rec in records:
+        counts[(rec.state, rec.mode)] = counts.get((rec.state, rec.mode), 0) + 1
+    for (state, mode), n in sorted(counts.items()):
+        by_state.add(n, state=state, mode=mode)
+    per = {
+        "in_flight": Family(
+            "dgxmm_deployment_in_flight", "gauge", "Requests in flight through the gateway."
+        ),
+        "queued": Family(
+            "dgxmm_deployment_queued", "gauge", "Requests queued for memory for the deployment."
+        ),
+        "waiting_for_start": Family(
+            "dgxmm_deployment_waiting_for_start", "gauge", "Requests waiting for its start."
+        ),
+        "memory_bytes": Family(
+            "dgxmm_deployment_memory_bytes", "gauge", "Memory the deployment needs when running."
+        ),
+        "failures": Family(
+            "dgxmm_deployment_start_failures", "gauge", "Consecutive failed starts."
+        ),
+    }
+    up = Family("dgxmm_deployment_ready", "gauge", "1 when the deployment is ready, else 0.")
+    for rec in records:
+        labels = {"deployment": rec.name, "id": rec.id, "mode": rec.mode}
+        per["in_flight"].add(rec.in_flight, **labels)
+        per["queued"].add(rec.queued, **labels)
+        per["waiting_for_start"].add(rec.waiting_for_start, **labels)
+        per["memory_bytes"].add(rec.memory_bytes, **labels)
+        per["failures"].add(rec.failures, **labels)
+        up.add(1 if rec.state == "ready" else 0, **labels)
+    memory = Family("dgxmm_memory_bytes", "gauge", "The memory budget, by kind.")
+    for key, value in sorted(controller.memory().items()):
+        memory.add(value, kind=key.removesuffix("_bytes"))
+    stats = controller.queue.queue_statistics()
+    waiting = Family("dgxmm_queue_waiting", "gauge", "Requests waiting (queued or for a start).")
+    waiting.add(stats.get("waiting", len(controller.queue)))
+    cap = Family("dgxmm_queue_max", "gauge", "ondemand_max_queued.")
+    cap.add(int(controller.setting("ondemand_max_queued")))
+    outcomes = Family(
+        "dgxmm_queue_requests_total", "counter", "Waiting requests by outcome, since start."
+    )
+    for key, value in sorted(stats.items()):
+        if key != "waiting":
+            outcomes.add(value, outcome=key)
+    return [by_state, *per.values(), up, memory, waiting, cap, outcomes]
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, msgspec.Struct):
+        return msgspec.structs.asdict(value)
+    return value
+
+
+def flatten_statistics(prefix: str, stats: Mapping[str, Any]) -> list[Family]:
+    """Families from a nested statistics mapping (numbers, dataclasses, structs, dicts).
+
+    Identifier keys become part of the name; other keys (like "host:port" or a status code)
+    become a label named after the enclosing key.  Levels are gauges, the rest counters.
+    """
+    families: dict[str, Family] = {}
+
+    def family(name: str, leaf: str) -> Family:
+        gauge = leaf in _GAUGE_KEYS
+        full = name if gauge or name.endswith("_total") else name + "_total"
+        fam = families.get(full)
+        if fam is None:
+            fam = families[full] = Family(
+                full, "gauge" if gauge else "counter", f"Gateway statistic {leaf}."
+            )
+        return fam
+
+    def walk(name: str, leaf: str, value: Any, labels: dict[str, str]) -> None:
+        value = _plain(value)
+        if isinstance(value, bool):
+            family(name, "closing" if leaf == "closing" else leaf).add(int(value), **labels)
+        elif isinstance(value, int | float):
+            family(name, leaf).add(value, **labels)
+        elif isinstance(value, Mapping):
+            for key, sub in value.items():
+                key_s = str(key)
+                if key_s.isidentifier():
+                    part = _NAME_PART.sub("_", key_s)
+                    walk(f"{name}_{part}", part, sub, labels)
+                else:
+                    label = _LABEL_NAMES.get(leaf, _NAME_PART.sub("_", leaf))
+                    walk(name, leaf, sub, {**labels, label: key_s})
+
+    for key, value in stats.items():
+        part = _NAME_PART.sub("_", str(key))
+        walk(f"{prefix}_{part}", part, value, {})
+    return list(families.values())
+
+
+def exposition(
+    controller: Controller,
+    *,
+    gateway_statistics: Callable[[], Mapping[str, Any]] | None = None,
+    extra: Iterable[Family] = (),
+) -> str:
+    """The whole `/metrics` text."""
+    families = controller_families(controller)
+    families.extend(extra)
+    if gateway_statistics is not None:
+        families.extend(flatten_statistics("dgxmm_gateway", gateway_statistics()))
+    return render(families)

@@ -2,10 +2,10 @@
 
 One task per connection reads request heads and runs each request's handler inline; the
 stream protocol reports EOF and resets as they happen (no read pending), and a hang-up while
-the handler waits cancels it.  Timeouts come from
-one sweeper task per server (`gateway.deadlines`), not from a timer per read.  Protocol
-decisions live in `gateway.protocol.ServerSession`; this module only moves bytes, keeps time
-and decides when a connection ends.
+the handler waits cancels it.  Timeouts come from one sweeper task per server
+(`gateway.deadlines`), not from a timer per read.  Protocol decisions live in
+`gateway.protocol.ServerSession`; this module only moves bytes, keeps time and decides when
+a connection ends.
 
 Handler contract:
 
@@ -13,7 +13,8 @@ Handler contract:
 
 * `await request.receive()` returns the next body chunk (b"" at the end) and
   `await request.read_body()` all of it; both raise `BodyTooLarge` (the server answers 413),
-  `BodyTimeout` (408) or `ClientDisconnected`.  Read the body from the handler task only.
+  `BodyTimeout` (408) or `ClientDisconnected`.  Read it from the handler itself, not from
+  tasks it spawns; hang-ups are noticed at once only after the body was read to its end.
 * `await responder.start(status, headers)`, then `send(data)` any number of times, then
   `end()`; or `respond(status, headers, body)` for the whole answer in one write.  Headers are
   `(lower-case name, value)` byte pairs; without a content-length the body is chunked.
@@ -51,17 +52,6 @@ from gateway.protocol import Headers, RequestHead, ServerSession, Signal, header
 log = structlog.get_logger("gateway.server")
 
 ErrorRenderer = Callable[[int, str], tuple[Headers, bytes]]
-
-_REASONS = {
-    400: "bad request",
-    404: "not found",
-    408: "request timeout",
-    413: "request body too large",
-    431: "request header fields too large",
-    500: "internal server error",
-    501: "not implemented",
-    503: "service unavailable",
-}
 
 
 def plain_error(status: int, message: str) -> tuple[Headers, bytes]:

@@ -155,7 +155,7 @@ class DockerRuntime:
         self._host_ip = host_ip
         self._extra_mounts = list(extra_mounts)
         self._extra_env = dict(extra_env or {})
-        # Computed lazily: the default overlay imports `simulations` to find the project.
+        # Computed on first use: the default overlay locates the `simulations` package.
         self._image_overlays = None if image_overlays is None else dict(image_overlays)
         self._pull_missing = pull_missing
         self._enforce_memory_limit = enforce_memory_limit

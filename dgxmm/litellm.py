@@ -207,6 +207,10 @@ class _TransportError(Exception):
     """LiteLLM could not be reached or answered something that is not HTTP."""
 
 
+class _Unreachable(SyncFailed):
+    """A sync failed because LiteLLM did not answer (down, or restarting)."""
+
+
 class _Answer(msgspec.Struct, frozen=True):
     status: int
     body: bytes
@@ -309,19 +313,31 @@ def _error_text(answer: _Answer) -> str:
     return message if len(message) <= 300 else message[:297] + "..."
 
 
+def _kind(answer: _Answer) -> Literal["auth", "no_db", "other"]:
+    """What a refusal means: a wrong key, a LiteLLM without database, or anything else."""
+    reason = _error_text(answer)
+    # Without a database LiteLLM looks any key but its master key up there: HTTP 400.
+    if answer.status in (401, 403) or (answer.status == 400 and "No connected db" in reason):
+        return "auth"
+    if "No DB Connected" in reason or "STORE_MODEL_IN_DB" in reason:
+        return "no_db"
+    return "other"
+
+
 def _failure(what: str, answer: _Answer) -> SyncFailed:
     reason = _error_text(answer)
-    if answer.status in (401, 403):
-        return SyncFailed(
-            f"LiteLLM refused the master key ({what}: HTTP {answer.status}): {reason}"
-        )
-    if "No DB Connected" in reason or "STORE_MODEL_IN_DB" in reason:
-        return SyncFailed(
-            f"LiteLLM cannot store models ({what}: HTTP {answer.status}): {reason}. "
-            "The api back-end needs LiteLLM with DATABASE_URL and STORE_MODEL_IN_DB=True; "
-            "without a database use the file back-end"
-        )
-    return SyncFailed(f"LiteLLM answered HTTP {answer.status} to {what}: {reason}")
+    status = f"{what}: HTTP {answer.status}"
+    match _kind(answer):
+        case "auth":
+            return SyncFailed(f"LiteLLM refused the master key ({status}): {reason}")
+        case "no_db":
+            return SyncFailed(
+                f"LiteLLM cannot store models ({status}): {reason}. The api back-end needs "
+                "LiteLLM with DATABASE_URL and STORE_MODEL_IN_DB=True; without a database use "
+                "the file back-end"
+            )
+        case _:
+            return SyncFailed(f"LiteLLM answered HTTP {answer.status} to {what}: {reason}")
 
 
 class LiteLLMClient:
@@ -340,7 +356,7 @@ class LiteLLMClient:
         try:
             return await _exchange(self.url, method, target, self._auth, payload, self._timeout_s)
         except _TransportError as exc:
-            raise SyncFailed(f"cannot reach LiteLLM at {self.url}: {exc}") from exc
+            raise _Unreachable(f"cannot reach LiteLLM at {self.url}: {exc}") from exc
 
     async def list_entries(self) -> list[dict[str, Any]]:
         """Every entry LiteLLM's router serves (`GET /model/info`)."""
@@ -424,7 +440,7 @@ async def wait_until_served(
             if not missing and not extra:
                 return
             last = f"still waiting for {missing or extra}"
-        except SyncFailed as exc:  # LiteLLM is restarting: its listener queues or refuses
+        except _Unreachable as exc:  # LiteLLM is restarting: its listener queues or refuses
             last = str(exc)
         if loop.time() >= deadline:
             raise SyncFailed(
@@ -504,7 +520,7 @@ class ApiSync:
             log.info("litellm_entry_added", model_id=model_id)
             return
         failure = _failure(f"adding {model_id}", answer)
-        if answer.status in (401, 403) or "No DB Connected" in str(failure):
+        if _kind(answer) != "other":
             raise failure
         # The id may already be in LiteLLM's database (another LiteLLM worker had it, or an
         # earlier answer was lost): writing it in place makes the add idempotent.

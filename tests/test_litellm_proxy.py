@@ -309,6 +309,14 @@ def test_api_sync_against_litellm_without_a_database_says_what_is_missing(stack:
         asyncio.run(sync.sync(stack.entries() + extra))
 
 
+def test_a_wrong_master_key_is_reported_as_such(stack: Stack) -> None:
+    sync = ConfigFileSync(stack.config_path, stack.proxy.url, "sk-not-the-master-key")
+    started = time.monotonic()
+    with pytest.raises(SyncFailed, match="refused the master key"):
+        asyncio.run(sync.sync(stack.entries()))
+    assert time.monotonic() - started < 10  # a refusal is final: no waiting for a reload
+
+
 def test_a_mode_switch_through_the_config_file_never_answers_that_the_model_is_unknown(
     stack: Stack, gateway: RecordingUpstream
 ) -> None:

@@ -6,6 +6,10 @@ Bearer API token; viewers read, admins write; a cookie session's mutating call m
 its CSRF token in `x-csrf-token`.  Errors are `{"error": {"message", "type", "code"}}`
 (plus `param` when one field is at fault).  Mutations go through the controller with the
 actor `admin:<user>`, so the event log, and with it the audit trail, records who did what.
+
+`/metrics` needs a viewer (a session, or better a Bearer token in the scraper's
+`authorization` setting) unless the API is built with `metrics_public=True`: deployment
+names and memory figures are not for anyone who can reach the port.
 """
 
 from __future__ import annotations
@@ -765,12 +769,10 @@ class AdminApi:
     async def _audit_stream(
         self, until_ts: float | None, before: int | None
     ) -> AsyncIterator[AuditRow]:
-        """Every audit row, oldest first, read in chunks.
-
-        The projection shows a queue timeout at most once a minute per deployment; the last
-        audited timeout of each deployment is carried into the next chunk so that the rule
-        holds across chunk borders exactly as over the whole log.
-        """
+        """Every audit row, oldest first, reading the log in chunks."""
+        # The projection shows a queue timeout at most once a minute per deployment; the last
+        # audited timeout of each deployment is carried into the next chunk so that the rule
+        # holds across chunk borders exactly as over the whole log.
         carry: dict[str, m.Recorded] = {}
         since = 0
         while True:
@@ -850,9 +852,10 @@ class AdminApi:
     # --- LiteLLM -------------------------------------------------------------------------
 
     async def _h_litellm_status(self, call: _Call) -> Reply:
-        status = _plain(self._litellm_status())
+        raw = self._litellm_status()
+        status = _plain(raw)
         data: dict[str, Any] = dict(status) if isinstance(status, Mapping) else {}
-        synced = getattr(status, "synced", None)
+        synced = getattr(raw, "synced", None)  # e.g. a SyncStatus struct's property
         if synced is None:
             synced = data.get("synced")
         if synced is None:

@@ -141,11 +141,9 @@ def _plain(value: Any) -> Any:
 
 
 def flatten_statistics(prefix: str, stats: Mapping[str, Any]) -> list[Family]:
-    """Families from a nested statistics mapping (numbers, dataclasses, structs, dicts).
-
-    Identifier keys become part of the name; other keys (like "host:port" or a status code)
-    become a label named after the enclosing key.  Levels are gauges, the rest counters.
-    """
+    """Families from nested statistics (numbers, dataclasses, structs, dicts)."""
+    # Identifier keys become part of the name; other keys (like "host:port" or a status code)
+    # become a label named after the enclosing key.  Levels are gauges, the rest counters.
     families: dict[str, Family] = {}
 
     def family(name: str, leaf: str) -> Family:

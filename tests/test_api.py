@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from events import model as m
@@ -711,5 +712,25 @@ def test_without_a_web_root_the_ui_paths_are_404(tmp_path: Path) -> None:
     async def t(box: Box) -> None:
         reply = await ApiClient(box.port).get("/dgxmm/")
         assert reply.status == 404
+
+    run_box(tmp_path, t)
+
+
+class StructStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A status object like the LiteLLM sync's, with `synced` as a property."""
+
+    enabled: bool
+    ok: bool
+
+    @property
+    def synced(self) -> bool:
+        return self.enabled and self.ok
+
+
+def test_litellm_status_may_be_a_struct_with_a_synced_property(tmp_path: Path) -> None:
+    async def t(box: Box) -> None:
+        box.api._litellm_status = lambda: StructStatus(enabled=True, ok=True)
+        data = await (await box.login("victor")).ok("GET", f"{API}/litellm")
+        assert (data["enabled"], data["default_mode"], data["hint"]) == (True, "on_demand", None)
 
     run_box(tmp_path, t)

@@ -19,7 +19,7 @@ import structlog
 from actors.controller import Controller
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
-from actors.runtime import Clock
+from actors.runtime import Clock, TimerHandle
 from dgxmm.config import Config
 from dgxmm.litellm import (
     ApiSync,
@@ -35,6 +35,7 @@ log = structlog.get_logger("dgxmm.litellm")
 HINT = "On demand needs LiteLLM (it starts models on requests that come through it)"
 COALESCE_S = 0.2
 RETRY_S = 30.0
+RESYNC_S = 60.0  # a forced sync now and then: LiteLLM may have lost its entries (a restart)
 _QUIET = frozenset({"activity", "queue"})
 _SETTING_KEYS = ("enabled", "url", "backend", "config_path", "master_key_env")
 
@@ -55,6 +56,8 @@ class LiteLLMBridge:
         self._last_ok: bool | None = None
         self._last_error: str | None = None
         self._last_sync_at: float | None = None
+        self._force = False
+        self._resync_timer: TimerHandle | None = None
 
     def _initial_settings(self) -> dict[str, Any]:
         lite = self._config.litellm
@@ -95,9 +98,20 @@ class LiteLLMBridge:
         self._controller.add_listener(self._on_change)
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="litellm-sync")
         self._wake.set()
+        self._schedule_resync()
+
+    def _schedule_resync(self) -> None:
+        def resync() -> None:
+            self._force = True
+            self._wake.set()
+            self._schedule_resync()
+
+        self._resync_timer = self._clock.call_later(RESYNC_S, resync)
 
     async def stop(self) -> None:
         """Stop syncing."""
+        if self._resync_timer is not None:
+            self._resync_timer.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -112,8 +126,9 @@ class LiteLLMBridge:
             await self._wake.wait()
             await asyncio.sleep(COALESCE_S)  # let changes that arrive together share a sync
             self._wake.clear()
+            force, self._force = self._force, False
             try:
-                await self._sync(force=False)
+                await self._sync(force=force)
             except SyncFailed:
                 # Try again later even if nothing changes: LiteLLM may come back.
                 self._clock.call_later(RETRY_S, self._wake.set)

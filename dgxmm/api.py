@@ -612,7 +612,8 @@ class AdminApi:
             raise ApiError(422, "missing_field", "password: required", param="password")
         client_ip = req.client[0] if req.client else None
         session = await self.auth.login(name, password, client_ip)
-        user = (await self.auth.users())[session.user]
+        user = await self.auth.user(session.user)
+        assert user is not None  # it just logged in
         call.headers.append((b"set-cookie", self.auth.session_cookie(session)))
         return 200, {
             "user": user.name,

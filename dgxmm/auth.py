@@ -20,9 +20,10 @@ import hmac
 import re
 import secrets
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
@@ -48,7 +49,6 @@ SALT_BYTES = 16
 
 _USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 _TOKEN = re.compile(r"^dgxmm_([0-9a-f]{16})_([A-Za-z0-9_-]{20,128})$")
-_USER_EVENTS = (m.UserCreated, m.UserRemoved, m.ApiTokenCreated)
 INVALID_LOGIN = "invalid name or password"
 
 
@@ -250,23 +250,34 @@ class AuthConfig:
     refresh_every_s: float = 2.0  # unknown API tokens re-read the log at most this often
 
 
-@dataclass
-class _Users:
-    events: dict[int, m.Recorded] = field(default_factory=dict)  # seq -> user-changing record
-    users: dict[str, UserRecord] = field(default_factory=dict)
-    file_seq: int = 0  # the newest seq read from the file
-    loaded: bool = False
+class SystemView(Protocol):
+    """What Auth reads of the controller: the folded state, whose `users` it trusts first."""
+
+    @property
+    def system(self) -> SystemState:
+        """The state folded from the log (kept current by the controller)."""
+        ...
 
 
 class Auth:
     """Who may call the admin API."""
 
-    def __init__(self, store: EventStore, clock: Clock, config: AuthConfig | None = None) -> None:
+    def __init__(
+        self,
+        controller: SystemView,
+        store: EventStore,
+        clock: Clock,
+        config: AuthConfig | None = None,
+    ) -> None:
+        self.controller = controller
         self.store = store
         self.clock = clock
         self.config = config or AuthConfig()
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
-        self._state = _Users()
+        # The users stream as the file has it, read on a miss: users that another process
+        # (`dgxmm user add` while serving) wrote are in the file but not in the controller.
+        self._file_state: SystemState = EMPTY
+        self._file_seq = 0
         self._lock = asyncio.Lock()
         self._last_refresh: float | None = None
         self._dummy_hash = hash_password(secrets.token_urlsafe(16))
@@ -274,51 +285,35 @@ class Auth:
         self._by_name = Throttle(c.name_failures, c.failure_window_s)
         self._by_ip = Throttle(c.ip_failures, c.failure_window_s)
         self.stats = {"logins": 0, "login_failures": 0, "throttled": 0, "token_auths": 0}
-        store.add_listener(self._on_records)
 
     # --- users --------------------------------------------------------------------------
 
-    def _on_records(self, recs: list[m.Recorded]) -> None:
-        found = [
-            r for r in recs if r.stream == m.STREAM_USERS and isinstance(r.event, _USER_EVENTS)
-        ]
-        if found:
-            self._merge(found)
-
-    def _merge(self, recs: Iterable[m.Recorded]) -> None:
-        # Records reach us from this process (listener) and from the file (other processes,
-        # like `dgxmm user add` while serving); folding the union in seq order is exact.
-        state = self._state
-        for rec in recs:
-            state.events[rec.seq] = rec
-        state.users = fold_users(state.events[s] for s in sorted(state.events))
-
-    async def _refresh(self, *, force: bool = False) -> None:
-        """Read user records the file has and we have not seen."""
+    async def _refresh(self, *, force: bool) -> None:
+        """Fold the user records the file got since the last read (at most so often)."""
         async with self._lock:
             now = self.clock.now()
-            state = self._state
-            if state.loaded and not force:
-                last = self._last_refresh
-                if last is not None and now - last < self.config.refresh_every_s:
-                    return
+            last = self._last_refresh
+            if not force and last is not None and now - last < self.config.refresh_every_s:
+                return
             self._last_refresh = now
-            found: list[m.Recorded] = []
-            newest = state.file_seq
-            async for rec in self.store.iterate(stream=m.STREAM_USERS, since_seq=state.file_seq):
-                newest = max(newest, rec.seq)
-                if isinstance(rec.event, _USER_EVENTS):
-                    found.append(rec)
-            state.file_seq = newest
-            state.loaded = True
-            if found:
-                self._merge(found)
+            state = self._file_state
+            async for rec in self.store.iterate(stream=m.STREAM_USERS, since_seq=self._file_seq):
+                state = evolve(state, rec)
+                self._file_seq = rec.seq
+            self._file_state = state
+
+    async def user(self, name: str, *, fresh: bool = False) -> UserRecord | None:
+        """A user by name: the controller's view, else the file (re-read, rate-limited)."""
+        found = self.controller.system.users.get(name)
+        if found is None:
+            await self._refresh(force=fresh)
+            found = self._file_state.users.get(name)
+        return found
 
     async def users(self) -> dict[str, UserRecord]:
-        """Every user (loads the log's users on first use)."""
-        if not self._state.loaded:
-            await self._refresh(force=True)
-        return dict(self._state.users)
+        """Every user."""
+        await self._refresh(force=True)
+        return {**self._file_state.users, **self.controller.system.users}
 
     async def add_user(self, name: str, role: str, password: str, actor: str) -> None:
         """Record a new user; raises AuthError(422/409) for a bad name, role or duplicate."""
@@ -363,13 +358,9 @@ class Auth:
                     "too many failed logins; try again later",
                     retry_after=max(1.0, wait),
                 )
-        users = await self.users()
-        user = users.get(name)
-        if user is None:
-            # Perhaps added by `dgxmm user add` while we run.  Not rate-limited: logins are
-            # throttled and cost an scrypt each, next to which this indexed read is nothing.
-            await self._refresh(force=True)
-            user = self._state.users.get(name)
+        # A miss re-reads the file without a rate limit: logins are throttled and cost an
+        # scrypt each, next to which this indexed read is nothing.
+        user = await self.user(name, fresh=True)
         # An unknown name is checked against a dummy hash, so timing does not tell.
         encoded = user.password_hash if user is not None else self._dummy_hash
         matched = await asyncio.to_thread(verify_password, password, encoded)
@@ -455,7 +446,7 @@ class Auth:
             if session is not None:
                 del self._sessions[token]
             raise AuthError(401, "session_expired", "the session has ended; log in again")
-        user = (await self.users()).get(session.user)
+        user = await self.user(session.user)
         if user is None:
             del self._sessions[token]
             raise AuthError(401, "session_expired", "the session's user no longer exists")
@@ -468,10 +459,10 @@ class Auth:
         if parsed is None:
             raise AuthError(401, "invalid_token", "the API token is not valid")
         token_id, secret = parsed
-        owner = self._token_owner(await self.users(), token_id)
+        owner = self._token_owner(self.controller.system.users, token_id)
         if owner is None:
-            await self._refresh()
-            owner = self._token_owner(self._state.users, token_id)
+            await self._refresh(force=False)
+            owner = self._token_owner(self._file_state.users, token_id)
         computed = hash_token_secret(secret)
         expected = owner.tokens[token_id] if owner is not None else hash_token_secret("")
         if not hmac.compare_digest(computed, expected) or owner is None:
@@ -480,7 +471,7 @@ class Auth:
         return Principal(user=owner.name, role=owner.role, via="token", token_id=token_id)
 
     @staticmethod
-    def _token_owner(users: dict[str, UserRecord], token_id: str) -> UserRecord | None:
+    def _token_owner(users: Mapping[str, UserRecord], token_id: str) -> UserRecord | None:
         return next((u for u in users.values() if token_id in u.tokens), None)
 
     def check_csrf(self, principal: Principal, headers: Sequence[tuple[bytes, bytes]]) -> None:

@@ -186,7 +186,7 @@ async def api_box(
         status.update(settings)
         return dict(status)
 
-    auth = Auth(harness.store, harness.clock, auth_config)
+    auth = Auth(harness.controller, harness.store, harness.clock, auth_config)
     api = AdminApi(
         harness.controller,
         harness.store,

@@ -25,6 +25,7 @@ from dgxmm.auth import (
     verify_password,
 )
 from events import model as m
+from events.state import EMPTY
 from storage.eventlog import EventStore
 from tests.api_support import password_hash
 
@@ -86,6 +87,12 @@ def test_the_throttle_blocks_after_the_limit_until_the_window_passes() -> None:
 # --- Auth over a real log -----------------------------------------------------------------------
 
 
+class LogOnly:
+    """No controller: every user comes from the file, as for one written by another process."""
+
+    system = EMPTY
+
+
 async def open_auth(
     path: Path, config: AuthConfig | None = None
 ) -> tuple[Auth, EventStore, VirtualClock]:
@@ -97,7 +104,7 @@ async def open_auth(
             [m.UserCreated(name=name, role=role, password_hash=password_hash(name))],  # type: ignore[arg-type]
             actor="system",
         )
-    return Auth(store, clock, config), store, clock
+    return Auth(LogOnly(), store, clock, config), store, clock
 
 
 def cookie_headers(auth: Auth, token: str) -> list[tuple[bytes, bytes]]:
@@ -126,7 +133,7 @@ def test_a_session_expires_after_its_idle_time_on_the_clock(tmp_path: Path) -> N
 
 def test_the_csrf_check_applies_to_sessions_only(tmp_path: Path) -> None:
     async def main() -> None:
-        auth, store, _ = await open_auth(tmp_path / "log.db")
+        auth, store, clock = await open_auth(tmp_path / "log.db")
         try:
             session = await auth.login("victor", "victor-password", None)
             principal = await auth.authenticate(cookie_headers(auth, session.token))
@@ -135,6 +142,7 @@ def test_the_csrf_check_applies_to_sessions_only(tmp_path: Path) -> None:
             assert err.value.status == 403
             auth.check_csrf(principal, [(b"x-csrf-token", session.csrf.encode())])
             token, _ = await auth.create_token("victor", "admin:alice")
+            await clock.advance(2)  # with no controller, the file is re-read at most every 2 s
             bearer = await auth.authenticate([(b"authorization", f"Bearer {token}".encode())])
             assert (bearer.user, bearer.role, bearer.via) == ("victor", "viewer", "token")
             auth.check_csrf(bearer, [])  # no CSRF for a Bearer token

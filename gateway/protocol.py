@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import h11
 
@@ -80,6 +81,15 @@ def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     return [(n, v) for n, v in items if n not in HOP_BY_HOP and n not in extra]
 
 
+class _RawHeaders(Protocol):
+    def raw_items(self) -> list[tuple[bytes, bytes]]: ...
+
+
+def _lowered(headers: _RawHeaders) -> Headers:
+    """h11's headers as (lower-case name, value) pairs (faster than iterating the Sequence)."""
+    return [(name.lower(), value) for name, value in headers.raw_items()]
+
+
 def header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     """The first value of header `name` (lower-case), or None."""
     for n, v in headers:
@@ -132,7 +142,7 @@ class ServerSession:
         return Signal.CLOSED
 
     def _head(self, event: h11.Request) -> RequestHead:
-        headers = list(event.headers)
+        headers = _lowered(event.headers)
         content_length: bytes | None = None
         chunked = False
         # h11 bounds only heads that arrive in pieces; one read can bring a whole large head.
@@ -284,7 +294,7 @@ class ClientSession:
                 return ResponseHead(
                     status=event.status_code,  # type: ignore[union-attr]
                     reason=bytes(event.reason),  # type: ignore[union-attr]
-                    headers=list(event.headers),  # type: ignore[union-attr]
+                    headers=_lowered(event.headers),  # type: ignore[union-attr]
                     http_version=bytes(event.http_version),  # type: ignore[union-attr]
                 )
             if kind is h11.InformationalResponse:

@@ -122,6 +122,7 @@ class Controller:
         self._hooks.sleep_victims = self.sleep_victims
         self._hooks.default_idle_s = lambda: int(self.setting("ondemand_idle_timeout_s"))
         self._hooks.launch_spec = launch_spec
+        self._hooks.activity = lambda deployment_id: self._notify(deployment_id, "activity")
         self.queue = QueueActor(
             clock=clock,
             store=store,

@@ -214,6 +214,7 @@ class Hooks:
         self.candidates: Callable[[str], list[Candidate]] = lambda deployment_id: []
         self.sleep_victims: Callable[[list[str], str, str], None] = lambda ids, for_id, name: None
         self.default_idle_s: Callable[[], int] = lambda: 300
+        self.activity: Callable[[str], None] = lambda deployment_id: None
         self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
 
 
@@ -270,6 +271,7 @@ class DeploymentActor(Actor):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        self._hooks.activity(self.deployment_id)
         return LeaseImpl(self, self._handle)
 
     def request_ended(self) -> None:
@@ -280,7 +282,7 @@ class DeploymentActor(Actor):
         act.last_used = self.clock.now()
         if act.in_flight == 0:
             self._arm_idle_timer()
-        self._hooks.changed(self.state, None, "activity")
+        self._hooks.activity(self.deployment_id)
 
     # --- recording -----------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from dgxmm.config import Config, ConfigError, load_config
 from dgxmm.memory import detect_source, detect_total_bytes
 from events.state import DeploymentState
 from gateway.app import Gateway
-from gateway.server import HTTPServer, ServerConfig
+from gateway.server import HTTPServer
 from storage.errors import StorageError
 from storage.eventlog import EventStore
 
@@ -78,6 +78,7 @@ class App:
         self.controller: Controller | None = None
         self.gateway: Gateway | None = None
         self.admin: HTTPServer | None = None
+        self.api: Any = None
         self.watchdog: WatchdogActor | None = None
         self.litellm: Any = None
         self.admin_password: str | None = None
@@ -214,8 +215,8 @@ class App:
             web_root=WEB_ROOT if WEB_ROOT.is_dir() else None,
             gateway_statistics=(gateway.statistics if gateway else None),
         )
-        self.admin = HTTPServer(api.handle, ServerConfig(max_body_bytes=1024 * 1024))
-        await self.admin.start(cfg.server.admin_host, cfg.server.admin_port)
+        self.api = api
+        self.admin = await api.serve(cfg.server.admin_host, cfg.server.admin_port)
 
     async def _demo_deployments(self) -> None:
         assert self.controller is not None
@@ -256,7 +257,9 @@ class App:
 
     async def stop(self) -> None:
         """Stop listening, let answers finish, stop the actors (engines keep running)."""
-        if self.admin is not None:
+        if self.api is not None:
+            await self.api.close()  # ends the UI's event streams, then the server
+        elif self.admin is not None:
             await self.admin.shutdown(5.0)
         if self.gateway is not None:
             await self.gateway.shutdown(10.0)

@@ -57,13 +57,13 @@ def test_pushes_are_coalesced_to_one_a_second_per_deployment_with_a_trailing_pus
         key = f"deployment:{dep['id']}"
         before = hub.pushes_by_key[key]
         h = box.harness
-        for i in range(5):  # five requests end within 0.5 s: five changes
+        for i in range(5):  # five requests start at once and end within 0.5 s: ten changes
             h.request(dep["id"], hold_s=0.1 * (i + 1))
         await box.advance(0.55)
         assert hub.pushes_by_key[key] == before + 1  # the first change went out at once
         first = (await stream.until("deployment"))[-1][1]
-        assert first["in_flight"] == 4  # the state when it was pushed
-        await box.advance(0.5)  # 0.95 s after the first push: still inside its window
+        assert first["in_flight"] == 1  # the state when it was pushed: the first request began
+        await box.advance(0.4)  # 0.95 s after the first push: still inside its window
         assert hub.pushes_by_key[key] == before + 1
         await box.advance(0.1)  # the window ends: one trailing push with the latest state
         assert hub.pushes_by_key[key] == before + 2
@@ -87,10 +87,13 @@ def test_changes_in_separate_seconds_are_each_pushed_at_once(tmp_path: Path) -> 
         key = f"deployment:{dep['id']}"
         hub = box.api.hub
         before = hub.pushes_by_key[key]
-        for _ in range(3):
+        for i in range(3):
             box.harness.request(dep["id"], hold_s=0.01)
-            await box.advance(1.5)
-        assert hub.pushes_by_key[key] == before + 3
+            await box.advance(0.001)
+            # The request's start is pushed at once; its end 0.01 s later waits for the window.
+            assert hub.pushes_by_key[key] == before + 2 * i + 1
+            await box.advance(2.5)
+            assert hub.pushes_by_key[key] == before + 2 * i + 2
         stream.close()
 
     run_box(tmp_path, t)

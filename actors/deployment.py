@@ -699,7 +699,14 @@ class DeploymentActor(Actor):
     async def _on_scraped(self, msg: _Scraped) -> None:
         if msg.attempt != self._attempt:
             return
+        default_idle = self._hooks.default_idle_s()
+        was_idle, _ = is_idle(self.state, self.activity, self.clock.now(), default_idle)
         self.activity.load = msg.load
+        now_idle, _ = is_idle(self.state, self.activity, self.clock.now(), default_idle)
+        if now_idle and not was_idle:
+            # The engine went quiet after the timeout ran out: it just became idle, so the
+            # queue's head may now make room with it.
+            self._changed(None, "idle")
         dep = self.state
         if msg.sleeping and dep.lifecycle is Lifecycle.READY:
             self.activity.engine_sleeping = True

@@ -1,0 +1,100 @@
+// Small pieces several pages share.
+
+import { describeError } from "../api.js";
+import { h } from "../dom.js";
+import * as live from "../live.js";
+
+/** Run `fn` at most once per `ms`, the last call always honoured (trailing). */
+export function throttle(fn, ms) {
+  let timer = null;
+  let last = 0;
+  const wrapped = () => {
+    const now = Date.now();
+    if (timer !== null) return;
+    const wait = Math.max(0, last + ms - now);
+    timer = setTimeout(() => {
+      timer = null;
+      last = Date.now();
+      fn();
+    }, wait);
+  };
+  wrapped.cancel = () => {
+    if (timer !== null) clearTimeout(timer);
+    timer = null;
+  };
+  return wrapped;
+}
+
+/** The deployment an audit row is about, as a link when it still exists. */
+export function auditTarget(row) {
+  const target = row.target || "";
+  if (!target.startsWith("deployment:")) {
+    const words = { settings: "Settings", litellm: "LiteLLM", users: "—", queue: "—" };
+    return h("span.muted", words[target] ?? target);
+  }
+  const id = target.slice("deployment:".length);
+  const name = row.deployment || (live.state.deployments.get(id) || {}).name;
+  if (live.state.deployments.has(id)) return h("a", { href: `#/deployments/${encodeURIComponent(id)}` }, name || id);
+  return h("span", { title: `removed deployment ${id}` }, name || id);
+}
+
+/** Disable a button while `work()` runs, and report its failure in `errorEl`. */
+export async function busy(button, busyText, work, errorEl) {
+  const text = button.textContent;
+  button.disabled = true;
+  button.setAttribute("aria-busy", "true");
+  button.textContent = busyText;
+  if (errorEl) errorEl.hidden = true;
+  try {
+    return await work();
+  } catch (err) {
+    if (errorEl) {
+      errorEl.textContent = describeError(err);
+      errorEl.hidden = false;
+    }
+    return undefined;
+  } finally {
+    button.disabled = false;
+    button.removeAttribute("aria-busy");
+    button.textContent = text;
+  }
+}
+
+/** A modal dialog; resolves with the value `onSubmit` returns, or null when cancelled. */
+export function dialog({ title, body, submitText, danger = false, onSubmit }) {
+  return new Promise((resolve) => {
+    const error = h("p.error", { role: "alert", hidden: true });
+    const submit = h(danger ? "button.danger" : "button.primary", { type: "submit" }, submitText);
+    const cancel = h("button.secondary", { type: "button" }, "Cancel");
+    const titleId = `dlg-${Math.random().toString(36).slice(2)}`;
+    const form = h("form", { method: "dialog", novalidate: true }, [
+      h("h2", { id: titleId }, title),
+      body,
+      error,
+      h("div.actions", [submit, cancel]),
+    ]);
+    const dlg = h("dialog", { "aria-labelledby": titleId }, form);
+    let settled = false;
+    const finish = (value) => {
+      if (settled) return;
+      settled = true;
+      dlg.close();
+      dlg.remove();
+      resolve(value);
+    };
+    cancel.addEventListener("click", () => finish(null));
+    dlg.addEventListener("cancel", (e) => {
+      e.preventDefault();
+      finish(null);
+    });
+    form.addEventListener("submit", async (e) => {
+      e.preventDefault();
+      const value = await busy(submit, `${submitText}…`, () => onSubmit(), error);
+      if (value !== undefined) finish(value);
+    });
+    document.body.append(dlg);
+    dlg.showModal();
+    const first = form.querySelector("input, select, textarea") || submit;
+    first.focus();
+  });
+}

@@ -1,0 +1,169 @@
+// Settings: the on-demand defaults and the LiteLLM integration.
+
+import { api, describeError } from "../api.js";
+import { field, h, replace } from "../dom.js";
+import { dateTime, minutes, relativeTime } from "../format.js";
+import * as live from "../live.js";
+import { busy } from "./common.js";
+
+function numberIn(text, lo, hi, label) {
+  const value = Number(String(text).trim().replace(",", "."));
+  if (!String(text).trim() || !Number.isFinite(value) || value < lo || value > hi) {
+    throw new Error(`${label}: a number from ${lo} to ${hi}`);
+  }
+  return value;
+}
+
+export function render({ isAdmin, notify }) {
+  const defaultsBody = h("div", { id: "defaults" }, h("p.muted", "Loading…"));
+  const litellmBody = h("div", { id: "litellm" }, h("p.muted", "Loading…"));
+  const node = h("section", [
+    h("h1", "Settings"),
+    h("div.grid", [
+      h("section.card", { "aria-labelledby": "defaults-title" }, [h("h2#defaults-title", "On-demand defaults"), defaultsBody]),
+      h("section.card", { "aria-labelledby": "litellm-title" }, [h("h2#litellm-title", "LiteLLM"), litellmBody]),
+    ]),
+  ]);
+
+  // --- on-demand defaults --------------------------------------------------------------
+  function drawDefaults(s) {
+    if (!isAdmin) {
+      replace(
+        defaultsBody,
+        h("dl.facts", [
+          h("div", [h("dt", "Idle minutes before sleeping"), h("dd", minutes(s.ondemand_idle_timeout_s))]),
+          h("div", [h("dt", "Longest wait for a request (minutes)"), h("dd", minutes(s.ondemand_queue_timeout_s))]),
+          h("div", [h("dt", "Most requests waiting at a time"), h("dd", String(s.ondemand_max_queued))]),
+        ]),
+        h("p.hint", "Only an administrator can change these."),
+      );
+      return;
+    }
+    const idle = field(
+      "Idle minutes before sleeping",
+      h("input", { type: "number", min: "1", max: "1440", step: "any", value: minutes(s.ondemand_idle_timeout_s), id: "set-idle" }),
+      "For on-demand deployments that use the default (1 to 1440).",
+    );
+    const queue = field(
+      "Longest wait for a request (minutes)",
+      h("input", { type: "number", min: "0.1", max: "1440", step: "any", value: minutes(s.ondemand_queue_timeout_s), id: "set-queue" }),
+      "Queue time plus the model's cold start; set it well above your slowest start. Then the request gets 503.",
+    );
+    const maxQueued = field(
+      "Most requests waiting at a time",
+      h("input", { type: "number", min: "1", max: "10000", step: "1", value: String(s.ondemand_max_queued), id: "set-maxq" }),
+      "All on-demand models together; one more is refused at once.",
+    );
+    const error = h("p.error", { role: "alert", hidden: true });
+    const save = h("button.primary", { type: "submit" }, "Save defaults");
+    const form = h("form", { novalidate: true, id: "defaults-form" }, [idle.wrap, queue.wrap, maxQueued.wrap, error, h("div.actions", save)]);
+    form.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      error.hidden = true;
+      let wanted;
+      try {
+        wanted = {
+          ondemand_idle_timeout_s: Math.round(numberIn(idle.control.value, 1, 1440, "Idle minutes before sleeping") * 60),
+          ondemand_queue_timeout_s: Math.max(1, Math.round(numberIn(queue.control.value, 0.1, 1440, "Longest wait for a request") * 60)),
+          ondemand_max_queued: Math.round(numberIn(maxQueued.control.value, 1, 10000, "Most requests waiting")),
+        };
+      } catch (err) {
+        error.textContent = `${err.message}.`;
+        error.hidden = false;
+        return;
+      }
+      const changes = Object.fromEntries(Object.entries(wanted).filter(([k, v]) => s[k] !== v));
+      if (Object.keys(changes).length === 0) {
+        notify("Nothing changed.");
+        return;
+      }
+      const saved = await busy(save, "Saving…", () => api("PATCH", "settings", { body: changes }), error);
+      if (saved) {
+        live.state.settings = saved;
+        notify("Defaults saved.");
+        drawDefaults(saved);
+      }
+    });
+    replace(defaultsBody, form);
+  }
+
+  // --- LiteLLM -------------------------------------------------------------------------
+  function statusWords(st) {
+    if (!st.enabled) return h("span.badge.badge-neutral", "Turned off");
+    if (st.ok === null || st.ok === undefined) return h("span.badge.badge-starting", "Not synced yet");
+    return st.ok ? h("span.badge.badge-ready", "Synced") : h("span.badge.badge-failed", "Sync failed");
+  }
+  function drawLiteLLM(st) {
+    const facts = [
+      ["Status", statusWords(st)],
+      ["Last sync", st.last_sync_at ? [relativeTime(st.last_sync_at), ` (${dateTime(st.last_sync_at)})`] : "never"],
+    ];
+    if (st.error) facts.push(["Last error", st.error]);
+    if (st.url) facts.push(["Address", st.url]);
+    if (st.backend) facts.push(["How DGXMM updates it", st.backend === "api" ? "Model-management API" : `Config file ${st.config_path || ""}`]);
+    if (st.entries !== undefined) facts.push(["Models registered", String(st.entries)]);
+    if (st.master_key_env) facts.push(["Master key", st.master_key_set ? `set (${st.master_key_env})` : `not set: export ${st.master_key_env}`]);
+    facts.push(["Deploy wizard's default mode", st.default_mode === "on_demand" ? "On demand" : "Always on"]);
+    const parts = [h("dl.facts", { id: "litellm-facts" }, facts.map(([k, v]) => h("div", [h("dt", k), h("dd", v)])))];
+    if (st.hint) parts.push(h("p.hint", st.hint));
+    if (isAdmin) {
+      const error = h("p.error", { role: "alert", hidden: true });
+      const sync = h("button.primary", { type: "button", id: "litellm-sync", disabled: !st.enabled }, "Sync now");
+      sync.addEventListener("click", async () => {
+        const fresh = await busy(sync, "Syncing…", () => api("POST", "litellm/sync"), error);
+        if (fresh) {
+          drawLiteLLM(await api("GET", "litellm").catch(() => fresh));
+          notify(fresh.ok ? "LiteLLM is in step with DGXMM." : "The sync failed; see the last error.", fresh.ok ? "info" : "error");
+        }
+      });
+      parts.push(error, h("div.actions", sync), integrationForm(st));
+    }
+    replace(litellmBody, ...parts);
+  }
+
+  function integrationForm(st) {
+    const enabled = h("input", { type: "checkbox", id: "litellm-enabled", checked: Boolean(st.enabled) });
+    const url = field("LiteLLM address", h("input", { type: "url", value: st.url || "", spellcheck: "false" }));
+    const backend = field(
+      "How DGXMM updates LiteLLM",
+      h("select", [
+        h("option", { value: "file", selected: st.backend !== "api" }, "Config file (LiteLLM run with --reload)"),
+        h("option", { value: "api", selected: st.backend === "api" }, "Model-management API (LiteLLM with a database)"),
+      ]),
+    );
+    const error = h("p.error", { role: "alert", hidden: true });
+    const save = h("button.secondary", { type: "submit" }, "Save integration");
+    const form = h("form", { novalidate: true }, [
+      h("div.field.check", [enabled, h("label", { for: enabled.id }, "Keep LiteLLM's model list in step with DGXMM")]),
+      url.wrap,
+      backend.wrap,
+      error,
+      h("div.actions", save),
+    ]);
+    form.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const changes = {};
+      if (enabled.checked !== Boolean(st.enabled)) changes.enabled = enabled.checked;
+      if (url.control.value.trim() && url.control.value.trim() !== st.url) changes.url = url.control.value.trim();
+      if (backend.control.value !== st.backend) changes.backend = backend.control.value;
+      if (Object.keys(changes).length === 0) {
+        notify("Nothing changed.");
+        return;
+      }
+      const fresh = await busy(save, "Saving…", () => api("PATCH", "litellm", { body: changes }), error);
+      if (fresh) {
+        notify("LiteLLM integration saved.");
+        drawLiteLLM(await api("GET", "litellm").catch(() => fresh));
+      }
+    });
+    return h("details.integration", [h("summary", "Integration settings"), form]);
+  }
+
+  api("GET", "settings")
+    .then(drawDefaults)
+    .catch((err) => replace(defaultsBody, h("p.error", describeError(err))));
+  api("GET", "litellm")
+    .then(drawLiteLLM)
+    .catch((err) => replace(litellmBody, h("p.error", describeError(err))));
+  return { node, title: "Settings" };
+}

@@ -106,6 +106,7 @@ class Controller:
         broker: MemoryBroker,
         launch_spec: Callable[[DeploymentState], LaunchSpec],
         defaults: dict[str, Any] | None = None,
+        stop_timeout_s: float = 30.0,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -122,6 +123,7 @@ class Controller:
         self._hooks.sleep_victims = self.sleep_victims
         self._hooks.default_idle_s = lambda: int(self.setting("ondemand_idle_timeout_s"))
         self._hooks.launch_spec = launch_spec
+        self._hooks.stop_timeout_s = stop_timeout_s
         self._hooks.activity = lambda deployment_id: self._notify(deployment_id, "activity")
         self.queue = QueueActor(
             clock=clock,

@@ -215,6 +215,7 @@ class Hooks:
         self.sleep_victims: Callable[[list[str], str, str], None] = lambda ids, for_id, name: None
         self.default_idle_s: Callable[[], int] = lambda: 300
         self.activity: Callable[[str], None] = lambda deployment_id: None
+        self.stop_timeout_s = 30.0  # SIGTERM, then SIGKILL after this
         self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
 
 
@@ -633,7 +634,7 @@ class DeploymentActor(Actor):
 
     async def _stop_engine(self, handle: EngineHandle) -> None:
         try:
-            await self._runtime.stop(handle)
+            await self._runtime.stop(handle, self._hooks.stop_timeout_s)
         except ActorError as exc:
             log.error("engine_stop_failed", deployment=self.deployment_id, error=str(exc))
 

@@ -164,6 +164,7 @@ class App:
             broker=broker,
             launch_spec=launch_spec,
             defaults=cfg.ondemand_defaults(),
+            stop_timeout_s=cfg.runtime.stop_timeout_s,
         )
         await controller.load()
         await self._start_litellm()

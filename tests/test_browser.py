@@ -197,6 +197,26 @@ def test_logging_in_and_moving_around_works_from_the_keyboard(
     expect(page.get_by_role("heading", name="Log in to DGXMM")).to_be_visible()
 
 
+def test_a_tab_whose_session_ended_returns_to_login_and_then_to_its_page(
+    context: BrowserContext, dgxmm: Dgxmm
+) -> None:
+    watching = context.new_page()
+    log_in(watching, dgxmm, "admin", dgxmm.admin_password)
+    open_hash(watching, dgxmm, "/audit")
+    expect(watching.get_by_role("heading", name="Audit log")).to_be_visible()
+    other = context.new_page()
+    open_hash(other, dgxmm, "/settings")
+    other.get_by_role("button", name="Log out").click()
+    expect(other.get_by_role("heading", name="Log in to DGXMM")).to_be_visible()
+    # The first tab learns it from its event stream, which the logout ended.
+    expect(watching.get_by_role("heading", name="Log in to DGXMM")).to_be_visible(timeout=20_000)
+    expect(watching.get_by_role("alert").filter(has_text="Your session has ended")).to_be_visible()
+    watching.get_by_label("Name", exact=True).fill("admin")
+    watching.get_by_label("Password", exact=True).fill(dgxmm.admin_password)
+    watching.get_by_role("button", name="Log in").click()
+    expect(watching.get_by_role("heading", name="Audit log")).to_be_visible()
+
+
 def test_on_demand_model_from_the_wizard_sleeps_when_idle_and_starts_for_a_request(
     context: BrowserContext, dgxmm: Dgxmm, admin_api: ApiClient, litellm: ThreadedLiteLLM
 ) -> None:
@@ -454,6 +474,28 @@ def test_audit_log_filters_by_actor_and_action(admin_page: Page, dgxmm: Dgxmm) -
     page.get_by_label("Deployment").fill("no-such-deployment")
     page.get_by_role("button", name="Apply filters").click()
     expect(page.get_by_role("alert")).to_contain_text("No deployment no-such-deployment")
+
+
+def test_a_deployment_left_at_the_default_idle_time_follows_a_new_default(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    create(admin_api, "follows-default", mode="on_demand")
+    page = admin_page
+    open_hash(page, dgxmm, "/settings")
+    idle = page.get_by_label("Idle minutes before sleeping")
+    expect(idle).to_have_value("1")
+    try:
+        idle.fill("2")
+        page.get_by_role("button", name="Save defaults").click()
+        expect(page.get_by_role("status").filter(has_text="Defaults saved.")).to_be_visible()
+        assert admin_api.call("GET", "settings")["ondemand_idle_timeout_s"] == 120
+        open_hash(page, dgxmm, "/deployments")
+        mode = page.locator('#deployments-table tr[data-name="follows-default"] td.mode')
+        expect(mode).to_contain_text("sleeps after 2 min idle")
+    finally:
+        admin_api.call("PATCH", "settings", {"ondemand_idle_timeout_s": IDLE_TIMEOUT_S})
+    # Changed elsewhere (here through the API), it follows live too.
+    expect(mode).to_contain_text("sleeps after 1 min idle")
 
 
 def test_settings_sync_now_and_the_wizard_hint_when_litellm_is_off(

@@ -131,18 +131,25 @@ async function sessionAlive() {
     if (err.status === 401) {
       endSession();
       notify("Your session has ended. Log in again.", "error");
-      navigate("#/login");
+      toLogin();
       return false;
     }
     return true; // unreachable for now: keep trying
   }
 }
 
+/** Back to the login page, coming back here afterwards. */
+function toLogin() {
+  const here = location.hash.replace(/^#/, "");
+  const next = here && !here.startsWith("/login") ? `?next=${encodeURIComponent(here)}` : "";
+  navigate(`#/login${next}`);
+}
+
 setSessionLostHandler(() => {
   if (!session.user) return;
   endSession();
   notify("Your session has ended. Log in again.", "error");
-  navigate("#/login");
+  toLogin();
 });
 
 /** After a login (or a session found at start-up). */

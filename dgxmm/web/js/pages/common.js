@@ -25,6 +25,15 @@ export function throttle(fn, ms) {
   return wrapped;
 }
 
+const LOGGED_FIELDS = ["state", "mode", "pending_mode", "idle_timeout_s", "model", "memory_bytes", "failures"];
+
+/** Whether a change of a record can have added to the event log (traffic alone does not:
+ * in-flight and queue counts change without an audited event, so they need no reload). */
+export function loggedChange(before, after) {
+  if (!before || !after) return true;
+  return LOGGED_FIELDS.some((k) => before[k] !== after[k]);
+}
+
 /** The deployment an audit row is about, as a link when it still exists. */
 export function auditTarget(row) {
   const target = row.target || "";

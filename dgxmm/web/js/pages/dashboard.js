@@ -4,7 +4,7 @@ import { api, describeError } from "../api.js";
 import { h, replace } from "../dom.js";
 import { actionWords, badge, badgeKind, gib, relativeTime } from "../format.js";
 import * as live from "../live.js";
-import { auditTarget, throttle } from "./common.js";
+import { auditTarget, loggedChange, throttle } from "./common.js";
 
 const BADGE_ORDER = ["ready", "starting", "queued", "sleeping", "neutral", "failed"];
 
@@ -114,12 +114,18 @@ export function render() {
       eventsBusy = false;
     }
   }
-  const loadEventsSoon = throttle(loadEvents, 2000);
+  const loadEventsSoon = throttle(loadEvents, 3000);
+  const seen = new Map(live.deploymentsInOrder().map((d) => [d.id, d]));
 
-  const unsubscribe = live.subscribe((kind) => {
+  const unsubscribe = live.subscribe((kind, payload) => {
     if (kind === "memory" || kind === "snapshot") drawMemory();
-    if (kind === "deployment" || kind === "removed" || kind === "snapshot") {
-      drawCounts();
+    if (kind === "deployment" || kind === "removed" || kind === "snapshot") drawCounts();
+    // The audit log is read again only when something it records may have happened.
+    if (kind === "deployment") {
+      if (loggedChange(seen.get(payload.id), payload)) loadEventsSoon();
+      seen.set(payload.id, payload);
+    } else if (kind === "removed") {
+      seen.delete(payload.id);
       loadEventsSoon();
     }
   });

@@ -14,7 +14,7 @@ import {
   relativeTime,
 } from "../format.js";
 import * as live from "../live.js";
-import { busy, dialog, throttle } from "./common.js";
+import { busy, dialog, loggedChange, throttle } from "./common.js";
 import { idleSeconds } from "./wizard.js";
 
 const STATE_WORDS = {
@@ -396,10 +396,11 @@ export function render({ params, isAdmin, navigate, notify }) {
     }
     const fresh = kind === "snapshot" || kind === "deployment" ? findRecord(rec ? rec.id : key) : null;
     if (fresh) {
+      const before = rec;
       rec = fresh;
       drawAll();
       drawTabs();
-      if (tab === "events") reloadEventsSoon();
+      if (tab === "events" && loggedChange(before, fresh)) reloadEventsSoon();
     } else if (kind === "settings" && rec && tab === "overview") {
       drawOverview();
     }

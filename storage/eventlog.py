@@ -265,27 +265,9 @@ class EventStore:
         for item in batch:
             cached = self._versions.get(item.stream)
             current = await self._stream_version(item.stream) if cached is None else cached
-            if item.expected_version is not None and item.expected_version != current:
-                if not item.future.done():  # the appender may have been cancelled
-                    item.future.set_exception(
-                        ConcurrencyError(item.stream, item.expected_version, current)
-                    )
+            if not self._expected(item, current):
                 continue
-            for event in item.events:
-                current += 1
-                self._last_seq += 1
-                item.rows.append(
-                    (
-                        self._last_seq,
-                        ts,
-                        item.stream,
-                        current,
-                        type(event).__name__,
-                        item.actor,
-                        m.encode_event(event),
-                    )
-                )
-            self._versions[item.stream] = current
+            self._versions[item.stream] = self._stage(item, current, ts)
             accepted.append(item)
         if not accepted:
             return
@@ -317,28 +299,38 @@ class EventStore:
             row = await cur.fetchone()
         self._last_seq = int(row[0]) if row else 0
 
-    async def _write_single(self, item: _Append, ts: float) -> None:
-        current = await self._stream_version(item.stream)
-        if item.expected_version is not None and item.expected_version != current:
-            if not item.future.done():
-                item.future.set_exception(
-                    ConcurrencyError(item.stream, item.expected_version, current)
-                )
-            return
+    @staticmethod
+    def _expected(item: _Append, current: int) -> bool:
+        """Whether the append's expected version holds; fails its future when not."""
+        if item.expected_version is None or item.expected_version == current:
+            return True
+        if not item.future.done():  # the appender may have been cancelled
+            item.future.set_exception(ConcurrencyError(item.stream, item.expected_version, current))
+        return False
+
+    def _stage(self, item: _Append, version: int, ts: float) -> int:
+        """Number the append's rows after `version`; returns the stream's new version."""
         for event in item.events:
-            current += 1
+            version += 1
             self._last_seq += 1
             item.rows.append(
                 (
                     self._last_seq,
                     ts,
                     item.stream,
-                    current,
+                    version,
                     type(event).__name__,
                     item.actor,
                     m.encode_event(event),
                 )
             )
+        return version
+
+    async def _write_single(self, item: _Append, ts: float) -> None:
+        current = await self._stream_version(item.stream)
+        if not self._expected(item, current):
+            return
+        current = self._stage(item, current, ts)
         try:
             await self._insert(item.rows)
         except sqlite3.IntegrityError:

@@ -136,15 +136,7 @@ class App:
         settings = self._engine_settings()
 
         def launch_spec(dep: DeploymentState) -> LaunchSpec:
-            return engines.launch_spec(
-                dep.deployment_id,
-                dep.name,
-                dep.engine,
-                dep.model,
-                dep.memory_bytes,
-                dep.args,
-                settings=settings,
-            )
+            return engines.launch_spec_for(dep, settings)
 
         if cfg.memory.total_gib is not None:
             total, source = int(cfg.memory.total_gib * GIB), "configuration"

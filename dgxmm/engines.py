@@ -22,6 +22,7 @@ from actors.errors import EngineUnreachable
 from actors.ports import EngineHandle, EngineLoad, LaunchSpec, Readiness
 from dgxmm import httpclient
 from dgxmm.runtimes import HOST_PLACEHOLDER, PORT_PLACEHOLDER
+from events.state import DeploymentState
 
 ENGINES = ("vllm", "llamacpp", "sglang", "sim")
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
@@ -403,3 +404,18 @@ class HttpEngineProbe:
             timeout_s=self._timeout_s,
             max_body_bytes=self._max_body_bytes,
         )
+
+
+def launch_spec_for(
+    dep: DeploymentState, settings: EngineSettings = DEFAULT_SETTINGS
+) -> LaunchSpec:
+    """The launch spec of a deployment as the event log describes it."""
+    return launch_spec(
+        dep.deployment_id,
+        dep.name,
+        dep.engine,
+        dep.model,
+        dep.memory_bytes,
+        dep.args,
+        settings=settings,
+    )

@@ -50,15 +50,7 @@ class Box:
         settings = engines.EngineSettings(sim_python=sys.executable, startup_timeout_s=1e9)
 
         def spec(dep: DeploymentState) -> Any:
-            return engines.launch_spec(
-                dep.deployment_id,
-                dep.name,
-                dep.engine,
-                dep.model,
-                dep.memory_bytes,
-                dep.args,
-                settings=settings,
-            )
+            return engines.launch_spec_for(dep, settings)
 
         self.launch_spec = spec
         self.controller: Controller

@@ -287,10 +287,21 @@ async def _serve(config: Config, demo: bool) -> int:
         print(f"dgxmm: cannot start: {exc}", file=sys.stderr)
         await app.stop()
         return 2
+    except Exception:
+        # A bug: say so, and still close the log (its thread would keep the process alive).
+        log.exception("start_failed")
+        print("dgxmm: cannot start: internal error (see the log above)", file=sys.stderr)
+        with contextlib.suppress(Exception):
+            await app.stop()
+        return 70
     print(app.banner(), flush=True)
     await stop.wait()
     print("dgxmm: stopping", file=sys.stderr, flush=True)
-    await app.stop()
+    try:
+        await app.stop()
+    except Exception:
+        log.exception("stop_failed")
+        return 70
     return 0
 
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -249,30 +250,40 @@ class App:
         return "\n".join(lines)
 
     async def stop(self) -> None:
-        """Stop listening, let answers finish, stop the actors (engines keep running)."""
+        """Stop listening, let answers finish, stop the actors (engines keep running).
+
+        Every step runs even when an earlier one failed: the log must always be closed.
+        """
         if self.api is not None:
-            await self.api.close()  # ends the UI's event streams, then the server
+            await _step("admin_api", self.api.close())  # ends the UI's streams, then the server
         elif self.admin is not None:
-            await self.admin.shutdown(5.0)
+            await _step("admin_server", self.admin.shutdown(5.0))
         if self.gateway is not None:
-            await self.gateway.shutdown(10.0)
+            await _step("gateway", self.gateway.shutdown(10.0))
         if self.watchdog is not None:
-            await self.watchdog.stop()
+            await _step("watchdog", self.watchdog.stop())
         if self.litellm is not None:
-            await self.litellm.stop()
+            await _step("litellm", self.litellm.stop())
         if self.controller is not None:
-            await self.controller.close()
+            await _step("controller", self.controller.close())
         if self.demo and self.controller is not None and self.runtime is not None:
             # The demo's simulated engines are children of this process: stop them too.
             for actor in list(self.controller.actors.values()):
                 handle = actor.engine_handle
                 if handle is not None:
-                    with contextlib.suppress(RuntimeFailure):
-                        await self.runtime.stop(handle, 5.0)
+                    await _step("demo_engine", self.runtime.stop(handle, 5.0))
         if self.runtime is not None:
-            await self.runtime.close()
+            await _step("runtime", self.runtime.close())
         if self.store is not None:
-            await self.store.close()
+            await _step("store", self.store.close())
+
+
+async def _step(what: str, work: Awaitable[Any]) -> None:
+    """Await one shutdown step; a failure is logged and the shutdown goes on."""
+    try:
+        await work
+    except Exception:
+        log.exception("shutdown_step_failed", step=what)
 
 
 async def _serve(config: Config, demo: bool) -> int:

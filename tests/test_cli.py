@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import importlib.util
 import json
 import os
 import select
@@ -506,25 +505,21 @@ def test_the_log_is_opened_read_only(
 # --- serve and user add ---------------------------------------------------------------------
 
 
-def missing(module: str) -> bool:
-    """Whether `module` is not (yet) part of the build."""
-    return importlib.util.find_spec(module) is None
-
-
-@pytest.mark.skipif(not missing("dgxmm.app"), reason="dgxmm.app exists")
-def test_serve_without_the_app_module_says_so_and_exits_2() -> None:
-    done = dgxmm("serve", "--demo")
+def test_serve_with_a_missing_config_file_says_so_in_one_line_and_exits_2(
+    tmp_path: Path,
+) -> None:
+    done = dgxmm("serve", "--config", str(tmp_path / "nope.toml"))
     assert done.returncode == 2
-    assert done.stderr.splitlines() == [
-        "dgxmm: serve: not available in this build (dgxmm.app is missing)"
-    ]
+    assert done.stderr.splitlines() == [f"dgxmm: {tmp_path / 'nope.toml'}: no such file"]
 
 
-@pytest.mark.skipif(not missing("dgxmm.auth"), reason="dgxmm.auth exists")
-def test_user_add_without_the_auth_module_says_so_and_exits_2() -> None:
-    done = dgxmm("user", "add", "alice", "--role", "admin")
+def test_serve_with_an_unknown_config_key_names_it_and_exits_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "dgxmm.toml"
+    cfg.write_text("ondemand_idle_timeout_s = 300\n[server]\nadmin_prot = 1\n")
+    done = dgxmm("serve", "--config", str(cfg))
     assert done.returncode == 2
-    assert len(done.stderr.splitlines()) == 1
+    [line] = done.stderr.splitlines()
+    assert "admin_prot" in line
 
 
 def test_usage_errors_exit_2() -> None:

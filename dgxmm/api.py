@@ -38,7 +38,7 @@ from dgxmm import metrics
 from dgxmm.auth import Auth, AuthError, Principal
 from dgxmm.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
 from events import model as m
-from events.projections import AuditRow, audit_rows, deployment_events
+from events.projections import AUDITED_TYPES, AuditRow, audit_rows, deployment_events
 from gateway.errors import BodyTooLarge
 from gateway.protocol import Headers
 from gateway.server import HTTPServer, Request, Responder, ServerConfig
@@ -777,7 +777,9 @@ class AdminApi:
         carry: dict[str, m.Recorded] = {}
         since = 0
         while True:
-            chunk = await self.store.read(since_seq=since, until_ts=until_ts, limit=AUDIT_CHUNK)
+            chunk = await self.store.read(
+                since_seq=since, until_ts=until_ts, limit=AUDIT_CHUNK, types=AUDITED_TYPES
+            )
             if not chunk:
                 return
             since = chunk[-1].seq

@@ -112,6 +112,30 @@ def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+# Every event type that can yield an audit row (reading only these skips the queue's bulk).
+AUDITED_TYPES = frozenset(
+    {
+        "DeploymentCreated",
+        "DeploymentRemoved",
+        "DeploymentReconfigured",
+        "ModelSwitched",
+        "ModeChanged",
+        "StartRequested",
+        "StopRequested",
+        "PutToSleep",
+        "EngineStartFailed",
+        "EngineLost",
+        "SettingsChanged",
+        "UserCreated",
+        "UserRemoved",
+        "ApiTokenCreated",
+        "UserLoggedIn",
+        "LoginFailed",
+        "RequestLeftQueue",
+    }
+)
+
+
 def audit_rows(records: Iterable[m.Recorded]) -> Iterator[AuditRow]:
     """The audit trail: one row per audited event, queue timeouts at most once a minute."""
     last_timeout_audit: dict[str, float] = {}

@@ -622,3 +622,45 @@ def test_events_round_trip_through_their_json_encoding() -> None:
         event = make()
         assert m.decode_event(m.encode_event(event)) == event
         assert msgspec.json.decode(m.encode_event(event))["type"] == type(event).__name__
+
+
+def test_every_event_type_with_an_audit_row_is_in_audited_types() -> None:
+    """AUDITED_TYPES filters the log before decoding: it must not drop an audited event."""
+    from events.projections import AUDITED_TYPES, _action
+
+    samples: list[m.AnyEvent] = [
+        m.DeploymentCreated(deployment_id="d", name="n", engine="sim", model="x", memory_bytes=1),
+        m.DeploymentRemoved(),
+        m.DeploymentReconfigured(),
+        m.ModelSwitched(model="y"),
+        m.ModeChanged(mode="on_demand"),
+        m.PendingModeSet(mode="always_on"),
+        m.PendingModeCleared(),
+        m.StartRequested(reason="request"),
+        m.StartRequested(reason="admin"),
+        m.EngineStarting(runtime_id="r", host="h", port=1),
+        m.EngineReady(),
+        m.EngineStartFailed(reason="x", failures=1),
+        m.StopRequested(reason="admin"),
+        m.PutToSleep(reason="idle"),
+        m.PutToSleep(reason="watchdog"),
+        m.EngineStopped(),
+        m.EngineLost(reason="x"),
+        m.EngineAsleep(),
+        m.EngineAwake(),
+        m.EngineAdopted(runtime_id="r", host="h", port=1),
+        m.RequestQueued(request_id="r", deployment_id="d", kind="queued", position=1, arrived_at=0),
+        m.RequestAdmitted(request_id="r", deployment_id="d"),
+        m.SettingsChanged(changes={"ondemand_max_queued": 3}),
+        m.UserCreated(name="a", role="admin", password_hash="h"),
+        m.UserRemoved(name="a"),
+        m.ApiTokenCreated(name="a", token_id="t", token_hash="h"),
+        m.UserLoggedIn(name="a"),
+        m.LoginFailed(name="a"),
+        m.LiteLLMSynced(ok=True),
+    ]
+    for event in samples:
+        rec = m.Recorded(seq=1, ts=0.0, stream="deployment:d", version=1, actor="x", event=event)
+        if _action(rec) is not None:
+            assert type(event).__name__ in AUDITED_TYPES, type(event).__name__
+    assert "RequestLeftQueue" in AUDITED_TYPES  # queue timeouts

@@ -737,7 +737,7 @@ class AdminApi:
         own = await self.store.read(stream=m.deployment_stream(dep_id))
         timeouts = [
             rec
-            async for rec in self.store.iterate(stream=m.STREAM_QUEUE)
+            async for rec in self.store.iterate(stream=m.STREAM_QUEUE, types=("RequestLeftQueue",))
             if isinstance(rec.event, m.RequestLeftQueue)
             and rec.event.deployment_id == dep_id
             and rec.event.reason == "timeout"

@@ -3,105 +3,90 @@
 Nothing here touches a socket or awaits; `server.py` and `upstream.py` do the I/O and ask
 these classes what the bytes mean and what to write.  h11 exceptions end here and come out
 as the errors of `gateway.errors`.
+
+Requests from clients are parsed by h11 (bounded, strict, smuggling refused).  Responses to
+them are written here: h11's event machinery cost more than the rest of a relayed request,
+and a response needs only its framing decided (RFC 9112 6.3, 9.6, the choices h11 makes, to
+the byte) and its headers validated.  Each request cycle gets a fresh h11 connection that
+starts with the bytes the previous one had not processed, because h11 can only start a
+new cycle after it has sent a response itself.  The engine side is in `engine_protocol`.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import h11
 
-from gateway.errors import (
-    BodyTooLarge,
-    MalformedRequest,
-    ResponseStateError,
-    UpstreamClosed,
-    UpstreamProtocolError,
+from gateway.engine_protocol import ClientSession
+from gateway.errors import BodyTooLarge, MalformedRequest, ResponseStateError
+from gateway.messages import (
+    CONTENT_LENGTH,
+    FIELD_VALUE,
+    HOP_BY_HOP,
+    REASON,
+    TOKEN,
+    Headers,
+    RequestHead,
+    ResponseHead,
+    Signal,
+    connection_tokens,
+    header_value,
+    strip_hop_by_hop,
 )
 
-Headers = list[tuple[bytes, bytes]]
+__all__ = [
+    "HOP_BY_HOP",
+    "ClientSession",
+    "Headers",
+    "RequestHead",
+    "ResponseHead",
+    "ServerSession",
+    "Signal",
+    "header_value",
+    "strip_hop_by_hop",
+]
 
-# RFC 9110 7.6.1 plus the historical ones proxies also drop; names listed in a message's own
-# Connection header are dropped too (see `strip_hop_by_hop`).
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-    }
-)
-
-
-class Signal(enum.Enum):
-    """Non-data outcomes of `next_event`."""
-
-    NEED_DATA = "need_data"  # read more bytes from the socket
-    PAUSED = "paused"  # the peer finished its part; nothing to do until the next cycle
-    BODY_END = "body_end"  # the message body is complete
-    CLOSED = "closed"  # the peer closed cleanly between messages
+_EMPTY_BODY_STATUS = frozenset({204, 304})
+# h11 has it at the top level but leaves it out of `__all__`.
+_CLIENT_DONE = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)  # type: ignore[attr-defined]
+_Item = tuple[bytes, bytes, bytes]  # raw name, lower-case name, value
+# Response header names whose values decide the framing or the connection's end.
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
 
 
-@dataclass(frozen=True, slots=True)
-class RequestHead:
-    """A parsed request line and headers (names lower-cased, as h11 gives them)."""
+class _Out(enum.Enum):
+    """Where our response to the current request is."""
 
-    method: bytes
-    target: bytes
-    headers: Headers
-    http_version: bytes
-    has_body: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseHead:
-    """A parsed response status line and headers (names lower-cased)."""
-
-    status: int
-    reason: bytes
-    headers: Headers
-    http_version: bytes
+    IDLE = "idle"  # nothing of a final response sent (a 100 Continue may have been)
+    LENGTH = "length"  # body framed by Content-Length: `_remaining` bytes to go
+    CHUNKED = "chunked"
+    UNTIL_CLOSE = "until_close"  # an HTTP/1.0 client: the body ends when we close
+    DONE = "done"
+    ERROR = "error"  # a send failed or the handler broke the framing: never reuse
 
 
-def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    """The headers minus hop-by-hop ones, including those the Connection header names."""
-    items = list(headers)
-    extra: set[bytes] = set()
-    for name, value in items:
-        if name == b"connection":
-            extra.update(token.strip().lower() for token in value.split(b","))
-    return [(n, v) for n, v in items if n not in HOP_BY_HOP and n not in extra]
-
-
-class _RawHeaders(Protocol):
-    def raw_items(self) -> list[tuple[bytes, bytes]]: ...
-
-
-def _lowered(headers: _RawHeaders) -> Headers:
-    """h11's headers as (lower-case name, value) pairs (faster than iterating the Sequence)."""
-    return [(name.lower(), value) for name, value in headers.raw_items()]
-
-
-def header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    """The first value of header `name` (lower-case), or None."""
-    for n, v in headers:
-        if n == name:
-            return v
-    return None
+_IDLE = _Out.IDLE
+_LENGTH = _Out.LENGTH
+_CHUNKED = _Out.CHUNKED
+_DONE = _Out.DONE
 
 
 class ServerSession:
-    """One server-side connection's HTTP/1.1 state (h11 underneath), with our extra rules."""
+    """One server-side connection's HTTP/1.1 state: h11 parses, we write the responses."""
 
-    __slots__ = ("_conn", "_max_body", "_max_head", "body_bytes", "cycle_bytes")
+    __slots__ = (
+        "_conn",
+        "_keep_alive",
+        "_max_body",
+        "_max_head",
+        "_method",
+        "_out",
+        "_remaining",
+        "_version",
+        "body_bytes",
+        "cycle_bytes",
+    )
 
     def __init__(self, *, max_header_bytes: int, max_body_bytes: int) -> None:
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
@@ -109,6 +94,14 @@ class ServerSession:
         self._max_body = max_body_bytes
         self.body_bytes = 0
         self.cycle_bytes = 0
+        self._out = _IDLE
+        self._remaining = 0
+        # What the request said about the response (None: no valid request line was seen).
+        self._method: bytes | None = None
+        self._version: bytes | None = None
+        self._keep_alive = True
+
+    # --- the request (h11) --------------------------------------------------------------
 
     def receive(self, data: bytes) -> None:
         """Feed bytes read from the socket; b"" means the peer closed its side."""
@@ -131,10 +124,10 @@ class ServerSession:
             if self.body_bytes > self._max_body:
                 raise BodyTooLarge(f"request body over {self._max_body} bytes")
             return data
-        if kind is h11.Request:
-            return self._head(event)  # type: ignore[arg-type]
         if kind is h11.EndOfMessage:
             return Signal.BODY_END
+        if kind is h11.Request:
+            return self._head(event)  # type: ignore[arg-type]
         if event is h11.NEED_DATA:
             return Signal.NEED_DATA
         if event is h11.PAUSED:
@@ -142,17 +135,24 @@ class ServerSession:
         return Signal.CLOSED
 
     def _head(self, event: h11.Request) -> RequestHead:
-        headers = _lowered(event.headers)
+        method = bytes(event.method)
+        version = bytes(event.http_version)
+        headers = [(name.lower(), value) for name, value in event.headers.raw_items()]
         content_length: bytes | None = None
         chunked = False
+        keep_alive = version >= b"1.1"
         # h11 bounds only heads that arrive in pieces; one read can bring a whole large head.
-        size = len(event.method) + len(event.target) + 12
+        size = len(method) + len(event.target) + 12
         for name, value in headers:
             size += len(name) + len(value) + 4
             if name == b"content-length":
                 content_length = value
             elif name == b"transfer-encoding":
                 chunked = True
+            elif name == b"connection" and keep_alive:
+                keep_alive = b"close" not in connection_tokens(((name, value),))
+        # As h11 does: the response is framed for this request even when it is refused below.
+        self._method, self._version, self._keep_alive = method, version, keep_alive
         if size > self._max_head:
             raise MalformedRequest("request head too large", 431)
         if chunked and content_length is not None:
@@ -163,57 +163,178 @@ class ServerSession:
             raise BodyTooLarge(f"request body over {self._max_body} bytes")
         self.body_bytes = 0
         return RequestHead(
-            method=bytes(event.method),
+            method=method,
             target=bytes(event.target),
             headers=headers,
-            http_version=bytes(event.http_version),
+            http_version=version,
             has_body=chunked or (content_length is not None and content_length != b"0"),
         )
 
     @property
     def waiting_for_continue(self) -> bool:
         """The client sent `Expect: 100-continue` and waits for our go-ahead."""
-        return self._conn.they_are_waiting_for_100_continue
+        return self._out is _IDLE and self._conn.they_are_waiting_for_100_continue
 
     def continue_bytes(self) -> bytes:
         """The `100 Continue` interim response."""
-        return self._send(h11.InformationalResponse(status_code=100, headers=[]))
+        try:  # through h11, so that it stops waiting too (a rare path)
+            out = self._conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+        except h11.LocalProtocolError as exc:
+            raise ResponseStateError(str(exc)) from exc
+        return out or b""
+
+    @property
+    def request_done(self) -> bool:
+        """The client's request (head and body) has been fully received."""
+        return self._conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+
+    # --- the response (ours) ------------------------------------------------------------
 
     def response_head(
         self, status: int, headers: Headers, reason: bytes = b"", checked: bool = False
     ) -> bytes:
         """Bytes of a response head; raises `ResponseStateError` when out of order or invalid.
 
-        `checked`: the headers came out of an h11 parser, so h11 need not validate them again
-        (framing headers are still interpreted).
+        `checked`: the headers came out of an HTTP parser, so they need not be validated
+        again (framing headers are still interpreted).
         """
-        try:
-            event = h11.Response(
-                status_code=status, headers=headers, reason=reason, _parsed=checked
-            )
-        except h11.LocalProtocolError as exc:
-            raise ResponseStateError(str(exc)) from exc
-        return self._send(event)
+        if self._out is not _IDLE:
+            raise self._error(f"cannot start a response in state {self._out.value}")
+        if not 200 <= status < 1000:
+            raise ResponseStateError(f"response status {status} out of range")
+        if not checked:
+            _validate(headers, reason)
+        lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+        general = not self._keep_alive or self._version is None
+        for name, value in headers:
+            if name in _FRAMING or (not checked and name.lower() in _FRAMING):
+                general = True
+                break
+            lines += (name, b": ", value, b"\r\n")
+        if not general:
+            # The common case: no framing header, a keep-alive HTTP/1.1 client (HTTP/1.0 ones
+            # never keep alive).  h11 frames a HEAD answer as a GET one, without its body.
+            if status in _EMPTY_BODY_STATUS:
+                self._out, self._remaining = _LENGTH, 0
+            else:
+                lines.append(b"Transfer-Encoding: chunked\r\n")
+                if self._method == b"HEAD":
+                    self._out, self._remaining = _LENGTH, 0
+                else:
+                    self._out = _CHUNKED
+            lines.append(b"\r\n")
+            return b"".join(lines)
+        return self._framed(status, headers, lines[:1])
+
+    def _framed(self, status: int, headers: Headers, lines: list[bytes]) -> bytes:
+        """The general case: h11's `_clean_up_response_headers_for_sending`, to the byte."""
+        items: list[_Item] = []
+        length: bytes | None = None
+        chunked = False
+        for raw, value in headers:
+            name = raw.lower()
+            if name == b"content-length":
+                values = {v.strip() for v in value.split(b",")}
+                if len(values) != 1:
+                    raise ResponseStateError("conflicting Content-Length headers")
+                value = values.pop()
+                if CONTENT_LENGTH.fullmatch(value) is None:
+                    raise ResponseStateError("bad Content-Length")
+                if length is not None:
+                    if length != value:
+                        raise ResponseStateError("conflicting Content-Length headers")
+                    continue  # h11 keeps only the first of equal ones
+                length = value
+            elif name == b"transfer-encoding":
+                value = value.lower()
+                if chunked or value != b"chunked":
+                    raise ResponseStateError("only Transfer-Encoding: chunked is supported")
+                chunked = True
+            items.append((raw, name, value))
+        method = self._method
+        need_close = False
+        # A response to CONNECT that would switch protocols: we never tunnel, so it just ends.
+        switch = method == b"CONNECT" and 200 <= status < 300
+        empty = status in _EMPTY_BODY_STATUS or switch
+        unknown_length = not empty and (chunked or length is None)
+        if unknown_length:
+            items = _without(items, b"content-length")
+            if self._version is None or self._version < b"1.1":
+                # No valid request, or an HTTP/1.0 client: no chunked, the close ends the body.
+                items = _without(items, b"transfer-encoding")
+                need_close = method != b"HEAD"
+                framing = _Out.UNTIL_CLOSE
+            else:
+                items = [*_without(items, b"transfer-encoding"),
+                         (b"Transfer-Encoding", b"transfer-encoding", b"chunked")]  # fmt: skip
+                framing = _CHUNKED
+        else:
+            framing = _LENGTH
+        if not self._keep_alive or need_close:
+            tokens = connection_tokens((n, v) for _, n, v in items)
+            tokens.discard(b"keep-alive")
+            tokens.add(b"close")
+            items = _without(items, b"connection")
+            items += [(b"Connection", b"connection", t) for t in sorted(tokens)]
+        keep_alive = (
+            self._keep_alive
+            and not switch
+            and b"close" not in connection_tokens((n, v) for _, n, v in items)
+        )
+        if empty or method == b"HEAD":
+            framing, self._remaining = _LENGTH, 0
+        elif framing is _LENGTH:
+            assert length is not None
+            self._remaining = int(length)
+        self._out, self._keep_alive = framing, keep_alive
+        for raw, name, value in items:  # Host first, as h11 writes it
+            if name == b"host":
+                lines += (raw, b": ", value, b"\r\n")
+        for raw, name, value in items:
+            if name != b"host":
+                lines += (raw, b": ", value, b"\r\n")
+        lines.append(b"\r\n")
+        return b"".join(lines)
 
     def body(self, data: bytes) -> bytes:
         """Bytes that carry `data` in the response body (framed as the head decided)."""
-        return self._send(h11.Data(data=data))
+        out = self._out
+        if out is _LENGTH:
+            if len(data) > self._remaining:
+                raise self._error("Too much data for declared Content-Length")
+            self._remaining -= len(data)
+            return data
+        if out is _CHUNKED:
+            return b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+        if out is _Out.UNTIL_CLOSE:
+            return data
+        raise self._error(f"cannot send body data in state {out.value}")
 
     def end(self) -> bytes:
         """Bytes that end the response body."""
-        return self._send(h11.EndOfMessage())
+        out = self._out
+        if out is _LENGTH:
+            if self._remaining:
+                raise self._error("Too little data for declared Content-Length")
+            self._out = _DONE
+            return b""
+        if out is _CHUNKED:
+            self._out = _DONE
+            return b"0\r\n\r\n"
+        if out is _Out.UNTIL_CLOSE:
+            self._out, self._keep_alive = _DONE, False
+            return b""
+        raise self._error(f"cannot end the response in state {out.value}")
 
-    def _send(self, event: h11.Event) -> bytes:
-        try:
-            out = self._conn.send(event)
-        except h11.LocalProtocolError as exc:
-            raise ResponseStateError(str(exc)) from exc
-        return out or b""
+    def _error(self, reason: str) -> ResponseStateError:
+        """A misuse while sending: like h11, the connection can no longer be used."""
+        self._out, self._keep_alive = _Out.ERROR, False
+        return ResponseStateError(reason)
 
     @property
     def can_send_error(self) -> bool:
         """Whether an error reply can still be sent (nothing of a response went out yet)."""
-        return self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE)
+        return self._out is _IDLE
 
     def error_reply(self, status: int, headers: Headers, body: bytes) -> bytes:
         """A complete error response that also closes the connection."""
@@ -222,110 +343,44 @@ class ServerSession:
 
     def send_failed(self) -> None:
         """Bytes we produced never reached the peer: the connection must not be reused."""
-        self._conn.send_failed()
-
-    @property
-    def request_done(self) -> bool:
-        """The client's request (head and body) has been fully received."""
-        return self._conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+        self._out, self._keep_alive = _Out.ERROR, False
 
     @property
     def reusable(self) -> bool:
         """Both sides finished a clean cycle and nobody asked to close."""
-        return self._conn.our_state is h11.DONE and self._conn.their_state is h11.DONE
+        if self._out is not _DONE or not self._keep_alive:
+            return False
+        # A client that proposed an Upgrade (or CONNECT) got a plain answer: that denies it.
+        return self._conn.their_state in _CLIENT_DONE
 
     def start_next_cycle(self) -> None:
         """Reset for the next request on this connection (only when `reusable`)."""
-        self._conn.start_next_cycle()
+        if not self.reusable:
+            raise ResponseStateError("connection is not reusable")
+        data, closed = self._conn.trailing_data
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+        if data:
+            conn.receive_data(data)
+        if closed:
+            conn.receive_data(b"")
+        self._conn = conn
+        self._out = _IDLE
+        self._method = self._version = None
+        self._keep_alive = True
         self.cycle_bytes = 0
         self.body_bytes = 0
 
 
-class ClientSession:
-    """One upstream connection's HTTP/1.1 state as a client (h11 underneath)."""
+def _without(items: list[_Item], name: bytes) -> list[_Item]:
+    return [item for item in items if item[1] != name]
 
-    __slots__ = ("_conn", "eof", "received_any")
 
-    def __init__(self, *, max_header_bytes: int) -> None:
-        self._conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=max_header_bytes)
-        self.received_any = False
-        self.eof = False
-
-    def request(
-        self, method: bytes, target: bytes, headers: Headers, body: bytes, checked: bool = False
-    ) -> bytes:
-        """Bytes of a complete request with a Content-Length body (`checked`: see above)."""
-        try:
-            event = h11.Request(method=method, target=target, headers=headers, _parsed=checked)
-            out = self._conn.send(event)
-            if body:
-                out += self._conn.send(h11.Data(data=body))
-            return out + self._conn.send(h11.EndOfMessage())
-        except h11.LocalProtocolError as exc:
-            raise UpstreamProtocolError(f"cannot send request: {exc}") from exc
-
-    def receive(self, data: bytes) -> None:
-        """Feed bytes read from the engine; b"" means it closed its side."""
-        if data:
-            self.received_any = True
-        else:
-            self.eof = True
-        try:
-            self._conn.receive_data(data)
-        except RuntimeError as exc:
-            raise UpstreamProtocolError(f"data after end of stream: {exc}") from exc
-
-    def next_event(self) -> ResponseHead | bytes | Signal:
-        """The next thing the engine said (interim 1xx responses are skipped)."""
-        while True:
-            try:
-                event = self._conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                if self.eof:
-                    raise UpstreamClosed(
-                        f"engine closed the connection: {exc}",
-                        before_response=not self.received_any,
-                    ) from exc
-                raise UpstreamProtocolError(f"invalid answer from engine: {exc}") from exc
-            kind = type(event)
-            if kind is h11.Data:
-                return bytes(event.data)  # type: ignore[union-attr]
-            if kind is h11.Response:
-                return ResponseHead(
-                    status=event.status_code,  # type: ignore[union-attr]
-                    reason=bytes(event.reason),  # type: ignore[union-attr]
-                    headers=_lowered(event.headers),  # type: ignore[union-attr]
-                    http_version=bytes(event.http_version),  # type: ignore[union-attr]
-                )
-            if kind is h11.InformationalResponse:
-                continue
-            if kind is h11.EndOfMessage:
-                return Signal.BODY_END
-            if event is h11.NEED_DATA:
-                return Signal.NEED_DATA
-            if event is h11.PAUSED:
-                return Signal.PAUSED
-            if kind is h11.ConnectionClosed:
-                raise UpstreamClosed(
-                    "engine closed the connection", before_response=not self.received_any
-                )
-            raise UpstreamProtocolError(f"unexpected event {event!r}")
-
-    def send_failed(self) -> None:
-        """The request bytes never reached the engine: never reuse this connection."""
-        self._conn.send_failed()
-
-    @property
-    def reusable(self) -> bool:
-        """Both sides are DONE and neither asked to close."""
-        return self._conn.our_state is h11.DONE and self._conn.their_state is h11.DONE
-
-    @property
-    def clean(self) -> bool:
-        """Nothing was received beyond the answer (bytes between answers mean: never reuse)."""
-        return not self._conn.trailing_data[0]
-
-    def start_next_cycle(self) -> None:
-        """Reset for the next request (only when `reusable`)."""
-        self._conn.start_next_cycle()
-        self.received_any = False
+def _validate(headers: Headers, reason: bytes) -> None:
+    """What h11 checks in headers it did not parse itself."""
+    for name, value in headers:
+        if TOKEN.fullmatch(name) is None:
+            raise ResponseStateError(f"Illegal header name {name!r}")
+        if FIELD_VALUE.fullmatch(value) is None:
+            raise ResponseStateError(f"Illegal header value {value!r}")
+    if REASON.fullmatch(reason) is None:
+        raise ResponseStateError(f"Illegal reason phrase {reason!r}")

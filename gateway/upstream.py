@@ -1,10 +1,11 @@
-"""HTTP/1.1 client for engines: h11 on asyncio streams, a bounded keep-alive pool per engine.
+"""HTTP/1.1 client for engines on asyncio streams, with a bounded keep-alive pool per engine.
 
 A connection goes back to its pool only when both sides are DONE and nothing went wrong;
 after a failed or cancelled write or read it is aborted (RST, so the engine notices at once
 and stops generating).  A request whose reused connection turns out to have been closed by
 the engine before any answer byte is retried once on a new connection (request bodies are
-held in memory, so this is possible).  `OSError` and h11 errors become `gateway.errors`.
+held in memory, so this is possible).  The protocol is `gateway.engine_protocol`'s;
+`OSError` becomes `gateway.errors`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from gateway.deadlines import Sweeper, sweep_interval
+from gateway.engine_protocol import ClientSession
 from gateway.errors import (
     UpstreamClosed,
     UpstreamConnectError,
@@ -21,9 +23,7 @@ from gateway.errors import (
     UpstreamPoolExhausted,
     UpstreamTimeout,
 )
-from gateway.protocol import ClientSession, Headers, ResponseHead, Signal
-
-BATCH_BYTES = 256 * 1024  # most body bytes handed on in one piece
+from gateway.messages import Headers, ResponseHead, Signal
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +60,15 @@ class _EnginePool:
         "busy",
         "connected",
         "discarded",
+        "host_header",
         "idle",
         "retried",
         "reused",
         "slots",
     )
 
-    def __init__(self, max_connections: int) -> None:
+    def __init__(self, host: str, port: int, max_connections: int) -> None:
+        self.host_header = f"{host}:{port}".encode()
         self.idle: deque[_Connection] = deque()
         self.busy: set[_Connection] = set()
         self.slots = asyncio.Semaphore(max_connections)
@@ -82,13 +84,12 @@ class _Expired(Exception):
 
 
 class _Connection:
-    """One TCP connection to an engine with its h11 client state."""
+    """One TCP connection to an engine with its HTTP/1.1 client state."""
 
     __slots__ = (
         "config",
         "deadline",
         "expired",
-        "last_read",
         "last_used",
         "loop",
         "reader",
@@ -108,7 +109,6 @@ class _Connection:
         self.loop = asyncio.get_running_loop()
         self.session = ClientSession(max_header_bytes=config.max_header_bytes)
         self.last_used = 0.0
-        self.last_read = 0  # bytes of the last socket read
         self.deadline = 0.0  # loop time by which the pending read or write must finish
         self.writing = False
         self.expired = False
@@ -171,7 +171,6 @@ class _Connection:
                 ) from exc
             finally:
                 self.deadline = 0.0
-            self.last_read = len(data)
             session.receive(data)
 
     def abort(self) -> None:
@@ -211,17 +210,18 @@ class UpstreamResponse:
         return self._done
 
     async def receive(self) -> bytes:
-        """The next body chunk, b"" at the end; raises `UpstreamError` subclasses."""
+        """The next body bytes (all that arrived), b"" at the end; raises `UpstreamError`s."""
         conn = self._conn
         if self._done or conn is None:
             return b""
         try:
             while True:
                 event = await conn.next_event()
-                if isinstance(event, bytes):
-                    if event:
-                        return self._with_parsed_rest(conn, event)
-                    continue
+                if type(event) is bytes:
+                    if conn.session.complete:  # that was the last piece: reuse at once
+                        self._done = True
+                        self._finish(reuse=True)
+                    return event
                 if event is Signal.BODY_END:
                     self._done = True
                     self._finish(reuse=True)
@@ -230,24 +230,6 @@ class UpstreamResponse:
         except BaseException:
             self._finish(reuse=False)
             raise
-
-    def _with_parsed_rest(self, conn: _Connection, first: bytes) -> bytes:
-        """`first` plus the body bytes already received (many SSE chunks become one write)."""
-        if conn.last_read <= len(first) + 16:
-            return first  # that read held nothing more than this piece and its framing
-        parts = [first]
-        size = len(first)
-        while size < BATCH_BYTES:
-            event = conn.session.next_event()  # no I/O: only what is already buffered
-            if isinstance(event, bytes):
-                parts.append(event)
-                size += len(event)
-                continue
-            if event is Signal.BODY_END:
-                self._done = True
-                self._finish(reuse=True)
-            break
-        return first if len(parts) == 1 else b"".join(parts)
 
     async def read_all(self, limit: int) -> bytes | None:
         """The rest of the body, or None (leaving the read part lost) when over `limit`."""
@@ -319,13 +301,15 @@ class UpstreamPool:
         key = (host, port)
         engine = self._engines.get(key)
         if engine is None:
-            engine = self._engines[key] = _EnginePool(self.config.max_connections_per_engine)
+            engine = self._engines[key] = _EnginePool(
+                host, port, self.config.max_connections_per_engine
+            )
         await self._acquire_slot(engine)
         engine.active += 1
         head_headers = [
-            (b"host", f"{host}:{port}".encode()),
+            (b"host", engine.host_header),
             *headers,
-            (b"content-length", str(len(body)).encode()),
+            (b"content-length", b"%d" % len(body)),
         ]
         try:
             for attempt in (0, 1):

@@ -1,0 +1,413 @@
+"""The engine side of the gateway's HTTP/1.1: request bytes out, a strict response parser in.
+
+Written for the relay's hot path instead of h11 (which cost as much as everything else
+together): the request head is joined from parts that came out of h11's parser on the client
+side, and the answer is parsed by a small state machine over one buffer.  It is strict
+where a proxy must be: CRLF line ends only, no obs-fold, no Content-Length together with
+Transfer-Encoding, chunked as the only transfer coding, bounded heads, chunk lines and
+trailers.  Body bytes come out as they arrive (chunked framing removed); a connection is
+reusable only when its answer was read to the end, nothing followed it and neither side
+asked to close.  Errors come out as `UpstreamProtocolError` and `UpstreamClosed`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+from gateway.errors import UpstreamClosed, UpstreamProtocolError
+from gateway.messages import (
+    CONTENT_LENGTH,
+    FIELD_VALUE,
+    TOKEN,
+    Headers,
+    ResponseHead,
+    Signal,
+)
+
+# A whole response head: status line, header lines, the empty line.  Inside a line anything
+# but NUL, CR, LF, VT and FF (what h11 accepts); never a folded line, never a bare LF.
+_HEAD = re.compile(
+    rb"HTTP/1\.[01] [1-9][0-9][0-9](?: [^\x00\r\n\x0b\x0c]*)?\r\n"
+    rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00\r\n\x0b\x0c]*\r\n)*\r\n"
+)
+_TRAILER_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00\r\n\x0b\x0c]*")
+_CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[^\x00\r\n]*)?[ \t]*")
+_TARGET = re.compile(rb"[\x21-\x7e]+")
+MAX_CHUNK_LINE = 4096  # chunk size plus extensions
+_NO_BODY_STATUS = frozenset({204, 304})
+
+
+class _State(enum.Enum):
+    """Where the parser is in the answer."""
+
+    HEAD = "head"  # waiting for the status line and headers (interim answers skipped)
+    LENGTH = "length"  # Content-Length body: `_remaining` bytes to go
+    CHUNK_LINE = "chunk_line"
+    CHUNK_DATA = "chunk_data"  # `_remaining` bytes of this chunk to go
+    CHUNK_END = "chunk_end"  # the CRLF after a chunk's data
+    TRAILERS = "trailers"
+    UNTIL_CLOSE = "until_close"  # no framing: the body ends when the engine closes
+    END = "end"  # the body is complete; BODY_END not yet reported
+    DONE = "done"  # BODY_END reported
+    ERROR = "error"
+
+
+_S_HEAD = _State.HEAD
+_S_LENGTH = _State.LENGTH
+_S_CHUNK_LINE = _State.CHUNK_LINE
+_S_CHUNK_DATA = _State.CHUNK_DATA
+_S_CHUNK_END = _State.CHUNK_END
+_S_END = _State.END
+_S_DONE = _State.DONE
+_COMPLETE = frozenset({_State.END, _State.DONE})
+
+
+class ClientSession:
+    """One engine connection's HTTP/1.1 state as a client: a request, then its answer."""
+
+    __slots__ = (
+        "_buf",
+        "_head_only",
+        "_keep_alive",
+        "_max_head",
+        "_pos",
+        "_remaining",
+        "_sent",
+        "_state",
+        "_trailer_bytes",
+        "eof",
+        "received_any",
+    )
+
+    def __init__(self, *, max_header_bytes: int) -> None:
+        self._max_head = max_header_bytes
+        self._buf = b""
+        self._pos = 0  # bytes of `_buf` before this are consumed
+        self._state = _S_HEAD
+        self._remaining = 0
+        self._trailer_bytes = 0
+        self._keep_alive = True
+        self._sent = False  # this cycle's request was produced
+        self._head_only = False  # the request was HEAD: the answer has no body
+        self.received_any = False
+        self.eof = False
+
+    # --- the request -------------------------------------------------------------------
+
+    def request(
+        self, method: bytes, target: bytes, headers: Headers, body: bytes, checked: bool = False
+    ) -> bytes:
+        """Bytes of a complete request with a Content-Length body, in one piece.
+
+        `headers` must hold Host and, with a body, a matching Content-Length.  `checked`:
+        method, target and headers came out of an HTTP parser and the framing headers were
+        set by the caller (skip revalidation).
+        """
+        if self._sent or self._state is not _S_HEAD or not self._keep_alive:
+            raise UpstreamProtocolError("cannot send request: the connection is not idle")
+        if not checked:
+            _validate_request(method, target, headers, body)
+        self._head_only = method == b"HEAD"
+        self._sent = True
+        parts = [method, b" ", target, b" HTTP/1.1\r\n"]
+        later: list[bytes] = []
+        for name, value in headers:  # h11's order: Host first (RFC 9112 3.2), then as given
+            if name == b"host":
+                parts += (name, b": ", value, b"\r\n")
+            else:
+                later += (name, b": ", value, b"\r\n")
+        parts += later
+        parts.append(b"\r\n")
+        if body:
+            parts.append(body)
+        return b"".join(parts)
+
+    def send_failed(self) -> None:
+        """The request bytes never reached the engine: never reuse this connection."""
+        self._keep_alive = False
+
+    # --- the answer --------------------------------------------------------------------
+
+    def receive(self, data: bytes) -> None:
+        """Feed bytes read from the engine; b"" means it closed its side."""
+        if not data:
+            self.eof = True
+            return
+        if self.eof:
+            raise UpstreamProtocolError("data after end of stream")
+        self.received_any = True
+        if self._pos >= len(self._buf):
+            self._buf = data
+        else:
+            self._buf = self._buf[self._pos :] + data
+        self._pos = 0
+
+    def next_event(self) -> ResponseHead | bytes | Signal:
+        """The next thing the engine said (interim 1xx answers are skipped).
+
+        Body bytes come out as far as they are buffered, in one piece whatever the chunks.
+        """
+        state = self._state
+        if state is _S_LENGTH:
+            return self._length_body()
+        if state is _S_HEAD:
+            return self._head()
+        if state is _S_END:
+            self._state = _S_DONE
+            return Signal.BODY_END
+        if state is _S_DONE:
+            return Signal.PAUSED
+        if state is _State.UNTIL_CLOSE:
+            return self._until_close_body()
+        if state is _State.ERROR:
+            raise UpstreamProtocolError("invalid answer from engine (already reported)")
+        return self._chunked_body()
+
+    @property
+    def complete(self) -> bool:
+        """The whole answer has been received."""
+        return self._state in _COMPLETE
+
+    @property
+    def reusable(self) -> bool:
+        """The request went out, its answer was read to the end, and nobody asked to close."""
+        return self._sent and self._keep_alive and self._state in _COMPLETE
+
+    @property
+    def clean(self) -> bool:
+        """Nothing was received beyond the answer (bytes between answers mean: never reuse)."""
+        return self._pos >= len(self._buf)
+
+    def start_next_cycle(self) -> None:
+        """Reset for the next request (only when `reusable`)."""
+        if not self.reusable:
+            raise UpstreamProtocolError("connection is not reusable")
+        self._state = _S_HEAD
+        self._sent = False
+        self._head_only = False
+        self._trailer_bytes = 0
+        self.received_any = False
+
+    # --- parsing -----------------------------------------------------------------------
+
+    def _head(self) -> ResponseHead | Signal:
+        while True:
+            buf, pos = self._buf, self._pos
+            end = buf.find(b"\r\n\r\n", pos)
+            if end < 0:
+                if len(buf) - pos > self._max_head:
+                    raise self._error("response head too large")
+                if not _may_become_head(buf[pos:]):  # fail now, not at a timeout
+                    raise self._error(f"malformed response head {buf[pos : pos + 80]!r}")
+                if self.eof:
+                    self._state = _State.ERROR
+                    self._keep_alive = False
+                    raise UpstreamClosed(
+                        "engine closed the connection", before_response=not self.received_any
+                    )
+                return Signal.NEED_DATA
+            end += 4
+            if end - pos > self._max_head:
+                raise self._error("response head too large")
+            if _HEAD.fullmatch(buf, pos, end) is None:
+                raise self._error(f"malformed response head {buf[pos : min(end, pos + 80)]!r}")
+            self._pos = end
+            status = int(buf[pos + 9 : pos + 12])
+            if status >= 200:
+                return self._final_head(buf, pos, end, status)
+            if status == 101:
+                raise self._error("unexpected protocol switch")
+            # An interim answer (100 Continue, 103 Early Hints): the real one follows.
+
+    def _final_head(self, buf: bytes, pos: int, end: int, status: int) -> ResponseHead:
+        """Headers of a final answer, and the framing of its body (RFC 9112 6.3)."""
+        version = buf[pos + 5 : pos + 8]
+        line_end = buf.find(b"\r\n", pos)
+        reason = buf[pos + 13 : line_end] if line_end > pos + 13 else b""
+        headers: Headers = []
+        length: int | None = None
+        chunked = False
+        keep_alive = version == b"1.1"
+        if end - line_end > 4:
+            for line in buf[line_end + 2 : end - 4].split(b"\r\n"):
+                raw_name, _, raw_value = line.partition(b":")
+                name = raw_name.lower()
+                value = raw_value.strip(b" \t")
+                headers.append((name, value))
+                if name == b"content-length":
+                    length = self._content_length(length, value)
+                elif name == b"transfer-encoding":
+                    if chunked or value.lower() != b"chunked":
+                        raise self._error("only one Transfer-Encoding: chunked is supported")
+                    chunked = True
+                elif name == b"connection" and b"close" in _tokens(value):
+                    keep_alive = False
+        if chunked and length is not None:
+            raise self._error("both Content-Length and Transfer-Encoding")
+        if not keep_alive:
+            self._keep_alive = False
+        if status in _NO_BODY_STATUS or self._head_only:
+            self._state = _S_END
+        elif chunked:
+            self._state = _S_CHUNK_LINE
+        elif length is not None:
+            self._remaining = length
+            self._state = _S_LENGTH if length else _S_END
+        else:
+            self._state = _State.UNTIL_CLOSE
+            self._keep_alive = False
+        return ResponseHead(status=status, reason=reason, headers=headers, http_version=version)
+
+    def _content_length(self, seen: int | None, value: bytes) -> int:
+        """The length a Content-Length value gives; equal repeats are allowed (RFC 9110 8.6)."""
+        values = {v.strip() for v in value.split(b",")} if b"," in value else {value}
+        if len(values) != 1:
+            raise self._error("conflicting Content-Length values")
+        text = values.pop()
+        if CONTENT_LENGTH.fullmatch(text) is None:
+            raise self._error(f"bad Content-Length {text[:40]!r}")
+        length = int(text)
+        if seen is not None and seen != length:
+            raise self._error("conflicting Content-Length headers")
+        return length
+
+    def _length_body(self) -> bytes | Signal:
+        buf, pos = self._buf, self._pos
+        available = len(buf) - pos
+        if available == 0:
+            if self.eof:
+                raise self._closed_mid_body()
+            return Signal.NEED_DATA
+        remaining = self._remaining
+        if available <= remaining:
+            data = buf if pos == 0 else buf[pos:]
+            self._buf, self._pos = b"", 0
+            remaining -= available
+        else:
+            data = buf[pos : pos + remaining]
+            self._pos = pos + remaining
+            remaining = 0
+        self._remaining = remaining
+        if not remaining:
+            self._state = _S_END
+        return data
+
+    def _until_close_body(self) -> bytes | Signal:
+        buf, pos = self._buf, self._pos
+        if pos < len(buf):
+            self._buf, self._pos = b"", 0
+            return buf if pos == 0 else buf[pos:]
+        if self.eof:
+            self._state = _S_DONE
+            return Signal.BODY_END
+        return Signal.NEED_DATA
+
+    def _chunked_body(self) -> bytes | Signal:
+        """Every whole or partial chunk already buffered, as one piece of body."""
+        pieces: list[bytes] = []
+        buf, pos = self._buf, self._pos
+        size = len(buf)
+        state = self._state
+        while True:
+            if state is _S_CHUNK_DATA:
+                take = min(self._remaining, size - pos)
+                if take == 0:
+                    break
+                pieces.append(buf[pos : pos + take])
+                pos += take
+                self._remaining -= take
+                if self._remaining:
+                    break
+                state = _S_CHUNK_END
+            elif state is _S_CHUNK_LINE:
+                end = buf.find(b"\r\n", pos, pos + MAX_CHUNK_LINE + 2)
+                if end < 0:
+                    if size - pos > MAX_CHUNK_LINE:
+                        raise self._error("chunk size line too long")
+                    break
+                match = _CHUNK_LINE.fullmatch(buf, pos, end)
+                if match is None:
+                    raise self._error(f"bad chunk size line {buf[pos : min(end, pos + 40)]!r}")
+                pos = end + 2
+                self._remaining = int(match.group(1), 16)
+                state = _S_CHUNK_DATA if self._remaining else _State.TRAILERS
+            elif state is _S_CHUNK_END:
+                if size - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise self._error("chunk data not followed by CRLF")
+                pos += 2
+                state = _S_CHUNK_LINE
+            else:  # TRAILERS: header lines up to an empty one; checked, then dropped
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if self._trailer_bytes + size - pos > self._max_head:
+                        raise self._error("trailers too large")
+                    break
+                if end == pos:  # the empty line: the answer is complete
+                    pos += 2
+                    state = _S_END
+                    break
+                self._trailer_bytes += end - pos + 2
+                if self._trailer_bytes > self._max_head:
+                    raise self._error("trailers too large")
+                if _TRAILER_LINE.fullmatch(buf, pos, end) is None:
+                    raise self._error("malformed trailer line")
+                pos = end + 2
+        self._state, self._pos = state, pos
+        if pieces:
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if state is _S_END:
+            self._state = _S_DONE
+            return Signal.BODY_END
+        if self.eof:
+            raise self._closed_mid_body()
+        return Signal.NEED_DATA
+
+    def _closed_mid_body(self) -> UpstreamClosed:
+        self._state = _State.ERROR
+        self._keep_alive = False
+        return UpstreamClosed("engine closed the connection before its answer was complete")
+
+    def _error(self, reason: str) -> UpstreamProtocolError:
+        self._state = _State.ERROR
+        self._keep_alive = False
+        return UpstreamProtocolError(f"invalid answer from engine: {reason}")
+
+
+def _may_become_head(partial: bytes) -> bool:
+    """Whether the start of a head can still become valid (no bare LF, begins as HTTP/1.)."""
+    return partial[:7] == b"HTTP/1."[: len(partial)] and partial.count(b"\n") == partial.count(
+        b"\r\n"
+    )
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    return [t.strip().lower() for t in value.split(b",")]
+
+
+def _validate_request(method: bytes, target: bytes, headers: Headers, body: bytes) -> None:
+    """What h11 checks before it sends a request, for requests not built from parsed parts."""
+    if TOKEN.fullmatch(method) is None:
+        raise UpstreamProtocolError(f"cannot send request: bad method {method[:40]!r}")
+    if _TARGET.fullmatch(target) is None:
+        raise UpstreamProtocolError(f"cannot send request: bad target {target[:80]!r}")
+    host = False
+    length: bytes | None = None
+    for name, value in headers:
+        if TOKEN.fullmatch(name) is None or FIELD_VALUE.fullmatch(value) is None:
+            raise UpstreamProtocolError(f"cannot send request: bad header {name[:40]!r}")
+        lower = name.lower()
+        if lower == b"host":
+            host = True
+        elif lower == b"content-length":
+            if length is not None and length != value:
+                raise UpstreamProtocolError("cannot send request: conflicting Content-Length")
+            length = value
+        elif lower == b"transfer-encoding":
+            raise UpstreamProtocolError("cannot send request: only Content-Length bodies")
+    if not host:
+        raise UpstreamProtocolError("cannot send request: missing Host header")
+    if (length is None and body) or (length is not None and length != str(len(body)).encode()):
+        raise UpstreamProtocolError("cannot send request: Content-Length does not match body")

@@ -1,0 +1,89 @@
+"""HTTP/1.1 message types and header rules shared by both ends of the gateway (pure, no I/O)."""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+Headers = list[tuple[bytes, bytes]]
+
+# RFC 9110 7.6.1 plus the historical ones proxies also drop; names listed in a message's own
+# Connection header are dropped too (see `strip_hop_by_hop`).
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+# RFC 9110 5.1 and 5.5.  A value is what h11 accepts when it sends: no NUL, no CR/LF or other
+# whitespace except single runs of SP/HTAB between visible characters, none at either end.
+TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
+REASON = re.compile(rb"[^\x00\r\n\x0b\x0c]*")  # HTAB / SP / VCHAR / obs-text (and CTLs h11 lets by)
+CONTENT_LENGTH = re.compile(rb"[0-9]{1,19}")  # fits in 63 bits; more is never a real body
+
+
+class Signal(enum.Enum):
+    """Non-data outcomes of `next_event`."""
+
+    NEED_DATA = "need_data"  # read more bytes from the socket
+    PAUSED = "paused"  # the peer finished its part; nothing to do until the next cycle
+    BODY_END = "body_end"  # the message body is complete
+    CLOSED = "closed"  # the peer closed cleanly between messages
+
+
+class RequestHead(msgspec.Struct, frozen=True, gc=False):
+    """A parsed request line and headers (names lower-cased, as h11 gives them)."""
+
+    method: bytes
+    target: bytes
+    headers: Headers
+    http_version: bytes
+    has_body: bool
+
+
+class ResponseHead(msgspec.Struct, frozen=True, gc=False):
+    """A parsed response status line and headers (names lower-cased)."""
+
+    status: int
+    reason: bytes
+    headers: Headers
+    http_version: bytes
+
+
+def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
+    """The lower-case tokens of every Connection header."""
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            tokens.update(t for t in (p.strip().lower() for p in value.split(b",")) if t)
+    return tokens
+
+
+def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The headers minus hop-by-hop ones, including those the Connection header names."""
+    items = list(headers)
+    for name, _ in items:
+        if name == b"connection":
+            extra = connection_tokens(items)
+            return [(n, v) for n, v in items if n not in HOP_BY_HOP and n not in extra]
+    return [(n, v) for n, v in items if n not in HOP_BY_HOP]
+
+
+def header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of header `name` (lower-case), or None."""
+    for n, v in headers:
+        if n == name:
+            return v
+    return None

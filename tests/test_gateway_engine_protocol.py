@@ -1,0 +1,430 @@
+"""The engine side's own HTTP/1.1: request bytes, and a strict answer parser checked with h11."""
+
+from __future__ import annotations
+
+import h11
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.engine_protocol import MAX_CHUNK_LINE, ClientSession
+from gateway.errors import UpstreamClosed, UpstreamError, UpstreamProtocolError
+from gateway.messages import ResponseHead, Signal
+
+GET = (b"GET", b"/v1/models", [(b"host", b"e:1")], b"")
+
+
+def sent(method: bytes = b"POST", max_head: int = 1024) -> ClientSession:
+    """A session whose request went out."""
+    c = ClientSession(max_header_bytes=max_head)
+    body = b"{}" if method == b"POST" else b""
+    headers = [(b"host", b"e:1"), (b"content-length", b"%d" % len(body))]
+    c.request(method, b"/v1/x", headers, body)
+    return c
+
+
+def drain(c: ClientSession) -> tuple[ResponseHead | None, bytes, Signal]:
+    """Head, body and the signal that stopped the events (no more bytes fed)."""
+    head: ResponseHead | None = None
+    body = b""
+    while True:
+        event = c.next_event()
+        if isinstance(event, ResponseHead):
+            head = event
+        elif isinstance(event, bytes):
+            body += event
+        else:
+            return head, body, event
+
+
+def parse(raw: bytes, method: bytes = b"POST", pieces: int = 1) -> tuple[ResponseHead, bytes]:
+    """Feed `raw` in `pieces` parts, then EOF; the head and whole body."""
+    c = sent(method)
+    head: ResponseHead | None = None
+    body = b""
+    step = max(1, len(raw) // pieces)
+    chunks = [raw[i : i + step] for i in range(0, len(raw), step)] + [b""]
+    for chunk in chunks:
+        c.receive(chunk)
+        h, b, signal = drain(c)
+        head = head or h
+        body += b
+        if signal is Signal.BODY_END:
+            break
+    assert head is not None
+    return head, body
+
+
+# --- requests --------------------------------------------------------------------------
+
+
+def test_request_bytes_put_host_first_and_keep_the_rest_in_order() -> None:
+    c = ClientSession(max_header_bytes=1024)
+    headers = [(b"x-a", b"1"), (b"host", b"e:1"), (b"content-length", b"2"), (b"x-b", b"2")]
+    assert c.request(b"POST", b"/v1/x?q=1", headers, b"hi") == (
+        b"POST /v1/x?q=1 HTTP/1.1\r\nhost: e:1\r\nx-a: 1\r\ncontent-length: 2\r\nx-b: 2\r\n\r\nhi"
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "headers", "body"),
+    [
+        (b"PO ST", b"/", [(b"host", b"e")], b""),
+        (b"GET", b"/a b", [(b"host", b"e")], b""),
+        (b"GET", b"/", [(b"host", b"e"), (b"bad name", b"x")], b""),
+        (b"GET", b"/", [(b"host", b"e"), (b"x", b"a\r\nevil: 1")], b""),
+        (b"GET", b"/", [(b"host", b"e"), (b"x", b" leading")], b""),
+        (b"GET", b"/", [], b""),
+        (b"POST", b"/", [(b"host", b"e")], b"body"),
+        (b"POST", b"/", [(b"host", b"e"), (b"content-length", b"3")], b"body"),
+        (b"POST", b"/", [(b"host", b"e"), (b"transfer-encoding", b"chunked")], b""),
+    ],
+)
+def test_unchecked_requests_are_validated_like_h11(
+    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    with pytest.raises(UpstreamProtocolError):
+        ClientSession(max_header_bytes=1024).request(method, target, headers, body)
+
+
+def test_a_second_request_before_the_answer_is_refused() -> None:
+    c = sent()
+    with pytest.raises(UpstreamProtocolError):
+        c.request(*GET)
+
+
+# --- answers ---------------------------------------------------------------------------
+
+
+def test_content_length_answer_comes_out_whole_and_the_connection_is_reusable() -> None:
+    c = sent()
+    c.receive(b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nContent-Length: 5\r\n\r\nhello")
+    head, body, signal = drain(c)
+    assert head == ResponseHead(
+        status=200,
+        reason=b"OK",
+        headers=[(b"content-type", b"a/b"), (b"content-length", b"5")],
+        http_version=b"1.1",
+    )
+    assert (body, signal) == (b"hello", Signal.BODY_END)
+    assert c.complete and c.reusable and c.clean
+    assert c.next_event() is Signal.PAUSED
+    c.start_next_cycle()
+    c.request(*GET)
+    c.receive(b"HTTP/1.1 204 \r\n\r\n")
+    assert drain(c)[1:] == (b"", Signal.BODY_END)
+
+
+def test_body_bytes_already_buffered_come_out_at_once_and_mark_the_answer_complete() -> None:
+    c = sent()
+    c.receive(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nabc")
+    assert isinstance(c.next_event(), ResponseHead)
+    assert c.next_event() == b"abc"
+    assert c.complete and c.reusable
+
+
+def test_chunked_answer_loses_its_framing_extensions_and_trailers() -> None:
+    raw = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"5;name=value\r\nhello\r\n1 \r\n,\r\n6\r\n world\r\n0\r\nx-checksum: 1\r\n\r\n"
+    )
+    for pieces in (1, 3, len(raw)):
+        head, body = parse(raw, pieces=pieces)
+        assert (head.status, body) == (200, b"hello, world")
+
+
+def test_interim_answers_are_skipped() -> None:
+    head, body = parse(
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    )
+    assert (head.status, body) == (200, b"ok")
+
+
+@pytest.mark.parametrize(
+    ("method", "status_line"),
+    [
+        (b"POST", b"HTTP/1.1 204 No Content"),
+        (b"POST", b"HTTP/1.1 304 "),
+        (b"HEAD", b"HTTP/1.1 200"),
+    ],
+)
+def test_answers_without_a_body_end_after_their_head(method: bytes, status_line: bytes) -> None:
+    c = sent(method)
+    c.receive(status_line + b"\r\ncontent-length: 10\r\n\r\n")
+    assert drain(c)[1:] == (b"", Signal.BODY_END)
+    assert c.reusable
+
+
+def test_an_answer_without_framing_ends_at_close_and_is_never_reused() -> None:
+    c = sent()
+    c.receive(b"HTTP/1.1 200 OK\r\n\r\nabc")
+    assert drain(c)[1:] == (b"abc", Signal.NEED_DATA)
+    c.receive(b"def")
+    c.receive(b"")
+    assert drain(c)[1:] == (b"def", Signal.BODY_END)
+    assert c.complete and not c.reusable
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\nconnection: keep-alive, Close\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n",
+    ],
+)
+def test_answers_that_close_are_never_reused(head: bytes) -> None:
+    c = sent()
+    c.receive(head)
+    assert drain(c)[2] is Signal.BODY_END
+    assert not c.reusable
+    with pytest.raises(UpstreamProtocolError):
+        c.start_next_cycle()
+
+
+def test_bytes_after_the_answer_make_the_connection_unclean() -> None:
+    c = sent()
+    c.receive(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\naHTTP/1.1 200 OK\r\n")
+    assert drain(c)[1] == b"a"
+    assert c.reusable and not c.clean
+
+
+def test_equal_repeated_content_lengths_are_one() -> None:
+    head, body = parse(b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\ncontent-length: 2\r\n\r\nok")
+    assert (head.status, body) == (200, b"ok")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"SPDY/3 200\r\n\r\n",
+        b"HTTP/2 200 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\ncontent-length: 0\n\n",
+        b"HTTP/1.1 99 OK\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: a\r\n folded\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx : a\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: a\x00b\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nx: a\rb\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n: a\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1, 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 0x10\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabc\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10000000000000000\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\nbad trailer\r\n\r\n",
+    ],
+)
+def test_malformed_answers_are_protocol_errors(raw: bytes) -> None:
+    c = sent()
+    c.receive(raw)
+    with pytest.raises(UpstreamProtocolError):
+        drain(c)
+    assert not c.reusable
+    with pytest.raises(UpstreamProtocolError):
+        c.next_event()
+
+
+def test_heads_over_the_bound_are_refused_complete_or_not() -> None:
+    for raw in (
+        b"HTTP/1.1 200 OK\r\nx: " + b"y" * 300,
+        b"HTTP/1.1 200 OK\r\nx: " + b"y" * 300 + b"\r\n\r\n",
+    ):
+        c = sent(max_head=200)
+        c.receive(raw)
+        with pytest.raises(UpstreamProtocolError):
+            c.next_event()
+
+
+def test_endless_chunk_lines_and_trailers_are_refused() -> None:
+    c = sent(max_head=200)
+    c.receive(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1;" + b"x" * MAX_CHUNK_LINE)
+    with pytest.raises(UpstreamProtocolError):
+        drain(c)
+    c = sent(max_head=200)
+    c.receive(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n")
+    assert drain(c)[2] is Signal.NEED_DATA
+    with pytest.raises(UpstreamProtocolError):  # 20 trailer lines of 27 bytes: over 200
+        for _ in range(20):
+            c.receive(b"x-t: " + b"y" * 20 + b"\r\n")
+            assert drain(c)[2] is Signal.NEED_DATA
+
+
+def test_close_before_any_answer_byte_is_closed_before_response() -> None:
+    c = sent()
+    c.receive(b"")
+    with pytest.raises(UpstreamClosed) as info:
+        c.next_event()
+    assert info.value.before_response
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\r\ncontent-le",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nab",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n",
+    ],
+)
+def test_close_after_the_answer_began_is_closed_after_response(raw: bytes) -> None:
+    c = sent()
+    c.receive(raw)
+    c.receive(b"")
+    with pytest.raises(UpstreamClosed) as info:
+        drain(c)
+    assert not info.value.before_response
+    assert not c.reusable
+
+
+def test_data_after_eof_is_a_protocol_error() -> None:
+    c = sent()
+    c.receive(b"")
+    with pytest.raises(UpstreamProtocolError):
+        c.receive(b"x")
+
+
+def test_a_failed_send_forbids_reuse() -> None:
+    c = sent()
+    c.send_failed()
+    c.receive(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+    drain(c)
+    assert not c.reusable
+
+
+# --- against h11 -------------------------------------------------------------------------
+
+_TOKEN_CHARS = "!#$%&'*+-.^_`|~abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+_names = (
+    st.text(_TOKEN_CHARS, min_size=1, max_size=12)
+    .map(str.encode)
+    .filter(lambda n: n.lower() not in (b"content-length", b"transfer-encoding", b"connection"))
+)
+_values = st.binary(max_size=20).map(
+    lambda v: bytes(b for b in v if b > 0x20 and b != 0x7F) or b"v"
+)
+
+
+def h11_parse(raw: bytes, method: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]], bytes]:
+    """What h11 makes of an answer: status, reason, headers, body."""
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method=method, target=b"/", headers=[(b"host", b"e")]))
+    conn.send(h11.EndOfMessage())
+    conn.receive_data(raw)
+    conn.receive_data(b"")
+    response: h11.Response | None = None
+    body = b""
+    while True:
+        event = conn.next_event()
+        if isinstance(event, h11.Response):
+            response = event
+        elif isinstance(event, h11.Data):
+            body += bytes(event.data)
+        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed) or event is h11.NEED_DATA:
+            break
+    assert response is not None
+    headers = [(n.lower(), v) for n, v in response.headers.raw_items()]
+    return response.status_code, bytes(response.reason), headers, body
+
+
+@st.composite
+def answers(draw: st.DrawFn) -> tuple[bytes, bytes, int]:
+    """A valid answer in one of the framings, and how many pieces to feed it in."""
+    status = draw(st.sampled_from([200, 201, 204, 304, 400, 404, 500, 503]))
+    reason = draw(st.sampled_from([b"", b"OK", b"Not Found", b"x\ty z"]))
+    headers = draw(st.lists(st.tuples(_names, _values), max_size=5))
+    body = draw(st.binary(max_size=300))
+    framing = draw(st.sampled_from(["length", "chunked", "close"]))
+    head = b"HTTP/1.1 %d %s\r\n" % (status, reason)
+    head += b"".join(
+        n + b":" + draw(st.sampled_from([b" ", b"", b"\t "])) + v + b"\r\n" for n, v in headers
+    )
+    if status in (204, 304):
+        body = b""
+    if framing == "length":
+        raw = head + b"content-length: %d\r\n\r\n" % len(body) + body
+    elif framing == "chunked":
+        cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=4)))
+        pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p)
+        raw = head + b"transfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+    else:
+        raw = head + b"\r\n" + body
+    return raw, body, draw(st.integers(1, 8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(answer=answers(), method=st.sampled_from([b"GET", b"POST", b"HEAD"]))
+def test_valid_answers_parse_as_h11_parses_them_however_they_are_split(
+    answer: tuple[bytes, bytes, int], method: bytes
+) -> None:
+    raw, _, pieces = answer
+    head, body = parse(raw, method, pieces)
+    assert (head.status, head.reason, head.headers, body) == h11_parse(raw, method)
+
+
+_PARTS = [
+    b"HTTP/1.1 200 OK\r\n",
+    b"HTTP/1.0 404 \r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"content-length: 3\r\n",
+    b"content-length: 4\r\n",
+    b"content-length: -1\r\n",
+    b"transfer-encoding: chunked\r\n",
+    b"transfer-encoding: identity\r\n",
+    b"connection: close\r\n",
+    b" folded\r\n",
+    b"bad header\r\n",
+    b"x:\x00\r\n",
+    b"\r\n",
+    b"\n",
+    b"\r",
+    b"abc",
+    b"3\r\nabc\r\n",
+    b"3;x=y\r\nabc\r\n",
+    b"0\r\n\r\n",
+    b"0\r\nx-t: 1\r\n\r\n",
+    b"ffffffffffffffff\r\n",
+    b"\x00\xff",
+]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from(_PARTS), max_size=10),
+    noise=st.binary(max_size=32),
+    split=st.integers(1, 6),
+)
+def test_malformed_answers_raise_our_errors_and_never_accept_what_h11_refuses(
+    parts: list[bytes], noise: bytes, split: int
+) -> None:
+    raw = b"".join(parts) + noise
+    c = sent()
+    step = max(1, len(raw) // split)
+    head: ResponseHead | None = None
+    body = b""
+    ended = False
+    try:
+        for chunk in [raw[i : i + step] for i in range(0, len(raw), step)] + [b""]:
+            c.receive(chunk)
+            h, b, signal = drain(c)
+            head, body = head or h, body + b
+            if signal is Signal.BODY_END:
+                ended = True
+                break
+    except UpstreamError:
+        return
+    if not ended:
+        return
+    assert head is not None
+    # Whatever we accept as a whole answer, h11 accepts too and reads the same way (h11 stops
+    # at the end of the first answer, as we do).
+    assert h11_parse(raw, b"POST") == (head.status, head.reason, head.headers, body)

@@ -104,8 +104,11 @@ class QueueActor(Actor):
         candidates: Callable[[str], list[Candidate]],
         sleep_victims: Callable[[list[str], str, str], None],
         settings: Callable[[str], Any],
+        plain_fifo: bool = False,
     ) -> None:
         super().__init__("queue", clock)
+        # Off in DGXMM; the fairness simulations turn it on to compare with plain FIFO.
+        self.plain_fifo = plain_fifo
         self._store = store
         self._broker = broker
         self._lookup = lookup
@@ -181,7 +184,15 @@ class QueueActor(Actor):
         timeout = float(self._settings("ondemand_queue_timeout_s"))
         waiter = WaiterImpl(self, request_id, dep.deployment_id, now, now + timeout)
         waiter.timer = self.schedule(timeout, Expired(request_id))
-        is_head = not any(w.kind == "queued" for w in self._waiting.values())
+        # The head: no other model's request waits for memory ahead of this model's oldest
+        # waiting request (a model's requests share one start and its place in the queue).
+        is_head = True
+        for w in self._waiting.values():
+            if w.deployment_id == dep.deployment_id:
+                break
+            if w.kind == "queued":
+                is_head = False
+                break
         self._waiting[request_id] = waiter
         position = len(self._waiting)
         free = self._broker.free()
@@ -284,6 +295,8 @@ class QueueActor(Actor):
             return False  # it must stop first; its memory is not free yet
         if actor.in_backoff():
             return False
+        if jumped and self.plain_fifo:
+            return False  # plain FIFO: nobody starts ahead of the head
         candidates = self._candidates(dep_id) if may_make_room else []
         victims = self._broker.reserve(
             dep_id, dep.memory_bytes, always_on=not dep.on_demand, candidates=candidates
@@ -366,8 +379,9 @@ class QueueActor(Actor):
             if not waiting_for_memory:
                 continue
             is_head = not head_seen
-            head_seen = True
-            self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
+            admitted = self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
+            # Once the head is admitted it no longer waits for memory: the next one is the head.
+            head_seen = head_seen or not admitted
 
     def _fail_all(self, deployment_id: str, reason: m.LeaveReason, error: Refused) -> None:
         for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:

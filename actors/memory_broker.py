@@ -147,7 +147,17 @@ class MemoryBroker:
         free = self.usable_bytes - held_elsewhere
         eligible = [c for c in candidates if c.deployment_id in self._held]
         eligible = [c for c in eligible if not self._held[c.deployment_id].releasing]
-        plan = plan_make_room(need, free, eligible)
+        if eligible:
+            # Before choosing victims, count what the stops under way give back (what they
+            # were stopped for already holds its reservation): only as many as needed.
+            pending = sum(
+                h.memory_bytes
+                for dep_id, h in self._held.items()
+                if h.releasing and dep_id != deployment_id
+            )
+            plan = plan_make_room(need, free + pending, eligible)
+        else:
+            plan = plan_make_room(need, free, eligible)
         if plan is None:
             return None
         for victim in plan:

@@ -569,6 +569,12 @@ class DeploymentActor(Actor):
             await self._record(actor, m.StopRequested(reason=reason), m.EngineStopped())
             self._changed("stopped", reason)
             return
+        if dep.lifecycle is Lifecycle.STOPPING:
+            # A stop is under way and reports when the engine is gone; halting again would
+            # cancel it half-way and leave the engine running with its memory released.
+            await self._record(actor, m.StopRequested(reason=reason))
+            self._changed(None, f"{reason}:{actor}")
+            return
         was_starting_for_request = dep.lifecycle is Lifecycle.STARTING
         self.activity.accepting = False
         events: list[m.AnyEvent] = [m.StopRequested(reason=reason)]
@@ -884,6 +890,9 @@ class DeploymentActor(Actor):
         dep = self.state
         self._removed = True
         self.activity.accepting = False
+        if dep.lifecycle is Lifecycle.STOPPING and self._work is not None and not self._work.done():
+            # Let the stop under way finish: cancelling it could leave the engine running.
+            await asyncio.shield(self._work)
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None

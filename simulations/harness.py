@@ -19,7 +19,7 @@ from actors.admission import Refused
 from actors.controller import Controller, DeploymentSpec
 from actors.deployment import LeaseImpl
 from actors.memory_broker import GIB, MemoryBroker
-from actors.ports import LaunchSpec
+from actors.ports import EngineHandle, LaunchSpec
 from actors.runtime import VirtualClock
 from events import model as m
 from events.state import DeploymentState
@@ -52,12 +52,40 @@ class RequestResult(msgspec.Struct, kw_only=True):
     finished_at: float | None = None
     message: str = ""
     retry_after: int | None = None
+    waiting_before: int | None = None  # requests already waiting when it tried to wait
 
     @property
     def waited(self) -> float:
         """Seconds from arrival to admission (or to the end when refused)."""
         end = self.admitted_at if self.admitted_at is not None else self.finished_at
         return 0.0 if end is None else end - self.arrived
+
+
+class DirectCall(msgspec.Struct, kw_only=True):
+    """A call straight to an engine's port: the engine's metrics show it, the gateway not."""
+
+    deployment_id: str
+    runtime_id: str
+    start: float
+    end: float
+
+
+class _SlowStopRuntime(SimRuntime):
+    """A simulated runtime whose engines take `stop_s` to go away (and free their memory)."""
+
+    def __init__(
+        self,
+        clock: VirtualClock,
+        behaviour: Callable[[LaunchSpec], EngineBehaviour] | None,
+        stop_s: float,
+    ) -> None:
+        super().__init__(clock, behaviour)
+        self.stop_s = stop_s
+
+    async def stop(self, handle: EngineHandle, timeout_s: float = 30.0) -> None:
+        """Stop it after `stop_s` of virtual time (idempotent)."""
+        await self.clock.sleep(self.stop_s)
+        await super().stop(handle, timeout_s)
 
 
 class Harness:
@@ -81,6 +109,8 @@ class Harness:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.max_launched = 0
         self.violations: list[str] = []
+        self.in_flight: dict[str, int] = {}  # leases the simulated clients hold, per deployment
+        self.direct_calls: list[DirectCall] = []
 
     @classmethod
     async def create(
@@ -91,14 +121,26 @@ class Harness:
         behaviour: Callable[[LaunchSpec], EngineBehaviour] | None = None,
         settings: dict[str, Any] | None = None,
         max_concurrent_starts: int = 1,
+        broker_cls: type[MemoryBroker] = MemoryBroker,
+        plain_fifo: bool = False,
+        stop_s: float = 0.0,
     ) -> Harness:
-        """A fresh box with an empty log at `db_path`."""
+        """A fresh box with an empty log at `db_path`.
+
+        `broker_cls` lets property tests watch the real broker through a subclass;
+        `plain_fifo` turns the queue's go-ahead rule off (for fairness comparisons);
+        `stop_s` is how long an engine takes to stop (memory is freed only then).
+        """
         clock = VirtualClock()
         store = await EventStore.open(db_path, wall=clock.wall)
         clock.add_busy_check(store.busy)
-        runtime = SimRuntime(clock, behaviour)
+        runtime = (
+            SimRuntime(clock, behaviour)
+            if stop_s <= 0
+            else _SlowStopRuntime(clock, behaviour, stop_s)
+        )
         usable = int(usable_gib * GIB)
-        broker = MemoryBroker(usable, usable, max_concurrent_starts=max_concurrent_starts)
+        broker = broker_cls(usable, usable, max_concurrent_starts=max_concurrent_starts)
         controller = Controller(
             store=store,
             clock=clock,
@@ -108,6 +150,7 @@ class Harness:
             launch_spec=sim_launch_spec,
             defaults=settings,
         )
+        controller.queue.plain_fifo = plain_fifo
         await controller.load()
         harness = cls(clock, store, runtime, broker, controller)
         controller.add_listener(harness._check_invariants)
@@ -164,11 +207,45 @@ class Harness:
         task.add_done_callback(self._tasks.discard)
         return result
 
+    async def call(
+        self, deployment_id: str, hold_s: float = 1.0, *, hang_up_after_s: float | None = None
+    ) -> RequestResult:
+        """Send a request now and wait until it ended (closed-loop clients, like agents)."""
+        rid = f"r{next(self._ids)}"
+        result = RequestResult(
+            request_id=rid, deployment_id=deployment_id, arrived=self.clock.now()
+        )
+        self.results.append(result)
+        await self._client(result, hold_s, hang_up_after_s)
+        return result
+
+    def direct_call(self, deployment_id: str, duration_s: float) -> DirectCall | None:
+        """A call straight to the engine's port for `duration_s`; None when no engine runs."""
+        engine = self.runtime.engine_of(deployment_id)
+        if engine is None:
+            return None
+        now = self.clock.now()
+        call = DirectCall(
+            deployment_id=deployment_id,
+            runtime_id=engine.handle.runtime_id,
+            start=now,
+            end=now + duration_s,
+        )
+        self.direct_calls.append(call)
+        engine.running_requests += 1
+
+        def done() -> None:
+            engine.running_requests = max(0, engine.running_requests - 1)
+
+        self.clock.call_later(duration_s, done)
+        return call
+
     async def _client(self, result: RequestResult, hold_s: float, hang_up: float | None) -> None:
         c = self.controller
         lease: LeaseImpl | None = c.try_acquire(result.deployment_id)
         try:
             if lease is None:
+                result.waiting_before = len(c.queue)
                 waiter = c.enqueue(result.deployment_id, result.request_id)
                 result.queued = waiter.queued.is_set()
                 if hang_up is None:
@@ -188,9 +265,12 @@ class Harness:
             result.finished_at = self.clock.now()
             return
         result.admitted_at = self.clock.now()
+        dep_id = result.deployment_id
+        self.in_flight[dep_id] = self.in_flight.get(dep_id, 0) + 1
         try:
             await self.clock.sleep(hold_s)
         finally:
+            self.in_flight[dep_id] -= 1
             lease.release()
         result.outcome = "served"
         result.finished_at = self.clock.now()

@@ -195,6 +195,8 @@ class App:
         assert self.controller is not None and self.store is not None
         cfg = self.config
         self.admin_password = await ensure_admin(self.store, self.clock)
+        if self.demo:
+            self.admin_password = await asyncio.to_thread(self._demo_password, self.admin_password)
         auth = Auth(self.controller, self.store, self.clock)
         bridge = self.litellm
         gateway = self.gateway
@@ -211,6 +213,17 @@ class App:
         )
         self.api = api
         self.admin = await api.serve(cfg.server.admin_host, cfg.server.admin_port)
+
+    def _demo_password(self, created: str | None) -> str | None:
+        """The demo keeps its generated admin password in a private file, to print it again."""
+        path = Path(self.config.server.data_dir) / "demo-admin-password"
+        if created is not None:
+            path.write_text(created + "\n", encoding="utf-8")
+            path.chmod(0o600)
+            return created
+        if path.exists():
+            return path.read_text(encoding="utf-8").strip() or None
+        return None
 
     async def _demo_deployments(self) -> None:
         assert self.controller is not None

@@ -15,6 +15,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 from actors.controller import Controller, DeploymentSpec
@@ -160,9 +161,13 @@ class App:
             stop_timeout_s=cfg.runtime.stop_timeout_s,
         )
         await controller.load()
-        await self._start_litellm()
         self.gateway = Gateway(controller)
-        await self.gateway.serve(cfg.server.gateway_host, cfg.server.gateway_port)
+        server = await self.gateway.serve(cfg.server.gateway_host, cfg.server.gateway_port)
+        if cfg.server.gateway_port == 0:  # an ephemeral port (tests): LiteLLM needs the real one
+            self.config = cfg = msgspec.structs.replace(
+                cfg, server=msgspec.structs.replace(cfg.server, gateway_port=server.port)
+            )
+        await self._start_litellm()
         await self._start_admin()
         if cfg.memory.watchdog_threshold_gib > 0:
             mem_source, _ = await detect_source()

@@ -1,0 +1,64 @@
+"""The README's first command: `dgxmm serve --demo` gives a newcomer a model to call at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parent.parent
+DEADLINE_S = 60.0
+
+
+def test_the_demo_prints_a_login_and_a_curl_command_that_gets_a_chat_completion(
+    tmp_path: Path,
+) -> None:
+    # Ephemeral ports so the test never collides with a demo a developer runs.
+    (tmp_path / "ports.toml").write_text("[server]\nadmin_port = 0\ngateway_port = 0\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", "ports.toml"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        banner = ""
+        deadline = time.monotonic() + DEADLINE_S
+        while "curl -s" not in banner:
+            assert time.monotonic() < deadline, banner
+            line = proc.stdout.readline()
+            assert line, f"dgxmm exited: {banner}"
+            banner += line
+        assert re.search(r"admin login    : admin / \S{12,}", banner)
+        assert "web UI and API : http://127.0.0.1:" in banner
+        url = re.search(r"curl -s (\S+)", banner)
+        body = re.search(r"-d '(.+)'", banner)
+        assert url is not None and body is not None
+        request = urllib.request.Request(
+            url.group(1),
+            data=body.group(1).encode(),
+            headers={"content-type": "application/json"},
+        )
+        # The model may still be loading: the gateway holds the request until it is ready.
+        with urllib.request.urlopen(request, timeout=DEADLINE_S) as answer:
+            assert answer.status == 200
+            reply = json.loads(answer.read())
+        assert reply["object"] == "chat.completion"
+        assert reply["choices"][0]["message"]["content"]
+        assert (tmp_path / "dgxmm-data" / "dgxmm.db").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()

@@ -10,6 +10,8 @@ reuse both through the `litellm_proxy_factory` and `recording_upstream` fixtures
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import http.client
 import json
@@ -21,11 +23,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -566,3 +568,57 @@ def litellm_proxy_factory(
     yield start
     for proxy in started:
         proxy.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# DGXMM in-process, on its own event loop
+
+
+T = TypeVar("T")
+
+
+class AppInThread:
+    """A DGXMM `App` running on an event loop in a background thread.
+
+    Blocking tests (and their LiteLLM clients) run in the test thread; everything that touches
+    the App (the controller, the gateway's counters) goes through `run`/`read`, which execute
+    on the App's loop and wait for the result with a deadline.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="dgxmm-app", daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> AppInThread:
+        """Start the loop, then `await app.start()` on it."""
+        self._thread.start()
+        self.run(self.app.start(), timeout_s)
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        """Run `coro` on the App's loop and return its result (fails the test at the deadline)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            pytest.fail(f"the App did not finish {coro!r} within {timeout_s:.0f} s")
+
+    def read(self, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
+        """Call `fn` on the App's loop (state is only consistent there) and return its result."""
+
+        async def call() -> T:
+            return fn()
+
+        return self.run(call(), timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """`await app.stop()`, then end the loop and the thread."""
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.run(self.app.stop(), timeout_s)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()

@@ -21,7 +21,7 @@ from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
 from gateway import health, queued
 from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
 from gateway.errors import UpstreamError
-from gateway.protocol import Headers, header_value, strip_hop_by_hop
+from gateway.messages import HOP_BY_HOP, Headers, header_value, strip_hop_by_hop
 from gateway.queued import ErrorReply
 from gateway.server import HTTPServer, Request, Responder, ServerConfig
 from gateway.upstream import UpstreamConfig, UpstreamPool, UpstreamResponse
@@ -29,9 +29,9 @@ from gateway.upstream import UpstreamConfig, UpstreamPool, UpstreamResponse
 log = structlog.get_logger("gateway")
 
 STATE_HEADER = b"x-dgxmm-ondemand-state"
-# Request headers never passed to an engine (besides hop-by-hop ones): the pool sets Host and
-# Content-Length itself, and the body is already complete (no 100-continue upstream).
-_DROP_REQUEST = frozenset({b"host", b"content-length", b"expect", b"x-dgxmm-health-check"})
+# Request headers never passed to an engine: hop-by-hop ones, Host and Content-Length (the
+# pool sets them), Expect (the body is already complete: no 100-continue upstream), the probe.
+_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-dgxmm-health-check"}
 _STATUS_CODES = {
     400: "bad_request",
     404: "not_found",
@@ -340,7 +340,7 @@ class Gateway:
         mode: _Mode = _Mode.PASS,
         endpoint: Endpoint | None = None,
     ) -> None:
-        headers = [(n, v) for n, v in strip_hop_by_hop(request.headers) if n not in _DROP_REQUEST]
+        headers = strip_hop_by_hop(request.headers, _DROP_REQUEST)
         try:
             # Method, target and headers came out of h11's parser: no need to validate again.
             answer = await self.upstream.request(
@@ -374,17 +374,21 @@ class Gateway:
     ) -> None:
         headers = strip_hop_by_hop(answer.headers)
         await responder.start(answer.status, headers, reason=answer.reason, checked=True)
-        if header_value(headers, b"content-length") is None:
+        streamed = header_value(headers, b"content-length") is None
+        if streamed:
             await responder.flush()  # a stream: the client gets the head before the first token
         try:
-            while chunk := await answer.receive():
+            while True:
+                chunk = await answer.receive()
+                if answer.complete:
+                    break
                 await responder.send(chunk)
         except UpstreamError as exc:
             self._engine_failed(view, exc)
-            if header_value(headers, b"content-length") is None:
+            if streamed:
                 await responder.end()  # chunked: end the answer cleanly
             return  # with a Content-Length nothing can end it cleanly: the server closes
-        await responder.end()
+        await responder.end(chunk)  # the last piece and the end in one write
 
     async def _continue_sse(
         self, answer: UpstreamResponse, responder: Responder, view: DeploymentView

@@ -106,6 +106,12 @@ STRUCTURED_KEYS = frozenset(
     }
 )
 _NOT_FOUND = Route(RouteKind.NOT_FOUND)
+# Routes are immutable: made once per (path, probe), not per request.
+_INFERENCE = {
+    path: (Route(RouteKind.INFERENCE, e, None, False), Route(RouteKind.INFERENCE, e, None, True))
+    for path, e in _ENDPOINTS.items()
+}
+_MODELS_LIST = {hc: Route(RouteKind.MODELS_LIST, None, None, hc) for hc in (False, True)}
 _RawObject = dict[str, msgspec.Raw]
 _decode_object = msgspec.json.Decoder(_RawObject).decode
 _decode_any = msgspec.json.Decoder().decode
@@ -113,19 +119,22 @@ _decode_any = msgspec.json.Decoder().decode
 
 def is_health_check(headers: Sequence[tuple[bytes, bytes]]) -> bool:
     """Whether the headers carry the LiteLLM probe marker `x-dgxmm-health-check: 1`."""
-    return any(n == HEALTH_CHECK_HEADER and v.strip() == b"1" for n, v in headers)
+    for n, v in headers:  # noqa: SIM110 - on every request; a loop is cheaper than any()
+        if n == HEALTH_CHECK_HEADER and v.strip() == b"1":
+            return True
+    return False
 
 
 def classify_route(method: bytes, path: str, headers: Sequence[tuple[bytes, bytes]]) -> Route:
     """Route a request by method and path (`/v1/...`, query removed) and its probe header."""
     if method == b"POST":
-        endpoint = _ENDPOINTS.get(path)
-        if endpoint is None:
+        routes = _INFERENCE.get(path)
+        if routes is None:
             return _NOT_FOUND
-        return Route(RouteKind.INFERENCE, endpoint, None, is_health_check(headers))
+        return routes[is_health_check(headers)]
     if method == b"GET":
         if path == _MODELS:
-            return Route(RouteKind.MODELS_LIST, None, None, is_health_check(headers))
+            return _MODELS_LIST[is_health_check(headers)]
         if path.startswith(_MODEL_PREFIX) and len(path) > len(_MODEL_PREFIX):
             model_id = path[len(_MODEL_PREFIX) :]
             return Route(RouteKind.MODEL_GET, None, model_id, is_health_check(headers))

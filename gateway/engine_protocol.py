@@ -60,7 +60,6 @@ _S_CHUNK_DATA = _State.CHUNK_DATA
 _S_CHUNK_END = _State.CHUNK_END
 _S_END = _State.END
 _S_DONE = _State.DONE
-_COMPLETE = frozenset({_State.END, _State.DONE})
 
 
 class ClientSession:
@@ -167,12 +166,13 @@ class ClientSession:
     @property
     def complete(self) -> bool:
         """The whole answer has been received."""
-        return self._state in _COMPLETE
+        state = self._state  # `is` tests: an Enum member hashes in Python code
+        return state is _S_END or state is _S_DONE
 
     @property
     def reusable(self) -> bool:
         """The request went out, its answer was read to the end, and nobody asked to close."""
-        return self._sent and self._keep_alive and self._state in _COMPLETE
+        return self._sent and self._keep_alive and self.complete
 
     @property
     def clean(self) -> bool:
@@ -192,6 +192,8 @@ class ClientSession:
     # --- parsing -----------------------------------------------------------------------
 
     def _head(self) -> ResponseHead | Signal:
+        if self._pos >= len(self._buf) and not self.eof:
+            return Signal.NEED_DATA  # the usual first call, before the answer arrived
         while True:
             buf, pos = self._buf, self._pos
             end = buf.find(b"\r\n\r\n", pos)
@@ -236,7 +238,10 @@ class ClientSession:
                 value = raw_value.strip(b" \t")
                 headers.append((name, value))
                 if name == b"content-length":
-                    length = self._content_length(length, value)
+                    if length is None and value.isdigit() and len(value) < 20:
+                        length = int(value)  # the usual case: one plain value
+                    else:
+                        length = self._content_length(length, value)
                 elif name == b"transfer-encoding":
                     if chunked or value.lower() != b"chunked":
                         raise self._error("only one Transfer-Encoding: chunked is supported")

@@ -71,14 +71,16 @@ def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     return tokens
 
 
-def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    """The headers minus hop-by-hop ones, including those the Connection header names."""
-    items = list(headers)
+def strip_hop_by_hop(
+    headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes] = HOP_BY_HOP
+) -> Headers:
+    """The headers minus `drop` (the hop-by-hop ones) and those the Connection header names."""
+    items = headers if isinstance(headers, list) else list(headers)
     for name, _ in items:
         if name == b"connection":
-            extra = connection_tokens(items)
-            return [(n, v) for n, v in items if n not in HOP_BY_HOP and n not in extra]
-    return [(n, v) for n, v in items if n not in HOP_BY_HOP]
+            drop = drop | connection_tokens(items)
+            break
+    return [(n, v) for n, v in items if n not in drop]
 
 
 def header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes | None:

@@ -76,12 +76,19 @@ class ServerSession:
     """One server-side connection's HTTP/1.1 state: h11 parses, we write the responses."""
 
     __slots__ = (
+        "_body_ended",
+        "_body_left",
+        "_buf",
         "_conn",
+        "_eof",
+        "_expect_continue",
+        "_fed",
         "_keep_alive",
         "_max_body",
         "_max_head",
         "_method",
         "_out",
+        "_own_body",
         "_remaining",
         "_version",
         "body_bytes",
@@ -100,12 +107,29 @@ class ServerSession:
         self._method: bytes | None = None
         self._version: bytes | None = None
         self._keep_alive = True
+        # A Content-Length body (or none) is read here, not by h11: see `_take_body`.
+        self._own_body = False
+        self._buf = b""  # bytes after the head, while `_own_body`
+        self._eof = False
+        self._body_left = 0
+        self._body_ended = False
+        self._expect_continue = False
+        self._fed = False  # h11 has been given bytes (or EOF) in this cycle
 
-    # --- the request (h11) --------------------------------------------------------------
+    # --- the request (h11 for heads and chunked bodies) ----------------------------------
 
     def receive(self, data: bytes) -> None:
         """Feed bytes read from the socket; b"" means the peer closed its side."""
         self.cycle_bytes += len(data)
+        if self._own_body:
+            if not data:
+                self._eof = True
+            elif self._eof:
+                raise MalformedRequest("data after end of stream")
+            else:
+                self._buf = self._buf + data if self._buf else data
+            return
+        self._fed = True
         try:
             self._conn.receive_data(data)
         except RuntimeError as exc:  # data after EOF: cannot happen with a real socket
@@ -113,6 +137,10 @@ class ServerSession:
 
     def next_event(self) -> RequestHead | bytes | Signal:
         """The next thing the peer said; raises `MalformedRequest` or `BodyTooLarge`."""
+        if self._own_body:
+            return self._body_event()
+        if not self._fed:
+            return Signal.NEED_DATA  # what h11 says with nothing to read, for less
         try:
             event = self._conn.next_event()
         except h11.RemoteProtocolError as exc:
@@ -162,6 +190,8 @@ class ServerSession:
         if content_length is not None and int(content_length) > self._max_body:
             raise BodyTooLarge(f"request body over {self._max_body} bytes")
         self.body_bytes = 0
+        if not chunked:
+            self._take_body(int(content_length) if content_length else 0, version, headers)
         return RequestHead(
             method=method,
             target=bytes(event.target),
@@ -170,14 +200,65 @@ class ServerSession:
             has_body=chunked or (content_length is not None and content_length != b"0"),
         )
 
+    def _take_body(self, length: int, version: bytes, headers: Headers) -> None:
+        """Read a Content-Length body ourselves, from the bytes h11 has not processed.
+
+        h11 has already decided the framing (and we refused Transfer-Encoding with it);
+        what is left is counting bytes, which h11's event machinery made expensive.  The
+        next cycle starts a new h11 connection anyway (see `start_next_cycle`).
+        """
+        self._buf, self._eof = self._conn.trailing_data
+        self._own_body = True
+        self._body_left = length
+        self._body_ended = False
+        # h11's rule: HTTP/1.1 and a 100-continue token; the wait ends with any body byte.
+        self._expect_continue = version >= b"1.1" and any(
+            name == b"expect" and b"100-continue" in _tokens(value) for name, value in headers
+        )
+
+    def _body_event(self) -> bytes | Signal:
+        """The next event of a body read by `_take_body` (as h11 would give it)."""
+        left = self._body_left
+        if left:
+            buf = self._buf
+            if not buf:
+                if self._eof:
+                    raise MalformedRequest(
+                        "peer closed connection without sending complete message body"
+                    )
+                return Signal.NEED_DATA
+            if len(buf) <= left:
+                self._buf = b""
+                data = buf
+            else:
+                data, self._buf = buf[:left], buf[left:]
+            self._body_left = left - len(data)
+            self._expect_continue = False
+            self.body_bytes += len(data)
+            return data
+        if not self._body_ended:
+            self._body_ended = True
+            self._expect_continue = False
+            return Signal.BODY_END
+        if self._buf:
+            return Signal.PAUSED
+        return Signal.CLOSED if self._eof else Signal.NEED_DATA
+
     @property
     def waiting_for_continue(self) -> bool:
         """The client sent `Expect: 100-continue` and waits for our go-ahead."""
-        return self._out is _IDLE and self._conn.they_are_waiting_for_100_continue
+        if self._out is not _IDLE:
+            return False
+        if self._own_body:
+            return self._expect_continue
+        return self._conn.they_are_waiting_for_100_continue
 
     def continue_bytes(self) -> bytes:
         """The `100 Continue` interim response."""
-        try:  # through h11, so that it stops waiting too (a rare path)
+        if self._own_body:
+            self._expect_continue = False
+            return b"HTTP/1.1 100 \r\n\r\n"  # h11's bytes for it
+        try:  # a chunked body: through h11, so that it stops waiting too
             out = self._conn.send(h11.InformationalResponse(status_code=100, headers=[]))
         except h11.LocalProtocolError as exc:
             raise ResponseStateError(str(exc)) from exc
@@ -186,6 +267,8 @@ class ServerSession:
     @property
     def request_done(self) -> bool:
         """The client's request (head and body) has been fully received."""
+        if self._own_body:
+            return self._body_ended
         return self._conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
 
     # --- the response (ours) ------------------------------------------------------------
@@ -205,26 +288,36 @@ class ServerSession:
         if not checked:
             _validate(headers, reason)
         lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
-        general = not self._keep_alive or self._version is None
+        general = not self._keep_alive or self._version is None or self._method == b"CONNECT"
+        length: bytes | None = None
         for name, value in headers:
             if name in _FRAMING or (not checked and name.lower() in _FRAMING):
-                general = True
-                break
+                # Only one plain Content-Length stays on the fast path.
+                if name != b"content-length" or length is not None:
+                    general = True
+                    break
+                if CONTENT_LENGTH.fullmatch(value) is None:
+                    general = True
+                    break
+                length = value
             lines += (name, b": ", value, b"\r\n")
-        if not general:
-            # The common case: no framing header, a keep-alive HTTP/1.1 client (HTTP/1.0 ones
-            # never keep alive).  h11 frames a HEAD answer as a GET one, without its body.
-            if status in _EMPTY_BODY_STATUS:
+        if general:
+            return self._framed(status, headers, lines[:1])
+        # A keep-alive HTTP/1.1 client (HTTP/1.0 ones never keep alive) and no header that
+        # h11 would rewrite.  It frames a HEAD answer as a GET one, without the body.
+        if status in _EMPTY_BODY_STATUS:
+            self._out, self._remaining = _LENGTH, 0
+        elif length is not None:
+            self._out = _LENGTH
+            self._remaining = 0 if self._method == b"HEAD" else int(length)
+        else:
+            lines.append(b"Transfer-Encoding: chunked\r\n")
+            if self._method == b"HEAD":
                 self._out, self._remaining = _LENGTH, 0
             else:
-                lines.append(b"Transfer-Encoding: chunked\r\n")
-                if self._method == b"HEAD":
-                    self._out, self._remaining = _LENGTH, 0
-                else:
-                    self._out = _CHUNKED
-            lines.append(b"\r\n")
-            return b"".join(lines)
-        return self._framed(status, headers, lines[:1])
+                self._out = _CHUNKED
+        lines.append(b"\r\n")
+        return b"".join(lines)
 
     def _framed(self, status: int, headers: Headers, lines: list[bytes]) -> bytes:
         """The general case: h11's `_clean_up_response_headers_for_sending`, to the byte."""
@@ -350,25 +443,40 @@ class ServerSession:
         """Both sides finished a clean cycle and nobody asked to close."""
         if self._out is not _DONE or not self._keep_alive:
             return False
+        if self._own_body:
+            return self._body_ended
         # A client that proposed an Upgrade (or CONNECT) got a plain answer: that denies it.
         return self._conn.their_state in _CLIENT_DONE
 
     def start_next_cycle(self) -> None:
-        """Reset for the next request on this connection (only when `reusable`)."""
+        """Reset for the next request on this connection (only when `reusable`).
+
+        A new h11 connection, given the bytes not processed yet: h11 itself can start a
+        new cycle only after it has sent the response.
+        """
         if not self.reusable:
             raise ResponseStateError("connection is not reusable")
-        data, closed = self._conn.trailing_data
+        if self._own_body:
+            data, closed = self._buf, self._eof
+            self._own_body, self._buf, self._eof = False, b"", False
+        else:
+            data, closed = self._conn.trailing_data
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
         if data:
             conn.receive_data(data)
         if closed:
             conn.receive_data(b"")
         self._conn = conn
+        self._fed = bool(data) or closed
         self._out = _IDLE
         self._method = self._version = None
         self._keep_alive = True
         self.cycle_bytes = 0
         self.body_bytes = 0
+
+
+def _tokens(value: bytes) -> list[bytes]:
+    return [t.strip().lower() for t in value.split(b",")]
 
 
 def _without(items: list[_Item], name: bytes) -> list[_Item]:

@@ -99,8 +99,9 @@ class Request:
         "_complete",
         "_conn",
         "_error",
+        "_gone",
+        "_gone_event",
         "client",
-        "client_gone",
         "headers",
         "http_version",
         "method",
@@ -116,9 +117,25 @@ class Request:
         self.http_version = head.http_version
         self.request_id = request_id
         self.client = conn.peer
-        self.client_gone = asyncio.Event()
+        self._gone = False
+        self._gone_event: asyncio.Event | None = None  # made when someone asks for it
         self._complete = not head.has_body
         self._error: ClientError | None = None
+
+    @property
+    def client_gone(self) -> asyncio.Event:
+        """Set when the client hung up before the response ended."""
+        event = self._gone_event
+        if event is None:
+            event = self._gone_event = asyncio.Event()
+            if self._gone:
+                event.set()
+        return event
+
+    def _set_gone(self) -> None:
+        self._gone = True
+        if self._gone_event is not None:
+            self._gone_event.set()
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header `name` (lower-case), or None."""
@@ -144,9 +161,17 @@ class Request:
     async def read_body(self) -> bytes:
         """The whole body (bounded by the server's `max_body_bytes`)."""
         chunks: list[bytes] = []
-        while chunk := await self.receive():
+        if not self._complete and self._error is None:
+            try:  # what already arrived, without a coroutine per piece
+                self._conn.buffered_body(self, chunks)
+            except ClientError as exc:
+                self._error = exc
+                raise
+        while not self._complete and (chunk := await self.receive()):
             chunks.append(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if len(chunks) == 1:
+            return chunks[0]
+        return b"".join(chunks)
 
 
 class Responder:
@@ -180,7 +205,8 @@ class Responder:
         out = self._conn.session.body(data)
         if self._pending:
             out, self._pending = self._pending + out, b""
-        await self._conn.write(out)
+        if self._conn.write_now(out):
+            await self._conn.drain()
 
     async def flush(self) -> None:
         """Write the pending head now (e.g. before a long wait for the first body bytes)."""
@@ -188,15 +214,16 @@ class Responder:
             out, self._pending = self._pending, b""
             await self._conn.write(out)
 
-    async def end(self) -> None:
-        """End the body and the response."""
+    async def end(self, data: bytes = b"") -> None:
+        """End the body and the response, after `data` if given (all in one write)."""
         if not self.started or self.finished:
             raise ResponseStateError("end outside of a started response")
-        out = self._pending + self._conn.session.end()
+        session = self._conn.session
+        out = self._pending + (session.body(data) if data else b"") + session.end()
         self._pending = b""
         self.finished = True
-        if out:  # a Content-Length body ends without bytes
-            await self._conn.write(out)
+        if out and self._conn.write_now(out):  # a Content-Length body ends without bytes
+            await self._conn.drain()
 
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         """A complete response with a Content-Length body, in one write."""
@@ -205,7 +232,8 @@ class Responder:
         out = self._pending + (session.body(body) if body else b"") + session.end()
         self._pending = b""
         self.finished = True
-        await self._conn.write(out)
+        if self._conn.write_now(out):
+            await self._conn.drain()
 
 
 Handler = Callable[[Request, Responder], Coroutine[object, object, None]]
@@ -386,6 +414,16 @@ class _Connection:
             server.requests_active -= 1
         if self.cancelled_for_gone:  # the handler swallowed our cancellation
             self._uncancel()
+        if (  # the usual end, decided without a coroutine: see `_after_handler`
+            error is None
+            and responder.finished
+            and request._complete
+            and not (self.broken or request._gone or server.closing)
+            and self.session.reusable
+        ):
+            self.session.start_next_cycle()
+            self.request = self._responder = None
+            return True
         return await self._after_handler(error, request, responder)
 
     def _uncancel(self) -> int:
@@ -405,7 +443,7 @@ class _Connection:
         self, error: BaseException | None, request: Request, responder: Responder
     ) -> bool:
         """Apply the policy for how the handler ended; True to keep the connection."""
-        if self.broken or request.client_gone.is_set():
+        if self.broken or request._gone:
             return False
         if error is not None:
             if isinstance(error, ClientDisconnected | asyncio.CancelledError):
@@ -450,6 +488,25 @@ class _Connection:
 
     # --- body, called from the handler task ----------------------------------------------
 
+    def buffered_body(self, request: Request, chunks: list[bytes]) -> None:
+        """Append the body bytes already received to `chunks` (no I/O; see `receive_body`)."""
+        session = self.session
+        if session.waiting_for_continue:
+            return  # the client waits for our go-ahead: `receive_body` sends it
+        while True:
+            event = session.next_event()
+            if isinstance(event, bytes):
+                if event:
+                    chunks.append(event)
+                continue
+            if event is Signal.BODY_END:
+                request._complete = True
+                if self.reader.at_eof():  # the client closed while we read its body
+                    self._peer_closed()
+            elif event is not Signal.NEED_DATA:  # pragma: no cover - h11 state forbids it
+                raise MalformedRequest("unexpected end of request body")
+            return
+
     async def receive_body(self, request: Request) -> bytes:
         """The next body chunk for `request` (see `Request.receive`)."""
         session = self.session
@@ -486,9 +543,9 @@ class _Connection:
 
     def _client_gone(self) -> None:
         request, responder, task = self.request, self._responder, self.task
-        if request is None or request.client_gone.is_set():
+        if request is None or request._gone:
             return
-        request.client_gone.set()
+        request._set_gone()
         self.server.clients_gone += 1
         if (
             self.in_handler
@@ -504,27 +561,38 @@ class _Connection:
 
     async def write(self, data: bytes) -> None:
         """Write bytes to the client with backpressure; failures become `ClientDisconnected`."""
+        if self.write_now(data):
+            await self.drain()
+
+    def write_now(self, data: bytes) -> bool:
+        """Hand bytes to the transport; True when the caller must `drain()` before more."""
         if self.broken:
             raise ClientDisconnected("connection already failed")
         transport = self.transport
         try:
             if transport.is_closing():
                 raise ConnectionResetError("transport is closing")
-            self.writer.write(data)
-            if transport.get_write_buffer_size() >= self.server.write_high_water:
-                self.deadline = self.server.loop_time() + self.config.write_timeout_s
-                self.writing = True
-                try:
-                    await self.writer.drain()
-                finally:
-                    self.deadline = 0.0
-                    self.writing = False
+            transport.write(data)
+        except (OSError, RuntimeError) as exc:
+            self._write_failed()
+            raise ClientDisconnected(f"write to client failed: {exc!r}") from exc
+        return transport.get_write_buffer_size() >= self.server.write_high_water
+
+    async def drain(self) -> None:
+        """Wait (bounded by the write timeout) until the client took enough of our writes."""
+        self.deadline = self.server.loop_time() + self.config.write_timeout_s
+        self.writing = True
+        try:
+            await self.writer.drain()
         except (OSError, RuntimeError) as exc:
             self._write_failed()
             raise ClientDisconnected(f"write to client failed: {exc!r}") from exc
         except asyncio.CancelledError:
             self._write_failed()
             raise
+        finally:
+            self.deadline = 0.0
+            self.writing = False
 
     def _write_failed(self) -> None:
         if not self.broken:

@@ -1,4 +1,5 @@
-"""The server side writes its responses itself; byte for byte what h11 would have written."""
+"""The server session: h11 parses request heads; Content-Length bodies and every response are
+ours, and must come out exactly as with h11 alone (events, bytes, reuse)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.errors import ResponseStateError
-from gateway.protocol import ServerSession, Signal
+from gateway.errors import ClientError, ResponseStateError
+from gateway.protocol import RequestHead, ServerSession, Signal
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -234,3 +235,143 @@ def test_error_replies_after_a_refused_request_are_written_as_h11_writes_them(
     expected += theirs.send(h11.Data(data=body)) or b""
     expected += theirs.send(h11.EndOfMessage()) or b""
     assert ours.error_reply(status, headers, body) == expected
+
+
+# --- request bodies against h11 ----------------------------------------------------------------
+
+_REQUESTS = [
+    b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello",
+    b"POST /c HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n",
+    b"POST /d HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\nabc",
+    b"POST /e HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    b"POST /f HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi",
+    b"GET /g HTTP/1.0\r\n\r\n",
+    b"POST /h HTTP/1.1\r\nhost: x\r\ncontent-length: 4, 4\r\n\r\nabcd",
+]
+
+
+def _cut(raw: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(c, len(raw)) for c in cuts})
+    return [raw[a:b] for a, b in zip([0, *points], [*points, len(raw)], strict=True) if b > a]
+
+
+def _ours(parts: list[bytes], eof: bool) -> list[object]:
+    s = ServerSession(max_header_bytes=16 * 1024, max_body_bytes=1 << 20)
+    seen: list[object] = []
+    for part in [*parts, b""] if eof else parts:
+        s.receive(part)
+        while True:
+            try:
+                event = s.next_event()
+            except ClientError:
+                return [*seen, "error"]
+            if isinstance(event, RequestHead):
+                seen.append((event.method, event.target, event.headers))
+                if s.waiting_for_continue:
+                    seen.append(s.continue_bytes())
+            elif isinstance(event, bytes):
+                seen.append(event)
+            elif event is Signal.BODY_END:
+                seen.append("end")
+                seen.append(s.response_head(204, []) + s.end())
+                if not s.reusable:
+                    return [*seen, "close"]
+                s.start_next_cycle()
+            else:
+                if event is Signal.CLOSED:
+                    return [*seen, "closed"]
+                break
+    return seen
+
+
+def _theirs(parts: list[bytes], eof: bool) -> list[object]:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
+    seen: list[object] = []
+    for part in [*parts, b""] if eof else parts:
+        conn.receive_data(part)
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError:
+                return [*seen, "error"]
+            if isinstance(event, h11.Request):
+                headers = [(n.lower(), v) for n, v in event.headers.raw_items()]
+                seen.append((event.method, event.target, headers))
+                if conn.they_are_waiting_for_100_continue:
+                    response = h11.InformationalResponse(status_code=100, headers=[])
+                    seen.append(conn.send(response))
+            elif isinstance(event, h11.Data):
+                seen.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                seen.append("end")
+                out = conn.send(h11.Response(status_code=204, headers=[])) or b""
+                seen.append(out + (conn.send(h11.EndOfMessage()) or b""))
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return [*seen, "close"]
+                conn.start_next_cycle()
+            else:
+                if isinstance(event, h11.ConnectionClosed):
+                    return [*seen, "closed"]
+                break
+    return seen
+
+
+def _merged(events: list[object]) -> list[object]:
+    """Adjacent body pieces as one (how the bytes are split into events does not matter)."""
+    out: list[object] = []
+    for event in events:
+        if (
+            isinstance(event, bytes)
+            and out
+            and isinstance(out[-1], bytes)
+            and not (event.startswith(b"HTTP/") or out[-1].startswith(b"HTTP/"))
+        ):
+            out[-1] += event
+        else:
+            out.append(event)
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    requests=st.lists(st.sampled_from(_REQUESTS), min_size=1, max_size=4),
+    noise=st.sampled_from([b"", b"GET / HTTP/1.1\r\nho", b"\x00garbage\r\n\r\n", b"x"]),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+    eof=st.booleans(),
+)
+def test_requests_read_the_same_events_as_with_h11_however_they_arrive(
+    requests: list[bytes], noise: bytes, cuts: list[int], eof: bool
+) -> None:
+    parts = _cut(b"".join(requests) + noise, cuts)
+    assert _merged(_ours(parts, eof)) == _merged(_theirs(parts, eof))
+
+
+def test_a_body_cut_short_by_the_client_is_malformed() -> None:
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=100)
+    s.receive(b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nab")
+    assert isinstance(s.next_event(), RequestHead)
+    assert s.next_event() == b"ab"
+    assert s.next_event() is Signal.NEED_DATA
+    s.receive(b"")
+    with pytest.raises(ClientError):
+        s.next_event()
+
+
+def test_after_a_body_the_session_pauses_on_pipelined_bytes_and_reports_a_close() -> None:
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=100)
+    s.receive(b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 1\r\n\r\nxGET")
+    assert isinstance(s.next_event(), RequestHead)
+    assert s.next_event() == b"x"
+    assert s.next_event() is Signal.BODY_END
+    assert s.next_event() is Signal.PAUSED
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=100)
+    s.receive(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+    assert isinstance(s.next_event(), RequestHead)
+    s.receive(b"")
+    assert s.next_event() is Signal.BODY_END
+    assert s.next_event() is Signal.CLOSED
+    s.response_head(204, [])
+    s.end()
+    s.start_next_cycle()  # as h11 does: a clean close after a complete exchange
+    assert s.next_event() is Signal.CLOSED

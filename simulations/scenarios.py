@@ -182,14 +182,14 @@ def poisson_mix(seed: int, duration_s: float) -> Scenario:
         ModelSpec(name="vision-32b", gib=40, startup_s=_startup(40)),
         ModelSpec(name="reason-70b", gib=64, startup_s=_startup(64)),
     )
-    gaps = {"chat-8b": 45.0, "code-14b": 120.0, "vision-32b": 300.0, "reason-70b": 600.0}
+    gaps = {"chat-8b": 45.0, "code-14b": 240.0, "vision-32b": 600.0, "reason-70b": 600.0}
     arrivals: list[Arrival] = []
     for name, gap in gaps.items():
         arrivals += poisson(rng, name, mean_gap_s=gap, start_s=0.0, end_s=duration_s)
     return Scenario(
         name="poisson-mix",
         description="4 on-demand models (16/28/40/64 GiB) + an 8 GiB decision model on 112 "
-        "GiB; Poisson traffic, busier for smaller models",
+        "GiB; Poisson traffic every 45 s / 4 / 10 / 10 min",
         usable_gib=112,
         models=models,
         duration_s=duration_s,
@@ -198,23 +198,25 @@ def poisson_mix(seed: int, duration_s: float) -> Scenario:
 
 
 def hot_small_cold_large(seed: int, duration_s: float) -> Scenario:
-    """Three small models in steady use and one large model asked for now and then."""
+    """Four small models in steady use and one large model asked for now and then."""
     rng = random.Random(f"hot-small-cold-large/{seed}")
-    small = [f"small-{c}" for c in "abc"]
+    small = [f"small-{c}" for c in "abcde"]
     models = (
-        *(ModelSpec(name=n, gib=16, idle_timeout_s=120, startup_s=_startup(16)) for n in small),
-        ModelSpec(name="large-72b", gib=72, idle_timeout_s=300, startup_s=(120.0, 240.0)),
+        *(ModelSpec(name=n, gib=16, idle_timeout_s=60, startup_s=_startup(16)) for n in small),
+        ModelSpec(name="large-64g", gib=64, idle_timeout_s=120, startup_s=(120.0, 240.0)),
     )
     arrivals: list[Arrival] = []
     for name in small:
-        arrivals += poisson(rng, name, mean_gap_s=150.0, start_s=0.0, end_s=duration_s)
+        arrivals += poisson(
+            rng, name, mean_gap_s=90.0, start_s=0.0, end_s=duration_s, hold_s=(5.0, 30.0)
+        )
     arrivals += poisson(
-        rng, "large-72b", mean_gap_s=600.0, start_s=0.0, end_s=duration_s, hold_s=(30.0, 120.0)
+        rng, "large-64g", mean_gap_s=600.0, start_s=0.0, end_s=duration_s, hold_s=(30.0, 120.0)
     )
     return Scenario(
         name="hot-small-cold-large",
-        description="3 small 16 GiB models (a request every ~150 s each, 2 min idle timeout) "
-        "and a 72 GiB model (every ~10 min) on 96 GiB",
+        description="4 small 16 GiB models (a request every ~2 min each, 1 min idle timeout) "
+        "and a 64 GiB model (every ~10 min) on 96 GiB",
         usable_gib=96,
         models=models,
         duration_s=duration_s,

@@ -198,7 +198,7 @@ def poisson_mix(seed: int, duration_s: float) -> Scenario:
 
 
 def hot_small_cold_large(seed: int, duration_s: float) -> Scenario:
-    """Four small models in steady use and one large model asked for now and then."""
+    """Five small models in steady use and one large model asked for now and then."""
     rng = random.Random(f"hot-small-cold-large/{seed}")
     small = [f"small-{c}" for c in "abcde"]
     models = (
@@ -215,8 +215,8 @@ def hot_small_cold_large(seed: int, duration_s: float) -> Scenario:
     )
     return Scenario(
         name="hot-small-cold-large",
-        description="4 small 16 GiB models (a request every ~2 min each, 1 min idle timeout) "
-        "and a 64 GiB model (every ~10 min) on 96 GiB",
+        description="5 small 16 GiB models (a request every ~90 s each, 1 min idle timeout) "
+        "and a 64 GiB model (every ~10 min, 2 min idle timeout) on 96 GiB",
         usable_gib=96,
         models=models,
         duration_s=duration_s,

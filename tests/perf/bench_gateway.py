@@ -1,12 +1,20 @@
 """Gateway benchmark: direct vs nginx vs the gateway, against the same simulated engines.
 
-    python -m tests.perf.bench_gateway [--quick]
+    python -m tests.perf.bench_gateway [--quick] [--baseline DIR]
 
 Starts (all on loopback, all ended at exit): two simulated vLLM engines (one answering at
 once for latency, one pacing tokens for streams), nginx as a keep-alive reverse proxy with a
 minimal config of ours, and the gateway with a scripted ready controller, each in its own
-process on uvloop.  The load generator is this process.  Everything is bounded: fixed request
-counts, deadlines on every wait.
+process on uvloop (the gateway checks that it is).  The load generator is this process.
+Everything is bounded: fixed request counts, deadlines on every wait.
+
+Fairness: every target is asked through the same client code, after a warm-up.  At
+concurrency 1 the targets take turns request by request (rotating who goes first), so that
+drifts of the shared machine hit them alike; at 64 and for streams they take turns by
+rounds.  CPU is each proxy process's on-CPU time (user and system, ns, from schedstat) over
+the requests it served.  `--baseline DIR` adds a second gateway built from the `gateway`
+package in DIR (e.g. `git archive <rev> gateway | tar -x -C DIR`), measured in the same
+turns: a before / after comparison on the same machine at the same time.
 
 Measured: added latency p50/p99 of small non-streaming requests at concurrency 1 and 64, TTFB
 and relayed tokens/s of 256 concurrent streams, and the extra RSS of 1,000 idle keep-alive
@@ -38,18 +46,29 @@ STREAM = (
 )
 DEADLINE_S = 120.0
 STREAM_ROUNDS = 3
+ROUNDS_C64 = 4
+WARMUP = 100  # requests per connection (a tenth of it at concurrency 64) before measuring
 
 
 # --- the gateway process -----------------------------------------------------------------------
 
 
-def serve_gateway(engines: list[int], port: int) -> None:
-    """Run the gateway with deployments d0.. ready on the given engine ports (child process)."""
+def serve_gateway(engines: list[int], port: int, package_dir: str) -> None:
+    """Run the gateway with deployments d0.. ready on the given engine ports (child process).
+
+    `package_dir`: where to import the `gateway` package from ("" for this checkout's).
+    """
+    if package_dir:
+        sys.path.insert(0, package_dir)  # before the checkout, which `-m` put first
     import uvloop
 
+    import gateway
     from actors.ports import EngineHandle
     from gateway.app import Gateway
     from tests.gateway_support import ScriptedController
+
+    if package_dir and not str(gateway.__file__).startswith(package_dir):
+        raise SystemExit(f"gateway imported from {gateway.__file__}, not {package_dir}")
 
     async def main() -> None:
         controller = ScriptedController()
@@ -58,10 +77,12 @@ def serve_gateway(engines: list[int], port: int) -> None:
                 deployment_id=f"d{index}", host="127.0.0.1", port=engine_port, runtime_id="b"
             )
             controller.add(f"d{index}", handle=handle, served_model=MODEL)
+        loop = asyncio.get_running_loop()
+        if not isinstance(loop, uvloop.Loop):  # production runs on uvloop; so must this
+            raise SystemExit(f"gateway loop is {type(loop)!r}, not uvloop")
         gateway = Gateway(controller)
         await gateway.serve("127.0.0.1", port)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         print("ready", flush=True)
         await stop.wait()
@@ -132,14 +153,17 @@ class Rig:
     paced: int
     nginx: int
     gateway: int
+    baseline: int = 0  # a second gateway from --baseline, 0 when none
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
-def processes(stream_tokens: int, token_delay: float) -> Iterator[Rig]:
-    """Start engines, nginx and the gateway; stop exactly those at exit."""
+def processes(stream_tokens: int, token_delay: float, baseline: str | None) -> Iterator[Rig]:
+    """Start engines, nginx and the gateway(s); stop exactly those at exit."""
     nginx_bin = shutil.which("nginx") or "/usr/sbin/nginx"
     rig = Rig(fast=free_port(), paced=free_port(), nginx=free_port(), gateway=free_port())
+    if baseline:
+        rig.baseline = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     python = sys.executable
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -161,17 +185,18 @@ def processes(stream_tokens: int, token_delay: float) -> Iterator[Rig]:
         rig.procs["nginx"] = subprocess.Popen(
             [nginx_bin, "-c", str(conf), "-p", str(workdir)], stderr=subprocess.DEVNULL
         )
-        rig.procs["gateway"] = subprocess.Popen(
-            [python, "-m", "tests.perf.bench_gateway", "--serve-gateway",
-             "--engines", f"{rig.fast},{rig.paced}", "--port", str(rig.gateway)],
-            env=env, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        for name, port in (
-            ("engine-fast", rig.fast),
-            ("engine-paced", rig.paced),
-            ("nginx", rig.nginx),
-            ("gateway", rig.gateway),
-        ):
+        gateways = [("gateway", rig.gateway, "")]
+        if baseline:
+            gateways.append(("base", rig.baseline, os.path.abspath(baseline)))
+        for name, port, package_dir in gateways:
+            rig.procs[name] = subprocess.Popen(
+                [python, "-m", "tests.perf.bench_gateway", "--serve-gateway",
+                 "--engines", f"{rig.fast},{rig.paced}", "--port", str(port),
+                 "--package-dir", package_dir],
+                env=env, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+        ports = [("engine-fast", rig.fast), ("engine-paced", rig.paced), ("nginx", rig.nginx)]
+        for name, port in ports + [(name, port) for name, port, _ in gateways]:
             wait_port(port, rig.procs[name])
         yield rig
     finally:
@@ -196,9 +221,12 @@ def rss_bytes(pid: int) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of one process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """On-CPU time (user and system) of every thread of one process so far, ns-precise."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that just ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def children(pid: int) -> list[int]:
@@ -275,24 +303,55 @@ def request_bytes(path: str, body: bytes) -> bytes:
     ).encode() + body
 
 
-async def latency_run(port: int, path: str, concurrency: int, per_conn: int) -> list[float]:
-    """Latencies of `concurrency` connections each sending `per_conn` small requests."""
+async def turns_run(
+    targets: dict[str, tuple[int, str]], pids: dict[str, int], n: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Concurrency 1: one connection per target, the targets taking turns request by request.
+
+    Returns the latencies per target and each proxy's CPU seconds over the measured requests.
+    """
+    conns = {name: await Conn.open(port) for name, (port, _) in targets.items()}
+    requests = {name: request_bytes(path, SMALL) for name, (_, path) in targets.items()}
+    names = list(targets)
+    async with asyncio.timeout(DEADLINE_S):
+        for _ in range(WARMUP):  # connections to the engine exist and code paths are hot
+            for name in names:
+                await conns[name].exchange(requests[name])
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        latencies: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(n):
+            turn = i % len(names)  # rotate who goes first
+            for name in names[turn:] + names[:turn]:
+                latencies[name].append((await conns[name].exchange(requests[name])).latency)
+        used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    for conn in conns.values():
+        conn.close()
+    return latencies, used
+
+
+async def latency_run(
+    port: int, path: str, pid: int | None, concurrency: int, per_conn: int
+) -> tuple[list[float], float]:
+    """Latencies of `concurrency` connections each sending `per_conn` small requests, and the
+    proxy's CPU seconds over them (warm-up excluded)."""
     request = request_bytes(path, SMALL)
     conns = [await Conn.open(port) for _ in range(concurrency)]
-    for conn in conns:  # warm-up: connections to the engine exist and code paths are hot
-        for _ in range(5):
-            await conn.exchange(request)
+    async with asyncio.timeout(DEADLINE_S):  # warm-up
+        for _ in range(WARMUP // 10):
+            await asyncio.gather(*(c.exchange(request) for c in conns))
     latencies: list[float] = []
 
     async def worker(conn: Conn) -> None:
         for _ in range(per_conn):
             latencies.append((await conn.exchange(request)).latency)
 
+    before = cpu_seconds(pid) if pid else 0.0
     async with asyncio.timeout(DEADLINE_S):
         await asyncio.gather(*(worker(c) for c in conns))
+    used = cpu_seconds(pid) - before if pid else 0.0
     for conn in conns:
         conn.close()
-    return latencies
+    return latencies, used
 
 
 async def stream_run(port: int, path: str, streams: int, tokens: int) -> tuple[list[float], float]:
@@ -340,7 +399,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def measure(rig: Rig, quick: bool, tokens: int) -> None:
     """Run every measurement and print the table."""
-    n1, n64, streams = (300, 10, 64) if quick else (2000, 40, 256)
+    n1, n64, streams = (300, 12, 64) if quick else (3000, 40, 256)
     targets = {
         "direct": (rig.fast, "/v1/chat/completions", rig.paced, "/v1/chat/completions"),
         "nginx": (rig.nginx, "/fast/v1/chat/completions", rig.nginx, "/paced/v1/chat/completions"),
@@ -348,20 +407,32 @@ async def measure(rig: Rig, quick: bool, tokens: int) -> None:
                     "/d/d1/v1/chat/completions"),
     }  # fmt: skip
     pids = {"nginx": children(rig.procs["nginx"].pid)[0], "gateway": rig.procs["gateway"].pid}
+    if rig.baseline:
+        targets["base"] = (rig.baseline, "/d/d0/v1/chat/completions", rig.baseline,
+                           "/d/d1/v1/chat/completions")  # fmt: skip
+        pids["base"] = rig.procs["base"].pid
+    names = list(targets)
+    proxies = names[1:]
     cpu: dict[tuple[str, str], float] = {}  # CPU seconds used
     count: dict[tuple[str, str], int] = {}  # ... for this many requests or events
+
+    def spent(name: str, what: str, seconds: float, items: int) -> None:
+        cpu[(name, what)] = cpu.get((name, what), 0.0) + seconds
+        count[(name, what)] = count.get((name, what), 0) + items
+
     lat: dict[tuple[str, int], list[float]] = {}
-    for concurrency, per_conn in ((1, n1), (64, n64)):
-        # Interleave the targets in rounds so that drifts of the machine hit all alike.
-        for _ in range(2):
-            for name, (port, path, _, _) in targets.items():
-                before = cpu_seconds(pids[name]) if name in pids else 0.0
-                got = await latency_run(port, path, concurrency, per_conn // 2)
-                lat.setdefault((name, concurrency), []).extend(got)
-                if name in pids:
-                    key = (name, f"c{concurrency}")
-                    cpu[key] = cpu.get(key, 0.0) + cpu_seconds(pids[name]) - before
-                    count[key] = count.get(key, 0) + len(got)
+    got1, used1 = await turns_run({n: (t[0], t[1]) for n, t in targets.items()}, pids, n1)
+    for name in names:
+        lat[(name, 1)] = got1[name]
+        if name in pids:
+            spent(name, "c1", used1[name], n1)
+    for turn in range(ROUNDS_C64):  # rounds, rotating who goes first
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
+            port, path, _, _ = targets[name]
+            got, used = await latency_run(port, path, pids.get(name), 64, n64 // ROUNDS_C64)
+            lat.setdefault((name, 64), []).extend(got)
+            if name in pids:
+                spent(name, "c64", used, len(got))
     ttfb: dict[str, list[float]] = {}
     rates: dict[str, list[float]] = {}
     for _ in range(STREAM_ROUNDS):  # interleaved rounds; the median rate is reported
@@ -371,67 +442,53 @@ async def measure(rig: Rig, quick: bool, tokens: int) -> None:
             ttfb.setdefault(name, []).extend(got_ttfb)
             rates.setdefault(name, []).append(got_rate)
             if name in pids:
-                # per relayed event (tokens and the closing events), warm-up included in both
-                key = (name, "token")
-                cpu[key] = cpu.get(key, 0.0) + cpu_seconds(pids[name]) - before
-                count[key] = count.get(key, 0) + streams * (tokens + 4)
+                # per relayed event (tokens and the closing events), warm-up included
+                spent(name, "event", cpu_seconds(pids[name]) - before, streams * (tokens + 4))
     rate = {name: sorted(values)[len(values) // 2] for name, values in rates.items()}
-    rss = {
-        "gateway": await idle_rss(rig.gateway, "/d/d0/v1/chat/completions", pids["gateway"], 1000),
-        "nginx": await idle_rss(rig.nginx, "/fast/v1/chat/completions", pids["nginx"], 1000),
-    }
+    rss = {name: await idle_rss(targets[name][0], targets[name][1], pids[name], 1000)
+           for name in proxies}  # fmt: skip
 
-    ms = 1000.0
-    rows: list[tuple[str, str, str, str, str]] = []
+    ms, us = 1000.0, 1e6
+    rows: list[tuple[str, list[str], str]] = []
 
-    def fmt(value: float | None) -> str:
-        return "-" if value is None else f"{value:.3f}"
+    def row(label: str, values: dict[str, float], note: str = "") -> None:
+        rows.append((label, [f"{values[n]:.3f}" if n in values else "-" for n in names], note))
 
-    def row(label: str, d: float | None, n: float | None, g: float | None, ratio: str) -> None:
-        rows.append((label, fmt(d), fmt(n), fmt(g), ratio))
-
-    def ratio(gateway: float, nginx: float, target: str = "") -> str:
-        return f"gw/nginx {gateway / nginx:.2f}x{target}" if nginx > 0 else ""
+    def vs_nginx(values: dict[str, float], target: str = "") -> str:
+        if values["nginx"] <= 0:
+            return "gw/nginx n/a (nginx added <= 0)"
+        return f"gw/nginx {values['gateway'] / values['nginx']:.2f}x{target}"
 
     for c in (1, 64):
-        p = {name: (pct(lat[(name, c)], 0.5), pct(lat[(name, c)], 0.99)) for name in targets}
-        row(f"c={c} latency p50 (ms)", p["direct"][0] * ms, p["nginx"][0] * ms,
-            p["gateway"][0] * ms, "")  # fmt: skip
-        row(f"c={c} latency p99 (ms)", p["direct"][1] * ms, p["nginx"][1] * ms,
-            p["gateway"][1] * ms, "")  # fmt: skip
-        added_n50, added_g50 = p["nginx"][0] - p["direct"][0], p["gateway"][0] - p["direct"][0]
-        added_n99, added_g99 = p["nginx"][1] - p["direct"][1], p["gateway"][1] - p["direct"][1]
-        row(f"c={c} added p50 (ms)", None, added_n50 * ms, added_g50 * ms,
-            ratio(added_g50, added_n50, " (target <= 2x)"))  # fmt: skip
-        row(f"c={c} added p99 (ms)", None, added_n99 * ms, added_g99 * ms,
-            ratio(added_g99, added_n99))  # fmt: skip
-    row(f"{streams} streams TTFB p50 (ms)", pct(ttfb["direct"], 0.5) * ms,
-        pct(ttfb["nginx"], 0.5) * ms, pct(ttfb["gateway"], 0.5) * ms, "")  # fmt: skip
-    row(f"{streams} streams TTFB p99 (ms)", pct(ttfb["direct"], 0.99) * ms,
-        pct(ttfb["nginx"], 0.99) * ms, pct(ttfb["gateway"], 0.99) * ms, "")  # fmt: skip
-    row(f"{streams} streams tokens/s", rate["direct"], rate["nginx"], rate["gateway"],
+        p50 = {name: pct(lat[(name, c)], 0.5) * ms for name in names}
+        p99 = {name: pct(lat[(name, c)], 0.99) * ms for name in names}
+        row(f"c={c} latency p50 (ms)", p50)
+        row(f"c={c} latency p99 (ms)", p99)
+        added50 = {name: p50[name] - p50["direct"] for name in proxies}
+        added99 = {name: p99[name] - p99["direct"] for name in proxies}
+        row(f"c={c} added p50 (ms)", added50, vs_nginx(added50, " (target <= 2x)"))
+        row(f"c={c} added p99 (ms)", added99, vs_nginx(added99))
+    row(f"{streams} streams TTFB p50 (ms)", {n: pct(v, 0.5) * ms for n, v in ttfb.items()})
+    row(f"{streams} streams TTFB p99 (ms)", {n: pct(v, 0.99) * ms for n, v in ttfb.items()})
+    row(f"{streams} streams tokens/s", rate,
         f"gw/direct {rate['gateway'] / rate['direct']:.1%} (target >= 90%)")  # fmt: skip
-    row("RSS per 1,000 idle conns (MB)", None, rss["nginx"] / 1e6, rss["gateway"] / 1e6,
-        "target < 50 MB")  # fmt: skip
-    us = 1e6
-    for what, label in (
-        ("c1", "request, c=1"),
-        ("c64", "request, c=64"),
-        ("token", "stream event"),
-    ):
-        n = cpu[("nginx", what)] / count[("nginx", what)]
-        g = cpu[("gateway", what)] / count[("gateway", what)]
-        row(f"proxy CPU per {label} (us)", None, n * us, g * us, "")
+    row("RSS per 1,000 idle conns (MB)", {n: v / 1e6 for n, v in rss.items()}, "target < 50 MB")
+    for what, label in (("c1", "request, c=1"), ("c64", "request, c=64"), ("event", "event")):
+        per = {name: cpu[(name, what)] / count[(name, what)] * us for name in proxies}
+        note = f"gw/nginx {per['gateway'] / per['nginx']:.1f}x"
+        if "base" in per:
+            note += f", gw/base {per['gateway'] / per['base']:.2f}x"
+        row(f"proxy CPU per {label} (us)", per, note)
 
-    width = max(len(r[0]) for r in rows)
-    print(f"{'':{width}}  {'direct':>10}  {'nginx':>10}  {'gateway':>10}  notes")
-    for label, d_text, n_text, g_text, note in rows:
-        print(f"{label:{width}}  {d_text:>10}  {n_text:>10}  {g_text:>10}  {note}")
+    width = max(len(label) for label, _, _ in rows)
+    print(f"{'':{width}}  " + "  ".join(f"{n:>10}" for n in names) + "  notes")
+    for label, cells, note in rows:
+        print(f"{label:{width}}  " + "  ".join(f"{cell:>10}" for cell in cells) + f"  {note}")
     print(
-        f"\n(samples: c=1 {len(lat[('direct', 1)])}/target, c=64 {len(lat[('direct', 64)])}"
-        f"/target; {STREAM_ROUNDS} rounds of {streams} streams of {tokens} tokens paced by the"
-        " engine, median rate; added latency is p50(proxy) - p50(direct); the machine is"
-        " shared, so run it twice)"
+        f"\n(samples: c=1 {n1}/target in turns, c=64 {len(lat[('direct', 64)])}/target in"
+        f" {ROUNDS_C64} rounds; {STREAM_ROUNDS} rounds of {streams} streams of {tokens} tokens"
+        " paced by the engine, median rate; added latency is p50(proxy) - p50(direct); CPU is"
+        " the proxy process's on-CPU time (user+system); the machine is shared: run it twice)"
     )
 
 
@@ -442,15 +499,19 @@ def main() -> None:
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engines", default="", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--package-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--stream-tokens", type=int, default=64)
     parser.add_argument("--token-delay", type=float, default=0.02)
+    parser.add_argument(
+        "--baseline", default=None, metavar="DIR", help="also measure the gateway package in DIR"
+    )
     args = parser.parse_args()
     if args.serve_gateway:
-        serve_gateway([int(p) for p in args.engines.split(",")], args.port)
+        serve_gateway([int(p) for p in args.engines.split(",")], args.port, args.package_dir)
         return
     import uvloop
 
-    with processes(args.stream_tokens, args.token_delay) as rig:
+    with processes(args.stream_tokens, args.token_delay, args.baseline) as rig:
         uvloop.run(measure(rig, args.quick, args.stream_tokens))
 
 

@@ -131,33 +131,38 @@ class MemoryBroker:
         *,
         always_on: bool,
         candidates: Iterable[Candidate] = (),
+        make_room: bool = True,
     ) -> list[str] | None:
         """Reserve `need` bytes, planning which idle candidates must sleep for it.
 
-        Returns the deployments to stop (empty when it fits in free memory), or None when it
-        does not fit even with every candidate stopped; then nothing is reserved.
+        With `make_room` (the queue's head, an administrator's start, a mode switch) memory
+        that stops under way give back counts: what they were stopped for already holds its
+        own reservation, so the rest comes back to the budget, and the launch waits for it.
+        Without it (a later request going ahead) only memory free right now counts, and no
+        candidate is stopped.
+
+        Returns the deployments to stop (empty when it fits), or None when it does not fit
+        even with every candidate stopped; then nothing is reserved.
         """
         existing = self._held.get(deployment_id)
         if existing is not None and not existing.releasing:
             existing.always_on = always_on
             return []
         held_elsewhere = self.held_total() - (existing.memory_bytes if existing else 0)
-        # Memory still being released by a deployment already stopping counts as not free:
-        # it returns to the budget once that stop completes, to whoever then asks.
         free = self.usable_bytes - held_elsewhere
-        eligible = [c for c in candidates if c.deployment_id in self._held]
-        eligible = [c for c in eligible if not self._held[c.deployment_id].releasing]
-        if eligible:
-            # Before choosing victims, count what the stops under way give back (what they
-            # were stopped for already holds its reservation): only as many as needed.
-            pending = sum(
+        eligible: list[Candidate] = []
+        if make_room:
+            free += sum(
                 h.memory_bytes
                 for dep_id, h in self._held.items()
                 if h.releasing and dep_id != deployment_id
             )
-            plan = plan_make_room(need, free + pending, eligible)
-        else:
-            plan = plan_make_room(need, free, eligible)
+            eligible = [
+                c
+                for c in candidates
+                if c.deployment_id in self._held and not self._held[c.deployment_id].releasing
+            ]
+        plan = plan_make_room(need, free, eligible)
         if plan is None:
             return None
         for victim in plan:
@@ -205,13 +210,14 @@ class MemoryBroker:
         held = self._held.get(deployment_id)
         if held is None:
             return False
-        return self.launched_total() + held.memory_bytes <= self.usable_bytes
+        others = self.launched_total() - (held.memory_bytes if held.launched else 0)
+        return others + held.memory_bytes <= self.usable_bytes
 
     @contextlib.asynccontextmanager
     async def launch_slot(self, deployment_id: str) -> AsyncIterator[None]:
         """Wait for a start slot and for the reserved memory to be physically free.
 
-        The caller launches its engine inside the block and marks it with `launched()`.
+        The caller launches its engine inside the block; a failed launch releases it.
         Raises LookupError when the reservation was released while waiting.
         """
         async with self._starts:
@@ -219,6 +225,9 @@ class MemoryBroker:
                 if deployment_id not in self._held:
                     raise LookupError(f"no reservation for {deployment_id}")
                 await self._changed.wait()
+            # From here on its memory counts as taken by an engine, so a launch in another
+            # slot cannot pass the same check before this engine exists.
+            self.launched(deployment_id)
             yield
 
     def launched(self, deployment_id: str) -> None:

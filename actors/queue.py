@@ -299,7 +299,11 @@ class QueueActor(Actor):
             return False  # plain FIFO: nobody starts ahead of the head
         candidates = self._candidates(dep_id) if may_make_room else []
         victims = self._broker.reserve(
-            dep_id, dep.memory_bytes, always_on=not dep.on_demand, candidates=candidates
+            dep_id,
+            dep.memory_bytes,
+            always_on=not dep.on_demand,
+            candidates=candidates,
+            make_room=may_make_room,
         )
         if victims is None:
             return False

@@ -116,6 +116,7 @@ class CheckedBroker(MemoryBroker):
         *,
         always_on: bool,
         candidates: Iterable[Candidate] = (),
+        make_room: bool = True,
     ) -> list[str] | None:
         """The real reserve; then the go-ahead rule and the books are checked."""
         cands = list(candidates)
@@ -124,7 +125,9 @@ class CheckedBroker(MemoryBroker):
             v for k, v in self.ledger.items() if k != deployment_id
         )
         role = "other" if self.checker is None else self.checker.role_of(deployment_id)
-        plan = super().reserve(deployment_id, need, always_on=always_on, candidates=cands)
+        plan = super().reserve(
+            deployment_id, need, always_on=always_on, candidates=cands, make_room=make_room
+        )
         if plan is None or had:
             return plan
         self.grants.append(
@@ -150,11 +153,20 @@ class CheckedBroker(MemoryBroker):
                     f"{_g(max(0, free_before))} were free right now (it used memory held or "
                     "being freed for others)"
                 )
-        elif not cands and need > free_before:
-            self._problem(
-                f"{name} got {_g(need)} without making room but only {_g(max(0, free_before))} "
-                "were free right now (it used memory held or being freed for others)"
+        elif not plan:
+            # The head or an administrator's start may count memory that stops under way give
+            # back (what those were stopped for already holds its own reservation).
+            eventual = self.usable_bytes - sum(
+                v
+                for k, v in self.ledger.items()
+                if k != deployment_id and k not in self.releasing_ids
             )
+            if need > eventual:
+                self._problem(
+                    f"{name} got {_g(need)} without making room but only {_g(max(0, eventual))} "
+                    "are free even once the stops under way complete (it used memory held for "
+                    "others)"
+                )
         self._check_plan(name, deployment_id, need, plan, cands)
         self.ledger[deployment_id] = need
         self.releasing_ids.discard(deployment_id)

@@ -135,9 +135,11 @@ def test_making_room_counts_memory_that_stops_under_way_give_back(tmp_path: Path
             ra = h.request(a)  # queued: 5 GiB free, nothing idle
             await h.advance(166)  # t=192
             assert ra.queued
-            assert h.state(hog1) == "stopping" and h.state(a) == "stopped"
-            # The scrape at t=193 finds hog2 idle (it would sleep at its t=207 check) and the
-            # head looks again: hog1's stop gives back 60 GiB and a needs 30, so hog2 must
+            # hog1's stop gives back 60 GiB and a needs 30: the head reserves them as soon as
+            # the stop began, and its launch waits until hog1's engine is gone.
+            assert h.state(hog1) == "stopping" and h.state(a) == "starting"
+            assert "a" not in [h.controller.actors[x].state.name for x in h.runtime.running()]
+            # The scrape at t=193 finds hog2 idle (it would sleep at its t=207 check): it must
             # not be stopped for a.
             await h.advance(2)  # t=194
             assert h.state(hog2) == "ready"
@@ -276,7 +278,12 @@ def test_the_checker_catches_a_go_ahead_that_uses_memory_freed_for_the_head(
     async def main() -> None:
         h, problems = await _go_ahead_over_the_head(tmp_path, ForgetsMemoryBeingFreed)
         try:
-            assert any("memory held or being freed for others" in p for p in problems), problems
+            # Caught either as a go-ahead over free memory or by the books (the broker granted
+            # more than the budget once the memory being freed counted twice).
+            assert any(
+                "memory held or being freed for others" in p or "but granted" in p
+                for p in problems
+            ), problems
         finally:
             await h.close()
 

@@ -161,6 +161,8 @@ class ClientSession:
             return self._until_close_body()
         if state is _State.ERROR:
             raise UpstreamProtocolError("invalid answer from engine (already reported)")
+        if self._pos >= len(self._buf) and not self.eof:
+            return Signal.NEED_DATA  # between two pieces of a stream
         return self._chunked_body()
 
     @property

@@ -48,6 +48,7 @@ from gateway.errors import (
     ResponseStateError,
 )
 from gateway.protocol import Headers, RequestHead, ServerSession, Signal, header_value
+from gateway.transport import ByteStream
 
 log = structlog.get_logger("gateway.server")
 
@@ -243,25 +244,6 @@ class _Expired(Exception):
     """A read or write of this connection passed its deadline."""
 
 
-class _StreamProtocol(asyncio.StreamReaderProtocol):
-    """A stream protocol that also tells its connection when the peer closes or resets."""
-
-    on_peer_closed: Callable[[], None] | None = None
-
-    def eof_received(self) -> bool:
-        """The peer closed its side."""
-        keep_open = bool(super().eof_received())
-        if self.on_peer_closed is not None:
-            self.on_peer_closed()
-        return keep_open
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        """The connection is gone (reset, or closed by us)."""
-        super().connection_lost(exc)
-        if self.on_peer_closed is not None:
-            self.on_peer_closed()
-
-
 class _Connection:
     """One client connection: reads heads, runs handlers, decides reuse, never leaks errors."""
 
@@ -278,24 +260,20 @@ class _Connection:
         "request",
         "server",
         "session",
+        "stream",
         "task",
         "transport",
-        "writer",
         "writing",
     )
 
     def __init__(
-        self, server: HTTPServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, server: HTTPServer, stream: ByteStream, transport: asyncio.Transport
     ) -> None:
         self.server = server
         self.config = server.config
-        self.reader = reader
-        self.writer = writer
-        self.transport = writer.transport
-        peer = writer.get_extra_info("peername")
-        self.peer: tuple[str, int] | None = (
-            (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
-        )
+        self.stream = stream
+        self.transport = transport
+        self.peer = stream.peer()
         self.session = ServerSession(
             max_header_bytes=self.config.max_header_bytes,
             max_body_bytes=self.config.max_body_bytes,
@@ -309,9 +287,7 @@ class _Connection:
         self.cancelled_for_gone = False
         self.deadline = 0.0  # loop time by which the pending read or write must finish
         self.writing = False
-        protocol = writer.transport.get_protocol()
-        if isinstance(protocol, _StreamProtocol):
-            protocol.on_peer_closed = self._peer_closed
+        stream.on_closed = self._peer_closed
 
     # --- the connection's own task -------------------------------------------------------
 
@@ -337,7 +313,7 @@ class _Connection:
         """Bytes from the socket; b"" at EOF or on a reset; None on timeout."""
         self.deadline = self.server.loop_time() + timeout
         try:
-            return await self.reader.read(self.config.read_chunk_bytes)
+            return await self.stream.read(self.config.read_chunk_bytes)
         except _Expired:
             return None
         except OSError:
@@ -350,7 +326,7 @@ class _Connection:
         if self.writing:
             self.transport.abort()  # the pending drain fails: `_write_failed` does the rest
         else:
-            self.reader.set_exception(_Expired())
+            self.stream.set_exception(_Expired())
 
     async def _receive_head(self) -> RequestHead | None:
         """The next request head, or None when the connection should end."""
@@ -501,7 +477,7 @@ class _Connection:
                 continue
             if event is Signal.BODY_END:
                 request._complete = True
-                if self.reader.at_eof():  # the client closed while we read its body
+                if self.stream.at_eof():  # the client closed while we read its body
                     self._peer_closed()
             elif event is not Signal.NEED_DATA:  # pragma: no cover - h11 state forbids it
                 raise MalformedRequest("unexpected end of request body")
@@ -520,7 +496,7 @@ class _Connection:
                 continue
             if event is Signal.BODY_END:
                 request._complete = True
-                if self.reader.at_eof():  # the client closed while we read its body
+                if self.stream.at_eof():  # the client closed while we read its body
                     self._peer_closed()
                 return b""
             if event is not Signal.NEED_DATA:  # pragma: no cover - h11 state forbids it
@@ -583,7 +559,7 @@ class _Connection:
         self.deadline = self.server.loop_time() + self.config.write_timeout_s
         self.writing = True
         try:
-            await self.writer.drain()
+            await self.stream.drain()
         except (OSError, RuntimeError) as exc:
             self._write_failed()
             raise ClientDisconnected(f"write to client failed: {exc!r}") from exc
@@ -680,9 +656,8 @@ class HTTPServer:
         loop = self._loop = asyncio.get_running_loop()
         limit = self.config.read_chunk_bytes
 
-        def protocol() -> _StreamProtocol:
-            reader = asyncio.StreamReader(limit=limit, loop=loop)
-            return _StreamProtocol(reader, self._accept, loop=loop)
+        def protocol() -> ByteStream:
+            return ByteStream(limit, self._accept)
 
         self._server = await loop.create_server(
             protocol, host, port, backlog=self.config.backlog, reuse_address=True
@@ -696,25 +671,25 @@ class HTTPServer:
             raise RuntimeError("server is not listening")
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, stream: ByteStream) -> None:
         task = asyncio.current_task()
+        transport = stream.transport
+        assert transport is not None  # the task starts once connected
         if self.closing or task is None or len(self._connections) >= self.config.max_connections:
             self._connections_refused += 1
-            writer.transport.abort()
+            transport.abort()
             return
-        sock = writer.get_extra_info("socket")
+        sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Connection(self, reader, writer)
+        conn = _Connection(self, stream, transport)
         conn.task = task
         self._connections[task] = conn
         self._connections_total += 1
         try:
             await conn.run()
         except asyncio.CancelledError:
-            # The connection task ends here either way; Python 3.11's stream callback would
-            # report a cancelled task as an "unhandled exception".
-            pass
+            pass  # the connection task ends here either way
         finally:
             del self._connections[task]
 

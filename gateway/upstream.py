@@ -25,6 +25,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.messages import Headers, ResponseHead, Signal
+from gateway.transport import ByteStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,19 +97,17 @@ class _Connection:
         "expired",
         "last_used",
         "loop",
-        "reader",
         "session",
+        "stream",
         "transport",
-        "writer",
         "writing",
     )
 
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, config: UpstreamConfig
+        self, stream: ByteStream, transport: asyncio.Transport, config: UpstreamConfig
     ) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.transport = writer.transport
+        self.stream = stream
+        self.transport = transport
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.session = ClientSession(max_header_bytes=config.max_header_bytes)
@@ -120,7 +119,7 @@ class _Connection:
     @property
     def alive(self) -> bool:
         """Not closed by either side (an engine closing an idle connection shows as EOF)."""
-        return not self.transport.is_closing() and not self.reader.at_eof()
+        return not self.transport.is_closing() and not self.stream.at_eof()
 
     def expire(self) -> None:
         """The sweeper found our deadline passed: fail the pending read or write."""
@@ -128,7 +127,7 @@ class _Connection:
         if self.writing:
             self.transport.abort()
         else:
-            self.reader.set_exception(_Expired())
+            self.stream.set_exception(_Expired())
 
     def write(self, data: bytes) -> None:
         """Write a request (see `drain`); on failure the connection is unusable."""
@@ -147,7 +146,7 @@ class _Connection:
         self.deadline = self.loop.time() + self.config.write_timeout_s
         self.writing = True
         try:
-            await self.writer.drain()
+            await self.stream.drain()
         except (OSError, RuntimeError) as exc:
             self.session.send_failed()
             if self.expired:
@@ -171,7 +170,7 @@ class _Connection:
                 return event
             self.deadline = self.loop.time() + self.config.read_timeout_s
             try:
-                data = await self.reader.read(self.config.read_chunk_bytes)
+                data = await self.stream.read(self.config.read_chunk_bytes)
             except _Expired as exc:
                 raise UpstreamTimeout(
                     f"engine sent nothing for {self.config.read_timeout_s:g} s"
@@ -402,17 +401,19 @@ class UpstreamPool:
         return None, False
 
     async def _connect(self, host: str, port: int) -> _Connection:
+        limit = self.config.read_chunk_bytes
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(
-                    host, port, limit=self.config.read_chunk_bytes
+                transport, stream = await loop.create_connection(
+                    lambda: ByteStream(limit), host, port
                 )
         except TimeoutError as exc:
             raise UpstreamConnectError(f"connect to {host}:{port} timed out") from exc
         except OSError as exc:
             reason = exc.strerror or repr(exc)
             raise UpstreamConnectError(f"cannot connect to {host}:{port}: {reason}") from exc
-        return _Connection(reader, writer, self.config)
+        return _Connection(stream, transport, self.config)
 
     def _release(self, engine: _EnginePool, conn: _Connection | None, *, reuse: bool) -> None:
         engine.active -= 1

@@ -420,6 +420,10 @@ async def measure(rig: Rig, quick: bool, tokens: int) -> None:
         cpu[(name, what)] = cpu.get((name, what), 0.0) + seconds
         count[(name, what)] = count.get((name, what), 0) + items
 
+    # Memory first, on fresh processes: later phases leave freed memory behind that idle
+    # connections would reuse, in amounts that differ between proxies.
+    rss = {name: await idle_rss(targets[name][0], targets[name][1], pids[name], 1000)
+           for name in proxies}  # fmt: skip
     lat: dict[tuple[str, int], list[float]] = {}
     got1, used1 = await turns_run({n: (t[0], t[1]) for n, t in targets.items()}, pids, n1)
     for name in names:
@@ -445,8 +449,6 @@ async def measure(rig: Rig, quick: bool, tokens: int) -> None:
                 # per relayed event (tokens and the closing events), warm-up included
                 spent(name, "event", cpu_seconds(pids[name]) - before, streams * (tokens + 4))
     rate = {name: sorted(values)[len(values) // 2] for name, values in rates.items()}
-    rss = {name: await idle_rss(targets[name][0], targets[name][1], pids[name], 1000)
-           for name in proxies}  # fmt: skip
 
     ms, us = 1000.0, 1e6
     rows: list[tuple[str, list[str], str]] = []

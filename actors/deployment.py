@@ -34,6 +34,7 @@ BACKOFF_S = (60, 120, 240, 480, 900)
 METRICS_EVERY_S = 5.0
 IDLE_CHECK_EVERY_S = 15.0
 READINESS_POLL_S = 1.0
+IDLE_SLACK_S = 1e-6  # the idle timer fires at last use + timeout; float rounding must not miss it
 
 
 def backoff_s(failures: int) -> int:
@@ -66,7 +67,7 @@ def is_idle(
     if act.in_flight > 0:
         return False, f"{act.in_flight} requests in flight"
     timeout = dep.effective_idle_timeout_s(default_idle_s)
-    if now - act.last_used < timeout:
+    if now - act.last_used < timeout - IDLE_SLACK_S:
         return False, "used recently"
     if act.load is not None and act.load.busy and not act.engine_sleeping:
         return False, "the engine reports requests"
@@ -502,7 +503,6 @@ class DeploymentActor(Actor):
         handle, self._handle = self._handle, None
         if handle is not None:
             self._spawn_stop(handle)
-        self._broker.release(self.deployment_id)
         failures = self.state.failures + 1
         retry_at = self.clock.wall() + backoff_s(failures)
         events: list[m.AnyEvent] = [
@@ -517,9 +517,17 @@ class DeploymentActor(Actor):
                 m.PendingModeCleared(),
             ]
         await self._record("system", *events)
+        self._release_or_keep_for_restart()
         if not self.state.on_demand:
             self._retry_timer = self.schedule(backoff_s(failures), _RetryStart(failures=failures))
         self._changed("failed", msg.reason)
+
+    def _release_or_keep_for_restart(self) -> None:
+        """A failed always-on deployment keeps its memory for its restart; others give it back."""
+        if self.state.on_demand:
+            self._broker.release(self.deployment_id)
+        else:
+            self._broker.keep_for_restart(self.deployment_id)
 
     async def _on_retry(self, msg: _RetryStart) -> None:
         dep = self.state
@@ -567,6 +575,7 @@ class DeploymentActor(Actor):
             return
         if dep.lifecycle is Lifecycle.FAILED:
             await self._record(actor, m.StopRequested(reason=reason), m.EngineStopped())
+            self._broker.release(self.deployment_id)  # an always-on one kept it for a restart
             self._changed("stopped", reason)
             return
         if dep.lifecycle is Lifecycle.STOPPING:
@@ -735,7 +744,7 @@ class DeploymentActor(Actor):
         handle, self._handle = self._handle, None
         if handle is not None:
             await self._stop_engine(handle)
-        self._broker.release(self.deployment_id)
+        self._release_or_keep_for_restart()
         await self._record("system", m.EngineLost(reason=msg.reason))
         self._changed("stopped", "lost")
         if not self.state.on_demand:
@@ -809,9 +818,11 @@ class DeploymentActor(Actor):
             await self._record(cmd.actor, *events)
             self._broker.set_always_on(self.deployment_id, False)
             self.activity.last_used = self.clock.now()
-            if dep.lifecycle is Lifecycle.FAILED and self._retry_timer is not None:
-                self._retry_timer.cancel()
-                self._retry_timer = None
+            if dep.lifecycle is Lifecycle.FAILED:
+                self._broker.release(self.deployment_id)  # kept for an always-on restart
+                if self._retry_timer is not None:
+                    self._retry_timer.cancel()
+                    self._retry_timer = None
             self._arm_idle_timer()
             self._changed()
             return {"applied": True}

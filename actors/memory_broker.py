@@ -195,6 +195,14 @@ class MemoryBroker:
             held.releasing = False
             self._notify()
 
+    def keep_for_restart(self, deployment_id: str) -> None:
+        """The engine is gone but the deployment keeps its reservation (always on, failed)."""
+        held = self._held.get(deployment_id)
+        if held is not None:
+            held.launched = False
+            held.releasing = False
+            self._notify()
+
     def release(self, deployment_id: str) -> None:
         """The deployment's engine is gone (or its start was abandoned): memory is free."""
         if self._held.pop(deployment_id, None) is not None:

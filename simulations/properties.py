@@ -647,7 +647,12 @@ async def check_replay(h: Harness) -> list[str]:
         problems.append(f"replayed queue {sorted(state.queue)} != live queue {sorted(waiting)}")
     if state.settings != c.system.settings:
         problems.append(f"replayed settings {state.settings} != {c.system.settings}")
-    held = sum(d.memory_bytes for d in state.deployments.values() if d.lifecycle in HOLDING)
+    # A failed always-on deployment keeps its memory for its restart.
+    held = sum(
+        d.memory_bytes
+        for d in state.deployments.values()
+        if d.lifecycle in HOLDING or (d.lifecycle is Lifecycle.FAILED and not d.on_demand)
+    )
     if held != h.broker.held_total():
         problems.append(f"replayed memory {_g(held)} != broker {_g(h.broker.held_total())}")
     now = h.clock.now()

@@ -215,3 +215,24 @@ def test_the_watchdog_stops_on_demand_models_idle_first_and_never_always_on(
         assert [r.action for r in audit_rows(recs)].count("watchdog_stop") == 2
 
     box(tmp_path, t, usable_gib=100)
+
+
+def test_a_failed_always_on_deployment_keeps_its_memory_for_its_restart(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        keep = await h.deploy("keep", 60, mode="always_on")
+        od = await h.deploy("od", 50, idle_timeout_s=60)
+        await h.advance(STARTUP_S * 2 + 4)
+        assert h.state(od) == "stopped"  # 40 GiB free: it did not fit beside keep
+        h.runtime.kill(keep)
+        await h.advance(6)
+        assert h.state(keep) == "failed"
+        r = h.request(od)  # the 60 GiB are kept for keep's restart, not given to od
+        await h.advance(1)
+        assert r.queued
+        await h.advance(60 + STARTUP_S + 2)
+        assert h.state(keep) == "ready"  # restarted after the 60 s backoff
+        await h.controller.stop(keep, "admin:test")
+        await h.advance(STARTUP_S + 2)  # stopped by an administrator: od gets the memory
+        assert r.outcome == "served"
+
+    box(tmp_path, t, usable_gib=100)

@@ -220,16 +220,18 @@ def test_the_watchdog_stops_on_demand_models_idle_first_and_never_always_on(
 def test_a_failed_always_on_deployment_keeps_its_memory_for_its_restart(tmp_path: Path) -> None:
     async def t(h: Harness) -> None:
         keep = await h.deploy("keep", 60, mode="always_on")
-        od = await h.deploy("od", 50, idle_timeout_s=60)
+        busy = await h.deploy("busy", 30, idle_timeout_s=3600)
         await h.advance(STARTUP_S * 2 + 4)
-        assert h.state(od) == "stopped"  # 40 GiB free: it did not fit beside keep
+        h.request(busy, hold_s=10_000)
+        od = await h.deploy("od", 30, idle_timeout_s=60)
+        assert h.state(od) == "stopped"  # 10 GiB free: it does not fit
         h.runtime.kill(keep)
         await h.advance(6)
         assert h.state(keep) == "failed"
         r = h.request(od)  # the 60 GiB are kept for keep's restart, not given to od
-        await h.advance(1)
-        assert r.queued
-        await h.advance(60 + STARTUP_S + 2)
+        await h.advance(10)
+        assert r.queued and h.state(od) == "stopped"
+        await h.advance(60 + STARTUP_S)
         assert h.state(keep) == "ready"  # restarted after the 60 s backoff
         await h.controller.stop(keep, "admin:test")
         await h.advance(STARTUP_S + 2)  # stopped by an administrator: od gets the memory

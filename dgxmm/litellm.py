@@ -2,17 +2,22 @@
 
 `desired_entries` is the pure decision: always-on deployments that are ready point at their
 engine, on-demand ones (in any state but failed) at the gateway, failed ones are absent.  Each
-path has its own stable `model_info.id`, so a mode switch adds the new entry before it removes
-the old one.  `litellm_deployment` renders an entry the way LiteLLM 1.108.7 reads it.
+path has its own stable `model_info.id`, so a mode switch replaces one entry by another.
+`litellm_deployment` renders an entry the way LiteLLM 1.108.7 reads it.
 
 Two back-ends implement `actors.ports.LiteLLMSync`:
 
 - `ApiSync` talks to LiteLLM's model-management API (`/model/info`, `/model/new`,
   `PATCH /model/{id}/update`, `/model/delete`; LiteLLM needs its database for the writes).  It
-  reads LiteLLM's live list on every sync, so it converges after either side restarts.
+  reads LiteLLM's live list on every sync, so it converges after either side restarts.  It adds
+  before it removes: one LiteLLM process serves both lists in turn, so a mode switch never
+  leaves the model name without an entry.
 - `ConfigFileSync` rewrites LiteLLM's config file (JSON, which LiteLLM reads as YAML) for a
   LiteLLM run with `--config FILE --reload`.  Every change restarts LiteLLM's worker, so it
-  writes only when something changed and waits until LiteLLM serves what it wrote.
+  writes the final model list in one write, only when something changed, and waits until
+  LiteLLM serves what it wrote.  No intermediate list with both entries is needed there: the
+  stopping worker finishes its requests on the old list, and the requests that arrive
+  meanwhile wait for the new worker, which reads the whole new list.
 
 Both only touch entries they own (ids with this box's prefix); every failure becomes
 `actors.errors.SyncFailed` with a sentence an operator can act on.
@@ -550,25 +555,38 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
-def plan_config(
+def config_document(
     document: Mapping[str, Any], want: Mapping[str, Mapping[str, Any]], box_id: str
-) -> list[dict[str, Any]]:
-    """The documents to write in order: an intermediate that keeps replaced entries, then the final.
+) -> dict[str, Any]:
+    """The config file with this box's entries replaced by `want`: what `ConfigFileSync` writes.
 
-    Entries other than this box's are kept as they are, as is every non-model setting.  When an
-    added entry takes over a model name from a removed one (a mode switch), the first document
-    holds both so that LiteLLM serves the new path before the old one goes.
+    Entries other than this box's are kept as they are (and first), as is every non-model
+    setting; `general_settings.disable_model_info_refresh` defaults to true.  A mode switch is
+    this one document: the new entry replaces the old one in the same write (each LiteLLM
+    worker reads the whole file, so no worker ever serves a list without the model).
     """
     items = [i for i in document.get("model_list") or [] if isinstance(i, dict)]
     prefix = id_prefix(box_id)
     foreign = [i for i in items if not (_model_id(i) or "").startswith(prefix)]
-    current = _owned(items, box_id)
     base = {k: v for k, v in document.items() if k != "model_list"}
     settings = dict(base.get("general_settings") or {})
     settings.setdefault("disable_model_info_refresh", True)
     base["general_settings"] = settings
+    return {**base, "model_list": foreign + [dict(d) for d in want.values()]}
 
-    final = {**base, "model_list": foreign + [dict(d) for d in want.values()]}
+
+def plan_config(
+    document: Mapping[str, Any], want: Mapping[str, Mapping[str, Any]], box_id: str
+) -> list[dict[str, Any]]:
+    """Add-before-remove expressed as config documents; `ConfigFileSync` no longer uses it.
+
+    The last document is `config_document`; for a mode switch an intermediate one, which keeps
+    the replaced entry, comes first.  Under `--reload` that intermediate write only cost a
+    second worker restart (see docs/litellm.md), so the file back-end writes the last document
+    alone.  Kept for callers that still want the API back-end's order as documents.
+    """
+    final = config_document(document, want, box_id)
+    current = _owned([i for i in document.get("model_list") or [] if isinstance(i, dict)], box_id)
     added_names = {want[i]["model_name"] for i in want if i not in current}
     replaced = [
         dict(item)
@@ -577,8 +595,7 @@ def plan_config(
     ]
     if not replaced:
         return [final]
-    intermediate = {**base, "model_list": final["model_list"] + replaced}
-    return [intermediate, final]
+    return [{**final, "model_list": final["model_list"] + replaced}, final]
 
 
 class ConfigFileSync:
@@ -611,7 +628,7 @@ class ConfigFileSync:
         return self._tracker.status
 
     async def sync(self, entries: list[ModelEntry]) -> None:
-        """Write the entries into the file (two writes for a mode switch) and wait for LiteLLM."""
+        """Write the entries into the file (one write, if anything changed) and wait for LiteLLM."""
         async with self._tracker.lock:
             try:
                 counts = await self._sync(entries)
@@ -627,10 +644,10 @@ class ConfigFileSync:
         )
 
     async def write_config(self, entries: list[ModelEntry]) -> bool:
-        """Write the final model list at once, without waiting (e.g. before LiteLLM starts)."""
+        """Write the model list at once, without waiting (e.g. before LiteLLM starts)."""
         async with self._tracker.lock:
             document = await asyncio.to_thread(self._read)
-            final = plan_config(document, _rendered(entries), self._box_id)[-1]
+            final = config_document(document, _rendered(entries), self._box_id)
             if final == document:
                 return False
             await asyncio.to_thread(self._write, final)
@@ -641,21 +658,17 @@ class ConfigFileSync:
             raise SyncFailed(f"LiteLLM master key: environment variable {self._key_env} is not set")
         document = await asyncio.to_thread(self._read)
         want = _rendered(entries)
-        plan = plan_config(document, want, self._box_id)
-        if plan[-1] == document:
-            # Nothing to write; still check that LiteLLM serves it (it may be mid-reload).
-            await wait_until_served(self._client, want, self._box_id, self._reload_timeout_s)
-            return {"writes": 0}
-        for step in plan:
-            await asyncio.to_thread(self._write, step)
-            log.info("litellm_config_written", path=str(self.path), entries=len(step["model_list"]))
-            await wait_until_served(
-                self._client,
-                _owned(step["model_list"], self._box_id),
-                self._box_id,
-                self._reload_timeout_s,
-            )
-        return {"writes": len(plan)}
+        final = config_document(document, want, self._box_id)
+        writes = 0
+        if final != document:
+            # One write, so one worker restart, whatever changed (a mode switch included).
+            await asyncio.to_thread(self._write, final)
+            count = len(final["model_list"])
+            log.info("litellm_config_written", path=str(self.path), entries=count)
+            writes = 1
+        # Also with nothing to write: LiteLLM may still be reloading an earlier write.
+        await wait_until_served(self._client, want, self._box_id, self._reload_timeout_s)
+        return {"writes": writes}
 
     def _read(self) -> dict[str, Any]:
         try:

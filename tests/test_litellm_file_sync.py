@@ -117,13 +117,38 @@ def test_the_file_is_replaced_atomically_and_keeps_its_mode(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["litellm.json"]
 
 
-def test_a_mode_switch_is_two_writes_adding_before_removing(tmp_path: Path) -> None:
+def test_a_mode_switch_is_one_write_of_the_final_model_list(tmp_path: Path) -> None:
     path = tmp_path / "litellm.json"
     sync_with_double(path, entries(("a", "on_demand"), ("b", "on_demand")))
     switched = sync_with_double(path, entries(("a", "always_on"), ("b", "on_demand")))
-    first, final = switched.written
-    assert sorted(ids(first)) == ["dgxmm-a", "dgxmm-a-gw", "dgxmm-b-gw"]
+    [final] = switched.written  # one write, so one restart of LiteLLM's worker
     assert sorted(ids(final)) == ["dgxmm-a", "dgxmm-b-gw"]
+    assert json.loads(path.read_text()) == final
+
+
+def test_a_mode_switch_keeps_foreign_entries_and_settings_in_its_one_write(tmp_path: Path) -> None:
+    path = tmp_path / "litellm.json"
+    operator = {"model_name": "gpt", "litellm_params": {"model": "openai/gpt"}}
+    other_box = {"model_name": "x", "litellm_params": {}, "model_info": {"id": "b2-dgxmm-a"}}
+    path.write_text(
+        json.dumps({"model_list": [operator, other_box], "router_settings": {"num_retries": 1}})
+    )
+    sync_with_double(path, entries(("a", "on_demand")))
+    switched = sync_with_double(path, entries(("a", "always_on")))
+    [final] = switched.written
+    assert final["model_list"][:2] == [operator, other_box]
+    assert ids(final) == ["b2-dgxmm-a", "dgxmm-a"]
+    assert final["router_settings"] == {"num_retries": 1}
+    assert final["general_settings"] == {"disable_model_info_refresh": True}
+
+
+def test_a_sync_that_changes_nothing_still_waits_for_litellm_to_serve_it(tmp_path: Path) -> None:
+    path = tmp_path / "litellm.json"
+    wanted = entries(("a", "on_demand"))
+    sync_with_double(path, wanted)
+    with pytest.raises(SyncFailed, match="--reload"):
+        sync_with_double(path, wanted, reloads=False)  # this LiteLLM never loaded the file
+    assert ids(json.loads(path.read_text())) == ["dgxmm-a-gw"]
 
 
 def test_a_litellm_that_does_not_reload_fails_the_sync_with_a_hint(tmp_path: Path) -> None:
@@ -133,12 +158,14 @@ def test_a_litellm_that_does_not_reload_fails_the_sync_with_a_hint(tmp_path: Pat
     assert ids(json.loads(path.read_text())) == ["dgxmm-a-gw"]  # written all the same
 
 
-def test_a_mode_switch_that_litellm_never_loads_keeps_the_old_entry(tmp_path: Path) -> None:
+def test_a_mode_switch_that_litellm_never_loads_is_written_and_fails_the_sync(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "litellm.json"
     sync_with_double(path, entries(("a", "on_demand")))
-    with pytest.raises(SyncFailed):
+    with pytest.raises(SyncFailed, match="--reload"):
         sync_with_double(path, entries(("a", "always_on")), reloads=False)
-    assert sorted(ids(json.loads(path.read_text()))) == ["dgxmm-a", "dgxmm-a-gw"]
+    assert ids(json.loads(path.read_text())) == ["dgxmm-a"]  # the next sync only waits
 
 
 def test_a_file_that_is_not_json_is_left_alone_and_named(tmp_path: Path) -> None:

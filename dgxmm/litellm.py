@@ -575,29 +575,6 @@ def config_document(
     return {**base, "model_list": foreign + [dict(d) for d in want.values()]}
 
 
-def plan_config(
-    document: Mapping[str, Any], want: Mapping[str, Mapping[str, Any]], box_id: str
-) -> list[dict[str, Any]]:
-    """Add-before-remove expressed as config documents; `ConfigFileSync` no longer uses it.
-
-    The last document is `config_document`; for a mode switch an intermediate one, which keeps
-    the replaced entry, comes first.  Under `--reload` that intermediate write only cost a
-    second worker restart (see docs/litellm.md), so the file back-end writes the last document
-    alone.  Kept for callers that still want the API back-end's order as documents.
-    """
-    final = config_document(document, want, box_id)
-    current = _owned([i for i in document.get("model_list") or [] if isinstance(i, dict)], box_id)
-    added_names = {want[i]["model_name"] for i in want if i not in current}
-    replaced = [
-        dict(item)
-        for model_id, item in current.items()
-        if model_id not in want and item.get("model_name") in added_names
-    ]
-    if not replaced:
-        return [final]
-    return [{**final, "model_list": final["model_list"] + replaced}, final]
-
-
 class ConfigFileSync:
     """Keeps the model list in LiteLLM's config file equal to DGXMM's (LiteLLM runs --reload)."""
 

@@ -12,11 +12,11 @@ from dgxmm.litellm import (
     FAILED,
     READY,
     Registration,
+    config_document,
     desired_entries,
     differs,
     entry_id,
     litellm_deployment,
-    plan_config,
 )
 
 GATEWAY = "http://127.0.0.1:8401"
@@ -183,7 +183,7 @@ def _rendered(entries: list[ModelEntry]) -> dict[str, dict[str, Any]]:
     return {e.model_id: litellm_deployment(e) for e in entries}
 
 
-def test_a_config_plan_keeps_foreign_entries_and_settings() -> None:
+def test_the_config_document_keeps_foreign_entries_and_settings() -> None:
     foreign = {"model_name": "gpt", "litellm_params": {"model": "openai/gpt"}, "model_info": {}}
     other_box = {"model_name": "x", "litellm_params": {}, "model_info": {"id": "b2-dgxmm-d9"}}
     document = {
@@ -192,7 +192,7 @@ def test_a_config_plan_keeps_foreign_entries_and_settings() -> None:
         "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY"},
     }
     want = _rendered(desired_entries([reg()], GATEWAY, 900))
-    [final] = plan_config(document, want, "")
+    final = config_document(document, want, "")
     assert final["model_list"][:2] == [foreign, other_box]
     assert final["model_list"][2] == want["dgxmm-d1-gw"]
     assert final["litellm_settings"] == {"drop_params": True}
@@ -202,17 +202,15 @@ def test_a_config_plan_keeps_foreign_entries_and_settings() -> None:
     }
 
 
-def test_a_config_plan_for_a_mode_switch_adds_the_new_entry_before_removing_the_old() -> None:
+def test_the_config_document_for_a_mode_switch_replaces_the_entry_in_one_write() -> None:
     old = _rendered(desired_entries([reg(mode="on_demand")], GATEWAY, 900))
     new = _rendered(desired_entries([reg(mode="always_on")], GATEWAY, 900))
-    document = {"model_list": list(old.values())}
-    first, final = plan_config(document, new, "")
-    assert {i["model_info"]["id"] for i in first["model_list"]} == {"dgxmm-d1", "dgxmm-d1-gw"}
+    final = config_document({"model_list": list(old.values())}, new, "")
     assert [i["model_info"]["id"] for i in final["model_list"]] == ["dgxmm-d1"]
 
 
-def test_a_config_plan_that_only_removes_is_one_write() -> None:
+def test_the_config_document_that_only_removes_drops_the_entry() -> None:
     old = _rendered(desired_entries([reg("a"), reg("b")], GATEWAY, 900))
     new = _rendered(desired_entries([reg("a")], GATEWAY, 900))
-    [final] = plan_config({"model_list": list(old.values())}, new, "")
+    final = config_document({"model_list": list(old.values())}, new, "")
     assert [i["model_info"]["id"] for i in final["model_list"]] == ["dgxmm-a-gw"]

@@ -169,6 +169,7 @@ class ServerSession:
         content_length: bytes | None = None
         chunked = False
         keep_alive = version >= b"1.1"
+        expect = False
         # h11 bounds only heads that arrive in pieces; one read can bring a whole large head.
         size = len(method) + len(event.target) + 12
         for name, value in headers:
@@ -179,6 +180,8 @@ class ServerSession:
                 chunked = True
             elif name == b"connection" and keep_alive:
                 keep_alive = b"close" not in connection_tokens(((name, value),))
+            elif name == b"expect":
+                expect = expect or b"100-continue" in _tokens(value)
         # As h11 does: the response is framed for this request even when it is refused below.
         self._method, self._version, self._keep_alive = method, version, keep_alive
         if size > self._max_head:
@@ -191,7 +194,9 @@ class ServerSession:
             raise BodyTooLarge(f"request body over {self._max_body} bytes")
         self.body_bytes = 0
         if not chunked:
-            self._take_body(int(content_length) if content_length else 0, version, headers)
+            # h11's rule for 100-continue: HTTP/1.1 and the token in an Expect header.
+            expect = expect and version >= b"1.1"
+            self._take_body(int(content_length) if content_length else 0, expect)
         return RequestHead(
             method=method,
             target=bytes(event.target),
@@ -200,7 +205,7 @@ class ServerSession:
             has_body=chunked or (content_length is not None and content_length != b"0"),
         )
 
-    def _take_body(self, length: int, version: bytes, headers: Headers) -> None:
+    def _take_body(self, length: int, expect_continue: bool) -> None:
         """Read a Content-Length body ourselves, from the bytes h11 has not processed.
 
         h11 has already decided the framing (and we refused Transfer-Encoding with it);
@@ -211,10 +216,7 @@ class ServerSession:
         self._own_body = True
         self._body_left = length
         self._body_ended = False
-        # h11's rule: HTTP/1.1 and a 100-continue token; the wait ends with any body byte.
-        self._expect_continue = version >= b"1.1" and any(
-            name == b"expect" and b"100-continue" in _tokens(value) for name, value in headers
-        )
+        self._expect_continue = expect_continue  # the wait ends with any body byte
 
     def _body_event(self) -> bytes | Signal:
         """The next event of a body read by `_take_body` (as h11 would give it)."""

@@ -470,6 +470,13 @@ async def measure(rig: Rig, quick: bool, tokens: int) -> None:
         added99 = {name: p99[name] - p99["direct"] for name in proxies}
         row(f"c={c} added p50 (ms)", added50, vs_nginx(added50, " (target <= 2x)"))
         row(f"c={c} added p99 (ms)", added99, vs_nginx(added99))
+        if c == 1:  # the same turn's direct request as the reference: drift cancels out
+            paired = {
+                name: pct([a - b for a, b in zip(lat[(name, 1)], lat[("direct", 1)], strict=True)],
+                          0.5) * ms
+                for name in proxies
+            }  # fmt: skip
+            row("c=1 added, paired p50 (ms)", paired, vs_nginx(paired))
     row(f"{streams} streams TTFB p50 (ms)", {n: pct(v, 0.5) * ms for n, v in ttfb.items()})
     row(f"{streams} streams TTFB p99 (ms)", {n: pct(v, 0.99) * ms for n, v in ttfb.items()})
     row(f"{streams} streams tokens/s", rate,
@@ -489,7 +496,8 @@ async def measure(rig: Rig, quick: bool, tokens: int) -> None:
     print(
         f"\n(samples: c=1 {n1}/target in turns, c=64 {len(lat[('direct', 64)])}/target in"
         f" {ROUNDS_C64} rounds; {STREAM_ROUNDS} rounds of {streams} streams of {tokens} tokens"
-        " paced by the engine, median rate; added latency is p50(proxy) - p50(direct); CPU is"
+        " paced by the engine, median rate; added latency is p50(proxy) - p50(direct), paired:"
+        " the median of proxy - direct within a turn; CPU is"
         " the proxy process's on-CPU time (user+system); the machine is shared: run it twice)"
     )
 

@@ -103,6 +103,11 @@ class MemoryBroker:
         """Whether the deployment has memory reserved or held."""
         return deployment_id in self._held
 
+    def reserved_for(self, deployment_id: str) -> int:
+        """Memory the deployment holds and keeps (0 when none, or when it is being released)."""
+        held = self._held.get(deployment_id)
+        return 0 if held is None or held.releasing else held.memory_bytes
+
     def releasing_total(self) -> int:
         """Memory of deployments being stopped."""
         return sum(h.memory_bytes for h in self._held.values() if h.releasing)

@@ -200,7 +200,8 @@ def test_an_engine_killed_behind_dgxmms_back_is_lost_and_restarted_after_the_60s
         assert box.state(dep) == "failed"
         record = box.controller.record(box.actor(dep))
         assert (record.failures, record.retry_at) == (1, failure.retry_at)
-        assert box.broker.held_total() == 0
+        # Always on: the engine is gone, its memory is kept for the restart.
+        assert (box.broker.launched_total(), box.broker.held_total()) == (0, 1 * GIB)
         await box.until(lambda: not box.engine_exists(first.runtime_id), "the dead engine removed")
 
         # Not a second before the backoff runs out ...
@@ -274,7 +275,8 @@ def test_a_start_that_fails_is_failed_with_the_engines_log_line_in_its_reason(
         assert record.state == "failed"
         assert record.last_error is not None and FAILURE in record.last_error
         assert record.engine_url is None
-        assert box.broker.held_total() == 0
+        # Always on: the engine is gone, its memory is kept for the restart.
+        assert (box.broker.launched_total(), box.broker.held_total()) == (0, 1 * GIB)
         await box.until(
             lambda: not box.engine_exists(starting.runtime_id), "the failed engine removed"
         )
@@ -435,7 +437,9 @@ class Program:
             for c in self.h.controller.candidates(deployment_id)
             if broker.holds(c.deployment_id)
         )
-        return need <= broker.free() + broker.releasing_total() + freeable
+        # A failed always-on deployment still holds its memory for its restart.
+        own = broker.reserved_for(deployment_id)
+        return need <= broker.free() + broker.releasing_total() + freeable + own
 
     def snapshot(self, deployment_id: str) -> tuple[Any, ...]:
         """What a refused start must leave as it was."""

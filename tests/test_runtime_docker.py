@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -30,41 +28,17 @@ from dgxmm.runtimes.docker import (
     container_name,
     host_python_mounts,
 )
+from tests.e2e_support import require_docker
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 30.0
 
 
-def _docker_problem() -> str | None:
-    """Why the Docker tests cannot run here, or None when they can."""
-    if shutil.which("docker") is None:
-        return "no docker client on PATH"
-    try:
-        info = subprocess.run(
-            ["docker", "info"], capture_output=True, text=True, timeout=20, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return "`docker info` did not answer within 20 s"
-    if info.returncode != 0:
-        return f"no Docker engine answers `docker info`: {info.stderr.strip()[:200]}"
-    image = subprocess.run(
-        ["docker", "image", "inspect", SIM_IMAGE], capture_output=True, timeout=20, check=False
-    )
-    if image.returncode != 0:
-        return f"image {SIM_IMAGE} is missing (scripts/make-sim-image makes it)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def docker_engine() -> None:
     """Skip without Docker (with the reason) locally; under CI a missing engine fails."""
-    problem = _docker_problem()
-    if problem is None:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"CI needs a Docker engine: {problem} (scripts/bootstrap starts one)")
-    pytest.skip(f"{problem}; run scripts/bootstrap")
+    require_docker()
 
 
 def needs_docker(test: Callable[..., None]) -> Callable[..., None]:

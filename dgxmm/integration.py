@@ -24,8 +24,11 @@ from dgxmm.config import Config
 from dgxmm.litellm import (
     ApiSync,
     ConfigFileSync,
+    DisabledSync,
+    LiteLLMSettings,
     Registration,
     desired_entries,
+    make_sync,
 )
 from events import model as m
 from storage.eventlog import EventStore
@@ -49,7 +52,7 @@ class LiteLLMBridge:
         self._store = store
         self._clock = clock
         self._settings = self._initial_settings()
-        self._backend: ApiSync | ConfigFileSync | None = None
+        self._backend: ApiSync | ConfigFileSync | DisabledSync | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_synced: list[ModelEntry] | None = None
@@ -78,16 +81,17 @@ class LiteLLMBridge:
         self._last_sync_at = status.last_sync_at
         return settings
 
-    def _build_backend(self) -> ApiSync | ConfigFileSync | None:
+    def _build_backend(self) -> ApiSync | ConfigFileSync | DisabledSync:
         s = self._settings
-        if not s["enabled"]:
-            return None
-        key = os.environ.get(s["master_key_env"])
-        box = self._config.server.box_id
-        if s["backend"] == "api":
-            return ApiSync(s["url"], key, box_id=box, master_key_env=s["master_key_env"])
-        return ConfigFileSync(
-            s["config_path"], s["url"], key, box_id=box, master_key_env=s["master_key_env"]
+        return make_sync(
+            LiteLLMSettings(
+                enabled=s["enabled"],
+                url=s["url"],
+                master_key_env=s["master_key_env"],
+                backend=s["backend"],
+                config_path=s["config_path"],
+                box_id=self._config.server.box_id,
+            )
         )
 
     # --- running -------------------------------------------------------------------------
@@ -152,7 +156,7 @@ class LiteLLMBridge:
 
     async def _sync(self, *, force: bool) -> None:
         backend = self._backend
-        if backend is None:
+        if backend is None or not self._settings["enabled"]:
             return
         entries = self.entries()
         if not force and entries == self._last_synced and self._last_ok:

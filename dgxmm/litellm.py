@@ -459,8 +459,57 @@ async def wait_until_served(
 # Back-end (a): the model-management API
 
 
-class ApiSync:
-    """Keeps LiteLLM's database-backed model list equal to DGXMM's, through its API."""
+class _Backend:
+    """What both back-ends share: the LiteLLM client, the key check and the sync status."""
+
+    kind = ""
+
+    def __init__(
+        self,
+        url: str,
+        master_key: str | None,
+        *,
+        box_id: str,
+        master_key_env: str,
+        clock: Callable[[], float],
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        self._client = LiteLLMClient(url, master_key or "", request_timeout_s)
+        self._has_key = bool(master_key)
+        self._key_env = master_key_env
+        self._box_id = box_id
+        self._tracker = _Tracker(clock)
+
+    def status(self) -> SyncStatus:
+        """The outcome of the last sync."""
+        return self._tracker.status
+
+    async def sync(self, entries: list[ModelEntry]) -> None:
+        """Make LiteLLM's owned entries equal to `entries`; raises SyncFailed."""
+        async with self._tracker.lock:
+            try:
+                if not self._has_key:
+                    raise SyncFailed(
+                        f"LiteLLM master key: environment variable {self._key_env} is not set"
+                    )
+                counts = await self._sync(entries)
+            except SyncFailed as exc:
+                self._tracker.failed(self.kind, exc)
+                raise
+            self._tracker.succeeded(self.kind, **counts)
+
+    async def _sync(self, entries: list[ModelEntry]) -> dict[str, int]:
+        raise NotImplementedError
+
+
+class ApiSync(_Backend):
+    """Keeps LiteLLM's database-backed model list equal to DGXMM's, through its API.
+
+    A sync adds, then updates, then removes, so a mode switch never leaves a model name
+    without an entry in the one LiteLLM process that serves both.
+    """
+
+    kind = "api"
 
     def __init__(
         self,
@@ -472,32 +521,19 @@ class ApiSync:
         clock: Callable[[], float] = time.time,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
-        self._client = LiteLLMClient(url, master_key or "", request_timeout_s)
-        self._has_key = bool(master_key)
-        self._key_env = master_key_env
-        self._box_id = box_id
-        self._tracker = _Tracker(clock)
+        super().__init__(
+            url,
+            master_key,
+            box_id=box_id,
+            master_key_env=master_key_env,
+            clock=clock,
+            request_timeout_s=request_timeout_s,
+        )
 
     def __repr__(self) -> str:
         return f"ApiSync({self._client.url!r}, box_id={self._box_id!r})"
 
-    def status(self) -> SyncStatus:
-        """The outcome of the last sync."""
-        return self._tracker.status
-
-    async def sync(self, entries: list[ModelEntry]) -> None:
-        """Make LiteLLM's owned entries equal to `entries`: add, then update, then remove."""
-        async with self._tracker.lock:
-            try:
-                counts = await self._sync(entries)
-            except SyncFailed as exc:
-                self._tracker.failed("api", exc)
-                raise
-            self._tracker.succeeded("api", **counts)
-
     async def _sync(self, entries: list[ModelEntry]) -> dict[str, int]:
-        if not self._has_key:
-            raise SyncFailed(f"LiteLLM master key: environment variable {self._key_env} is not set")
         want = _rendered(entries)
         live = _owned(await self._client.list_entries(), self._box_id)
         added = [i for i in want if i not in live]
@@ -575,8 +611,10 @@ def config_document(
     return {**base, "model_list": foreign + [dict(d) for d in want.values()]}
 
 
-class ConfigFileSync:
+class ConfigFileSync(_Backend):
     """Keeps the model list in LiteLLM's config file equal to DGXMM's (LiteLLM runs --reload)."""
+
+    kind = "file"
 
     def __init__(
         self,
@@ -589,30 +627,12 @@ class ConfigFileSync:
         reload_timeout_s: float = RELOAD_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__(url, master_key, box_id=box_id, master_key_env=master_key_env, clock=clock)
         self.path = Path(path)
-        self._client = LiteLLMClient(url, master_key or "")
-        self._has_key = bool(master_key)
-        self._key_env = master_key_env
-        self._box_id = box_id
         self._reload_timeout_s = reload_timeout_s
-        self._tracker = _Tracker(clock)
 
     def __repr__(self) -> str:
         return f"ConfigFileSync({str(self.path)!r}, box_id={self._box_id!r})"
-
-    def status(self) -> SyncStatus:
-        """The outcome of the last sync."""
-        return self._tracker.status
-
-    async def sync(self, entries: list[ModelEntry]) -> None:
-        """Write the entries into the file (one write, if anything changed) and wait for LiteLLM."""
-        async with self._tracker.lock:
-            try:
-                counts = await self._sync(entries)
-            except SyncFailed as exc:
-                self._tracker.failed("file", exc)
-                raise
-            self._tracker.succeeded("file", **counts)
 
     async def wait_until_served(self, entries: list[ModelEntry]) -> None:
         """Wait until LiteLLM serves exactly these owned entries (after a reload)."""
@@ -631,8 +651,6 @@ class ConfigFileSync:
             return True
 
     async def _sync(self, entries: list[ModelEntry]) -> dict[str, int]:
-        if not self._has_key:
-            raise SyncFailed(f"LiteLLM master key: environment variable {self._key_env} is not set")
         document = await asyncio.to_thread(self._read)
         want = _rendered(entries)
         final = config_document(document, want, self._box_id)

@@ -6,16 +6,15 @@ Without a Docker engine these tests skip, except under CI=true, where that is a 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -29,8 +28,8 @@ from dgxmm.runtimes.docker import (
     host_python_mounts,
 )
 from tests.e2e_support import require_docker
+from tests.runtime_support import http_status, poll_until, run
 
-T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 30.0
 
@@ -47,38 +46,11 @@ def needs_docker(test: Callable[..., None]) -> Callable[..., None]:
     return marked
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one test's coroutine on a fresh event loop."""
-    return asyncio.run(coro)
-
-
 async def eventually(
     check: Callable[[], Awaitable[bool]], what: str, deadline_s: float = DEADLINE_S
 ) -> None:
     """Poll `check` until it holds; fail the test with `what` at the deadline."""
-    end = time.monotonic() + deadline_s
-    while not await check():
-        if time.monotonic() > end:
-            pytest.fail(f"not within {deadline_s}s: {what}")
-        await asyncio.sleep(0.1)
-
-
-async def http_status(host: str, port: int, path: str = "/") -> int | None:
-    """Status code of a GET on loopback, or None if nothing answers."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
-    except (OSError, TimeoutError):
-        return None
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        await writer.drain()
-        status_line = await asyncio.wait_for(reader.readline(), 5.0)
-    except (OSError, TimeoutError):
-        return None
-    finally:
-        writer.close()
-    parts = status_line.split()
-    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+    await poll_until(check, what, deadline_s)
 
 
 def docker_inspect(name_or_id: str) -> dict[str, Any] | None:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import pytest
@@ -21,43 +20,16 @@ from actors.ports import EngineHandle, LaunchSpec
 from dgxmm.engines import EngineSettings, launch_spec
 from dgxmm.runtimes import expand_argv, expand_env, free_port
 from dgxmm.runtimes.process import ProcessRuntime
+from tests.runtime_support import http_status, poll_until, run
 
-T = TypeVar("T")
 DEADLINE_S = 15.0
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one test's coroutine on a fresh event loop."""
-    return asyncio.run(coro)
 
 
 async def eventually(
     check: Callable[[], Awaitable[bool]], what: str, deadline_s: float = DEADLINE_S
 ) -> None:
     """Poll `check` until it holds; fail the test with `what` at the deadline."""
-    end = time.monotonic() + deadline_s
-    while not await check():
-        if time.monotonic() > end:
-            pytest.fail(f"not within {deadline_s}s: {what}")
-        await asyncio.sleep(0.05)
-
-
-async def http_status(host: str, port: int, path: str = "/") -> int | None:
-    """Status code of a GET on loopback, or None if nothing answers."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
-    except (OSError, TimeoutError):
-        return None
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        await writer.drain()
-        status_line = await asyncio.wait_for(reader.readline(), 5.0)
-    except (OSError, TimeoutError):
-        return None
-    finally:
-        writer.close()
-    parts = status_line.split()
-    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+    await poll_until(check, what, deadline_s)
 
 
 def spec_for(argv: list[str], **overrides: Any) -> LaunchSpec:

@@ -42,6 +42,16 @@ class Refused(Exception):
         self.retry_after = retry_after
 
 
+RETRY_AFTER_S = 60  # the seed's Retry-After for a full queue and a queue timeout
+
+
+def queue_timeout(model: str) -> Refused:
+    """The seed's error for a request still not served at its deadline."""
+    return Refused(
+        503, "ondemand_queue_timeout", f"model {model} is busy; try again later", RETRY_AFTER_S
+    )
+
+
 class Lease(Protocol):
     """A request admitted to a ready engine; counts as in flight until released."""
 

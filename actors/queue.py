@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from actors.admission import Refused
+from actors.admission import RETRY_AFTER_S, Refused, queue_timeout
 from actors.deployment import DeploymentActor, LeaseImpl, StartDeployment
 from actors.memory_broker import Candidate, MemoryBroker, gib
 from actors.runtime import Actor, Clock, TimerHandle
@@ -31,15 +31,6 @@ from storage.eventlog import EventStore
 log = structlog.get_logger("dgxmm.queue")
 
 RECHECK_EVERY_S = 15.0
-RETRY_AFTER_S = 60
-
-
-def queued_line(model: str) -> str:
-    """The seed's exact queued line (the caller adds the blank line)."""
-    return (
-        f"⏳ Your message is queued — waiting for memory to free up for {model}. "
-        "It will start automatically."
-    )
 
 
 class Recheck(msgspec.Struct, frozen=True, tag=True):
@@ -440,16 +431,7 @@ class QueueActor(Actor):
                     actor = self._lookup(w.deployment_id)
                     name = actor.state.name if actor is not None else w.deployment_id
                     self._stats["timeouts"] += 1
-                    self._finish(
-                        w,
-                        "timeout",
-                        Refused(
-                            503,
-                            "ondemand_queue_timeout",
-                            f"model {name} is busy; try again later",
-                            RETRY_AFTER_S,
-                        ),
-                    )
+                    self._finish(w, "timeout", queue_timeout(name))
                     self.recheck()
             case _:
                 raise TypeError(f"unknown message {type(message).__name__}")

@@ -36,6 +36,7 @@ from actors.memory_broker import GIB
 from actors.runtime import Clock
 from dgxmm import metrics
 from dgxmm.auth import Auth, AuthError, Principal
+from dgxmm.litellm import HINT
 from dgxmm.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
 from events import model as m
 from events.projections import AUDITED_TYPES, AuditRow, audit_rows, deployment_events
@@ -50,7 +51,6 @@ log = structlog.get_logger("dgxmm.api")
 MAX_BODY_BYTES = 1024 * 1024
 MAX_STATIC_BYTES = 32 * 1024 * 1024
 AUDIT_CHUNK = 5000
-LITELLM_HINT = "On demand needs LiteLLM (it starts models on requests that come through it)"
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
@@ -865,7 +865,7 @@ class AdminApi:
             synced = bool(data.get("enabled")) and bool(data.get("ok"))
         data["synced"] = bool(synced)
         data["default_mode"] = "on_demand" if synced else "always_on"
-        data["hint"] = None if synced else LITELLM_HINT
+        data["hint"] = None if synced else HINT
         return 200, data
 
     async def _litellm_call(self, work: Awaitable[Any]) -> Reply:

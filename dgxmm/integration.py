@@ -22,6 +22,7 @@ from actors.ports import ModelEntry
 from actors.runtime import Clock, TimerHandle
 from dgxmm.config import Config
 from dgxmm.litellm import (
+    HINT,
     ApiSync,
     ConfigFileSync,
     DisabledSync,
@@ -35,7 +36,6 @@ from storage.eventlog import EventStore
 
 log = structlog.get_logger("dgxmm.litellm")
 
-HINT = "On demand needs LiteLLM (it starts models on requests that come through it)"
 COALESCE_S = 0.2
 RETRY_S = 30.0
 RESYNC_S = 60.0  # a forced sync now and then: LiteLLM may have lost its entries (a restart)

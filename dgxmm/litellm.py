@@ -50,6 +50,8 @@ READY = "ready"  # Registration.state of a deployment whose engine serves
 FAILED = "failed"  # Registration.state of a deployment whose start failed: removed from LiteLLM
 GATEWAY_TIMEOUT_MARGIN_S = 600.0  # LiteLLM's timeout = queue limit + this (cold start, answer)
 HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
+# The deploy wizard's hint when it preselects Always on (the seed's words).
+HINT = "On demand needs LiteLLM (it starts models on requests that come through it)"
 UPSTREAM_API_KEY = "dgxmm-no-key"  # LiteLLM's openai client insists on a key; nobody checks it
 ID_STEM = "dgxmm-"
 GATEWAY_ID_SUFFIX = "-gw"

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from actors import admission
 from gateway.classify import Endpoint
 from gateway.protocol import Headers
 
@@ -18,7 +19,7 @@ QUEUED_LINE = (
     "⏳ Your message is queued — waiting for memory to free up for {model}. "
     "It will start automatically."
 )
-RETRY_AFTER_S = 60
+RETRY_AFTER_S = admission.RETRY_AFTER_S
 DONE_EVENT = b"data: [DONE]\n\n"
 SSE_HEADERS: Headers = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -172,10 +173,9 @@ def sse_error(code: str, message: str) -> bytes:
 
 
 def queue_timeout(model: str) -> ErrorReply:
-    """The seed's queue-timeout error (503, Retry-After: 60)."""
-    return ErrorReply(
-        503, "ondemand_queue_timeout", f"model {model} is busy; try again later", RETRY_AFTER_S
-    )
+    """The seed's queue-timeout error (503, Retry-After: 60), as the controller words it."""
+    refused = admission.queue_timeout(model)
+    return ErrorReply(refused.status, refused.code, refused.message, refused.retry_after)
 
 
 def not_ready(model: str) -> ErrorReply:

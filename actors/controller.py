@@ -158,10 +158,9 @@ class Controller:
                 m.STREAM_SETTINGS, [m.SettingsChanged(changes=changed)], actor=actor
             )
             self._fold(recs)
-            for actor_ in self.actors.values():
-                if actor_.state.idle_timeout_s is None and "ondemand_idle_timeout_s" in changed:
-                    actor_.activity.last_used = actor_.activity.last_used  # follows the default
-                    actor_._arm_idle_timer()
+            if "ondemand_idle_timeout_s" in changed:
+                for actor_ in self.actors.values():
+                    actor_.default_idle_timeout_changed()
             self._notify("settings", "changed")
         return self.settings()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -25,7 +25,7 @@ from actors.memory_broker import Candidate, MemoryBroker, gib
 from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
 from actors.runtime import Actor, Clock, TimerHandle
 from events import model as m
-from events.state import DeploymentState, Lifecycle, can_happen, evolve_deployment
+from events.state import DeploymentState, Lifecycle, evolve_deployment
 from storage.eventlog import EventStore
 
 log = structlog.get_logger("dgxmm.deployment")
@@ -554,12 +554,10 @@ class DeploymentActor(Actor):
         handle = self._handle
         if handle is None:
             return
-        wake = getattr(self._probe, "wake_up", None)
-        if wake is not None:
-            try:
-                await wake(self.state.engine, handle)
-            except ActorError as exc:
-                log.warning("wake_failed", deployment=self.deployment_id, error=str(exc))
+        try:
+            await self._probe.wake_up(self.state.engine, handle)
+        except ActorError as exc:
+            log.warning("wake_failed", deployment=self.deployment_id, error=str(exc))
         self.activity.engine_sleeping = False
         await self._record("system", m.EngineAwake())
         self.activity.accepting = True
@@ -725,13 +723,16 @@ class DeploymentActor(Actor):
             self._changed(None, "idle")
         dep = self.state
         if msg.sleeping and dep.lifecycle is Lifecycle.READY:
+            # A sleeping vLLM cannot answer: new requests go through the queue, which wakes it.
             self.activity.engine_sleeping = True
+            self.activity.accepting = False
             await self._record("system", m.EngineAsleep())
             self._changed()
         elif not msg.sleeping and dep.lifecycle is Lifecycle.ASLEEP:
             self.activity.engine_sleeping = False
             await self._record("system", m.EngineAwake())
-            self._changed()
+            self.activity.accepting = True
+            self._changed("ready")
 
     async def _on_lost(self, msg: _Lost) -> None:
         if msg.attempt != self._attempt or self.state.lifecycle not in (
@@ -781,6 +782,11 @@ class DeploymentActor(Actor):
                 self._arm_idle_timer_periodic()
             return False
         return await self._sleep(SleepDeployment(reason="idle", actor="ondemand"))
+
+    def default_idle_timeout_changed(self) -> None:
+        """The DGXMM default changed: a deployment following it re-arms its timer."""
+        if self.state.idle_timeout_s is None and self.activity.in_flight == 0:
+            self._arm_idle_timer()
 
     def _arm_idle_timer_periodic(self) -> None:
         dep = self.state
@@ -966,11 +972,3 @@ def _reason(what: str, tail: str) -> str:
         return what
     lines = tail.splitlines()[-5:]
     return f"{what}: " + " | ".join(line.strip() for line in lines if line.strip())
-
-
-def legal(dep: DeploymentState, event: m.Event) -> bool:
-    """Whether the event may happen now (exposed for tests and the controller)."""
-    return can_happen(dep.lifecycle, event)
-
-
-Callback = Callable[[], Awaitable[None]]

@@ -106,6 +106,10 @@ class EngineProbe(Protocol):
         """vLLM `GET /is_sleeping`; False for engines without sleep mode."""
         ...
 
+    async def wake_up(self, engine: str, handle: EngineHandle) -> None:
+        """vLLM `POST /wake_up` (a request woke an engine put to sleep by hand)."""
+        ...
+
 
 class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     """One entry of LiteLLM's model list, as DGXMM wants it."""

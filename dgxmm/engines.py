@@ -388,17 +388,29 @@ class HttpEngineProbe:
         response = await self._fetch(handle, "/is_sleeping")
         return sleeping_from(response.status, response.body)
 
-    async def _fetch(self, handle: EngineHandle, target: str) -> httpclient.Response:
+    async def wake_up(self, engine: str, handle: EngineHandle) -> None:
+        """vLLM `POST /wake_up`; nothing for engines without sleep mode."""
+        if not adapter(engine).sleep_mode:
+            return
+        response = await self._fetch(handle, "/wake_up", method="POST")
+        if response.status >= 300:
+            raise EngineUnreachable(f"{handle.base_url}/wake_up answered {response.status}")
+
+    async def _fetch(
+        self, handle: EngineHandle, target: str, method: str = "GET"
+    ) -> httpclient.Response:
         try:
-            return await self._get(handle, target)
+            return await self._get(handle, target, method)
         except httpclient.HttpClientError as exc:
             raise EngineUnreachable(str(exc)) from exc
 
-    async def _get(self, handle: EngineHandle, target: str) -> httpclient.Response:
+    async def _get(
+        self, handle: EngineHandle, target: str, method: str = "GET"
+    ) -> httpclient.Response:
         return await httpclient.request(
             handle.host,
             handle.port,
-            "GET",
+            method,
             target,
             connect_timeout_s=self._connect_timeout_s,
             timeout_s=self._timeout_s,

@@ -572,3 +572,23 @@ def test_concurrent_admin_starts_never_over_commit_memory(tmp_path: Path) -> Non
         assert h.broker.launched_total() <= h.broker.usable_bytes
 
     box(tmp_path, t, usable_gib=100)
+
+
+def test_a_request_wakes_a_vllm_engine_put_to_sleep_by_hand(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, engine="vllm")
+        await settle_ready(h, a)
+        engine = h.runtime.engine_of(a)
+        assert engine is not None
+        engine.sleeping = True
+        await h.advance(6)
+        assert h.state(a) == "asleep"
+        r = h.request(a, hold_s=0.1)
+        await h.advance(1)
+        assert r.outcome == "served" and not r.queued
+        assert engine.sleeping is False  # POST /wake_up reached the engine
+        assert h.state(a) == "ready"
+        recs = await h.events()
+        assert "Started for a request" in titles(recs, a)
+
+    box(tmp_path, t)

@@ -356,6 +356,21 @@ def test_probe_reads_vllm_sleep_state_and_false_elsewhere() -> None:
     run(body())
 
 
+def test_probe_wakes_a_vllm_engine_put_to_sleep_by_hand() -> None:
+    async def body() -> None:
+        probe = HttpEngineProbe()
+        async with sim(flavour="vllm") as server:
+            handle = handle_for(server.port)
+            await httpclient.request("127.0.0.1", server.port, "POST", "/sleep?level=1")
+            assert await probe.is_sleeping("vllm", handle) is True
+            await probe.wake_up("vllm", handle)
+            assert await probe.is_sleeping("vllm", handle) is False
+        async with sim(flavour="llamacpp") as server:
+            await probe.wake_up("llamacpp", handle_for(server.port))  # no sleep mode: nothing
+
+    run(body())
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (right now)."""
     with socket.socket() as sock:

@@ -24,9 +24,9 @@ from actors.memory_broker import GIB, MemoryBroker
 from actors.ports import LaunchSpec, Runtime
 from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
-from dgxmm import engines
 from dgxmm.config import Config, ConfigError, load_config
-from dgxmm.memory import detect_source, detect_total_bytes
+from dgxmm.engines import adapters as engines
+from dgxmm.engines.memory import detect_source, detect_total_bytes
 from events.state import DeploymentState
 from gateway.app import Gateway
 from gateway.server import HTTPServer
@@ -36,7 +36,7 @@ from storage.eventlog import EventStore
 log = structlog.get_logger("dgxmm.app")
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-WEB_ROOT = Path(__file__).resolve().parent / "web"
+WEB_ROOT = Path(__file__).resolve().parent / "admin" / "web"
 
 DEMO_TOTAL_GIB = 48.0
 DEMO_DEPLOYMENTS = (
@@ -89,14 +89,14 @@ class App:
     # --- building ------------------------------------------------------------------------
 
     async def _runtime(self) -> Runtime:
-        from dgxmm.runtimes.process import ProcessRuntime
+        from dgxmm.engines.runtimes.process import ProcessRuntime
 
         kind = self.config.runtime.kind
         data_dir = Path(self.config.server.data_dir)
         if kind == "auto" and not self.demo:
             kind = "docker" if await self._docker_answers() else "process"
         if kind == "docker":
-            from dgxmm.runtimes.docker import DockerRuntime
+            from dgxmm.engines.runtimes.docker import DockerRuntime
 
             self.runtime_kind = "docker"
             return DockerRuntime(url=self.config.runtime.docker_url)
@@ -104,7 +104,7 @@ class App:
         return ProcessRuntime(data_dir / "engines", cwd=PROJECT_DIR)
 
     async def _docker_answers(self) -> bool:
-        from dgxmm.runtimes.docker import DockerRuntime
+        from dgxmm.engines.runtimes.docker import DockerRuntime
 
         probe = DockerRuntime(url=self.config.runtime.docker_url)
         try:
@@ -184,7 +184,7 @@ class App:
 
     async def _start_litellm(self) -> None:
         try:
-            from dgxmm.integration import LiteLLMBridge
+            from dgxmm.litellm.bridge import LiteLLMBridge
         except ImportError:
             return
         assert self.controller is not None and self.store is not None
@@ -193,8 +193,8 @@ class App:
 
     async def _start_admin(self) -> None:
         try:
-            from dgxmm.api import AdminApi
-            from dgxmm.auth import Auth, ensure_admin
+            from dgxmm.admin.api import AdminApi
+            from dgxmm.admin.auth import Auth, ensure_admin
         except ImportError:
             return
         assert self.controller is not None and self.store is not None

@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             case "serve":
                 return _delegate("dgxmm.app", "serve_main", args)
             case "user":
-                return _delegate("dgxmm.auth", "add_user_main", args)
+                return _delegate("dgxmm.admin.auth", "add_user_main", args)
             case "replay":
                 from dgxmm.replay import replay_command
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.runtime import VirtualClock
-from dgxmm.api import AdminApi
-from dgxmm.auth import Auth, AuthConfig, hash_password
-from dgxmm.sse import HubConfig
+from dgxmm.admin.api import AdminApi
+from dgxmm.admin.auth import Auth, AuthConfig, hash_password
+from dgxmm.admin.sse import HubConfig
 from events import model as m
 from gateway.server import HTTPServer
 from simulations.harness import Harness

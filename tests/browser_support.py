@@ -137,12 +137,12 @@ class ApiClient:
 
 
 class ThreadedLiteLLM:
-    """`dgxmm.litellm_double.LiteLLMDouble` served from a background event loop."""
+    """`tests.litellm_double.LiteLLMDouble` served from a background event loop."""
 
     def __init__(self, master_key: str = MASTER_KEY) -> None:
         import asyncio
 
-        from dgxmm.litellm_double import LiteLLMDouble
+        from tests.litellm_double import LiteLLMDouble
 
         self._asyncio = asyncio
         self.double = LiteLLMDouble(master_key)

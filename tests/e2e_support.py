@@ -2,7 +2,7 @@
 
 `Box` holds a real event log (SQLite in a tmp dir), a real runtime (docker or process), the
 real `HttpEngineProbe`, a `MemoryBroker` and the `Controller`, with the launch specs of
-`dgxmm.engines` for the `sim` engine.  Tests drive the controller the way the admin API
+`dgxmm.engines.adapters` for the `sim` engine.  Tests drive the controller the way the admin API
 does, restart DGXMM on the same log and data dir, and kill engines behind its back.
 
 The clock is the system clock, or a `VirtualClock` that `Box.until` moves forward while it
@@ -37,9 +37,10 @@ from actors.deployment import DeploymentActor
 from actors.memory_broker import GIB, MemoryBroker
 from actors.ports import EngineHandle, LaunchSpec, Runtime
 from actors.runtime import Clock, SystemClock, VirtualClock
-from dgxmm import engines, httpclient
-from dgxmm.runtimes.docker import LABEL_DEPLOYMENT, SIM_IMAGE, DockerRuntime
-from dgxmm.runtimes.process import ProcessRuntime
+from dgxmm.engines import adapters as engines
+from dgxmm.engines import httpclient
+from dgxmm.engines.runtimes.docker import LABEL_DEPLOYMENT, SIM_IMAGE, DockerRuntime
+from dgxmm.engines.runtimes.process import ProcessRuntime
 from events import model as m
 from events.state import DeploymentState
 from storage.eventlog import EventStore

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from dgxmm.auth import parse_api_token
+from dgxmm.admin.auth import parse_api_token
 from events import model as m
 from events.projections import audit_rows
 from tests.api_support import STARTUP_S, ApiClient, Box, error_of, run_box
@@ -565,9 +565,9 @@ def test_audit_filters_paginates_and_shows_newest_first(tmp_path: Path) -> None:
 def test_audit_shows_a_queue_timeout_at_most_once_a_minute_across_read_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dgxmm.api
+    import dgxmm.admin.api
 
-    monkeypatch.setattr(dgxmm.api, "AUDIT_CHUNK", 3)
+    monkeypatch.setattr(dgxmm.admin.api, "AUDIT_CHUNK", 3)
 
     async def t(box: Box) -> None:
         store = box.harness.store

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.controller import Controller
-from dgxmm import metrics
-from dgxmm.sse import EventHub, HubConfig
+from dgxmm.admin import metrics
+from dgxmm.admin.sse import EventHub, HubConfig
 from tests.api_support import STARTUP_S, ApiClient, Box, SseReader, error_of, run_box
 
 API = "/dgxmm/api"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from actors.runtime import VirtualClock
-from dgxmm.auth import (
+from dgxmm.admin.auth import (
     Auth,
     AuthConfig,
     AuthError,
@@ -155,10 +155,10 @@ def test_the_csrf_check_applies_to_sessions_only(tmp_path: Path) -> None:
 def test_an_unknown_user_is_checked_against_a_dummy_hash(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dgxmm.auth
+    import dgxmm.admin.auth
 
     checked: list[str] = []
-    real = dgxmm.auth.verify_password
+    real = dgxmm.admin.auth.verify_password
 
     def spy(password: str, encoded: str) -> bool:
         checked.append(encoded)
@@ -166,7 +166,7 @@ def test_an_unknown_user_is_checked_against_a_dummy_hash(
 
     async def main() -> None:
         auth, store, _ = await open_auth(tmp_path / "log.db")
-        monkeypatch.setattr(dgxmm.auth, "verify_password", spy)
+        monkeypatch.setattr(dgxmm.admin.auth, "verify_password", spy)
         try:
             with pytest.raises(AuthError) as err:
                 await auth.login("mallory", "whatever-it-is", None)

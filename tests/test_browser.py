@@ -78,7 +78,7 @@ def dgxmm(tmp_path_factory: pytest.TempPathFactory, litellm: ThreadedLiteLLM) ->
 
 @pytest.fixture(scope="module")
 def admin_api(dgxmm: Dgxmm) -> ApiClient:
-    return dgxmm.api()
+    return dgxmm.admin.api()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 With each runtime (a real Docker engine running the `dgxmm-sim:local` image, and local
 processes): a real event log, the real engine probe over HTTP, the real launch specs of
-`dgxmm.engines` for the simulated engine.  An always-on deployment is created, runs
+`dgxmm.engines.adapters` for the simulated engine.  An always-on deployment is created, runs
 labelled, becomes ready and answers a chat completion, stops and is gone; a restarted
 DGXMM adopts a running engine instead of restarting it; an engine killed behind DGXMM's
 back is recorded as lost and restarted after the 60 s backoff; a start that fails carries

@@ -20,8 +20,8 @@ from typing import Any
 from actors.controller import Controller, DeploymentSpec
 from actors.memory_broker import GIB, MemoryBroker
 from actors.runtime import VirtualClock
-from dgxmm import engines
-from dgxmm.runtimes.process import ProcessRuntime
+from dgxmm.engines import adapters as engines
+from dgxmm.engines.runtimes.process import ProcessRuntime
 from events import model as m
 from events.projections import audit_rows, deployment_events
 from events.state import DeploymentState

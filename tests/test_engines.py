@@ -15,8 +15,8 @@ import pytest
 
 from actors.errors import EngineUnreachable
 from actors.ports import EngineHandle, EngineLoad, EngineProbe, Readiness
-from dgxmm import httpclient
-from dgxmm.engines import (
+from dgxmm.engines import httpclient
+from dgxmm.engines.adapters import (
     DEFAULT_STARTUP_TIMEOUT_S,
     EngineSettings,
     HttpEngineProbe,
@@ -29,7 +29,7 @@ from dgxmm.engines import (
     readiness_from,
     sleeping_from,
 )
-from dgxmm.runtimes import expand_argv
+from dgxmm.engines.runtimes import expand_argv
 from simulations.engine import SimOptions, SimServer, serve
 
 ROOT = Path(__file__).resolve().parent.parent

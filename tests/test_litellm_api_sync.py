@@ -12,7 +12,7 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
-from dgxmm.litellm import (
+from dgxmm.litellm.sync import (
     READY,
     ApiSync,
     ConfigFileSync,
@@ -23,7 +23,7 @@ from dgxmm.litellm import (
     litellm_deployment,
     make_sync,
 )
-from dgxmm.litellm_double import LiteLLMDouble
+from tests.litellm_double import LiteLLMDouble
 from tests.litellm_support import free_port
 
 GATEWAY = "http://127.0.0.1:8401"

@@ -42,7 +42,7 @@ from dgxmm.config import (
     RuntimeConfig,
     ServerConfig,
 )
-from dgxmm.runtimes.process import ProcessRuntime
+from dgxmm.engines.runtimes.process import ProcessRuntime
 from tests.litellm_support import (
     REPO,
     AppInThread,

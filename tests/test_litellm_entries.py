@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.ports import ModelEntry
-from dgxmm.litellm import (
+from dgxmm.litellm.sync import (
     FAILED,
     READY,
     Registration,

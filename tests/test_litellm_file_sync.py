@@ -14,8 +14,8 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
-from dgxmm.litellm import READY, ConfigFileSync, Registration, desired_entries
-from dgxmm.litellm_double import LiteLLMDouble
+from dgxmm.litellm.sync import READY, ConfigFileSync, Registration, desired_entries
+from tests.litellm_double import LiteLLMDouble
 
 GATEWAY = "http://127.0.0.1:8401"
 KEY = "sk-" + secrets.token_hex(8)

@@ -21,7 +21,7 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
-from dgxmm.litellm import (
+from dgxmm.litellm.sync import (
     READY,
     ApiSync,
     ConfigFileSync,

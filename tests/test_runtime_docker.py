@@ -20,8 +20,8 @@ import pytest
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
-from dgxmm.engines import launch_spec
-from dgxmm.runtimes.docker import (
+from dgxmm.engines.adapters import launch_spec
+from dgxmm.engines.runtimes.docker import (
     SIM_IMAGE,
     DockerRuntime,
     container_name,

@@ -17,9 +17,9 @@ import pytest
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
-from dgxmm.engines import EngineSettings, launch_spec
-from dgxmm.runtimes import expand_argv, expand_env, free_port
-from dgxmm.runtimes.process import ProcessRuntime
+from dgxmm.engines.adapters import EngineSettings, launch_spec
+from dgxmm.engines.runtimes import expand_argv, expand_env, free_port
+from dgxmm.engines.runtimes.process import ProcessRuntime
 from tests.runtime_support import http_status, poll_until, run
 
 DEADLINE_S = 15.0

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from dgxmm import httpclient
+from dgxmm.engines import httpclient
 from simulations.engine import (
     Flavour,
     Phase,

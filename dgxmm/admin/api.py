@@ -34,10 +34,10 @@ from actors.deployment import DeploymentActor, Refusal
 from actors.errors import ActorCrashed, ActorError, ActorStopped, AskTimeout, MailboxFull
 from actors.memory_broker import GIB
 from actors.runtime import Clock
-from dgxmm import metrics
-from dgxmm.auth import Auth, AuthError, Principal
-from dgxmm.litellm import HINT
-from dgxmm.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
+from dgxmm.admin import metrics
+from dgxmm.admin.auth import Auth, AuthError, Principal
+from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
+from dgxmm.litellm.sync import HINT
 from events import model as m
 from events.projections import AUDITED_TYPES, AuditRow, audit_rows, deployment_events
 from gateway.errors import BodyTooLarge
@@ -46,7 +46,7 @@ from gateway.server import HTTPServer, Request, Responder, ServerConfig
 from storage.errors import StorageError
 from storage.eventlog import EventStore
 
-log = structlog.get_logger("dgxmm.api")
+log = structlog.get_logger("dgxmm.admin.api")
 
 MAX_BODY_BYTES = 1024 * 1024
 MAX_STATIC_BYTES = 32 * 1024 * 1024

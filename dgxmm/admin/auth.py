@@ -33,7 +33,7 @@ from events.state import EMPTY, SystemState, UserRecord, evolve
 from storage.errors import StorageError
 from storage.eventlog import EventStore
 
-log = structlog.get_logger("dgxmm.auth")
+log = structlog.get_logger("dgxmm.admin.auth")
 
 SESSION_COOKIE = "dgxmm_session"
 CSRF_HEADER = b"x-csrf-token"

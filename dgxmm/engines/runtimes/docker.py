@@ -6,7 +6,7 @@ What a container gets:
   running containers by `dgxmm.managed=1`, so engines survive a DGXMM restart.
 - `spec.argv` is the whole command line: Entrypoint `[argv[0]]`, Cmd `argv[1:]` (the image's
   own entrypoint and command when argv is empty).  `{port}` becomes `spec.port` and `{host}`
-  `0.0.0.0` (see `dgxmm.runtimes`).
+  `0.0.0.0` (see `dgxmm.engines.runtimes`).
 - `spec.port/tcp` published on `host_ip` (127.0.0.1) at a free host port the runtime picks;
   `list_engines` reads it back from the container.
 - `spec.gpu`: a device request for every NVIDIA GPU, and the host's IPC namespace (vLLM and
@@ -48,7 +48,7 @@ from aiodocker.exceptions import DockerError
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
-from dgxmm.runtimes import expand_argv, expand_env, free_port
+from dgxmm.engines.runtimes import expand_argv, expand_env, free_port
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ does I/O, and it maps every transport failure to `actors.errors.EngineUnreachabl
 
 Command lines say `--host {host} --port {port}`: the runtimes fill those in (docker: 0.0.0.0
 and `LaunchSpec.port` inside the container; process: 127.0.0.1 and a free port), see
-`dgxmm.runtimes`.
+`dgxmm.engines.runtimes`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import msgspec
 
 from actors.errors import EngineUnreachable
 from actors.ports import EngineHandle, EngineLoad, LaunchSpec, Readiness
-from dgxmm import httpclient
-from dgxmm.runtimes import HOST_PLACEHOLDER, PORT_PLACEHOLDER
+from dgxmm.engines import httpclient
+from dgxmm.engines.runtimes import HOST_PLACEHOLDER, PORT_PLACEHOLDER
 from events.state import DeploymentState
 
 ENGINES = ("vllm", "llamacpp", "sglang", "sim")

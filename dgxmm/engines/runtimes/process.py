@@ -1,10 +1,10 @@
 """Process runtime: each engine is a local subprocess (hosts without Docker, and tests).
 
 How it runs an engine:
-- `spec.argv` is executed as is (no shell) after placeholder expansion (see `dgxmm.runtimes`):
+- `spec.argv` is executed as is (no shell) after placeholder expansion (see `runtimes`):
   `{host}` becomes the runtime's host (127.0.0.1 by default); `{port}` a free TCP port the
   runtime picks there.  Without a `{port}` in argv or env, the engine is taken to listen on
-  `spec.port` (the caller chose it, e.g. with `dgxmm.runtimes.free_port()`), which must be
+  `spec.port` (the caller chose it, e.g. with `dgxmm.engines.runtimes.free_port()`), which must be
   free.  `image`, `gpu`, `volumes` and `memory_bytes` are ignored (the memory budget is the
   broker's job; an rlimit would break CUDA).  The environment is DGXMM's own plus `spec.env`.
 - The engine gets its own session and process group (`setsid`), so stopping it reaches every
@@ -40,7 +40,7 @@ import structlog
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
-from dgxmm.runtimes import (
+from dgxmm.engines.runtimes import (
     expand_argv,
     expand_env,
     free_port,

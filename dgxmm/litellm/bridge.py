@@ -21,7 +21,7 @@ from actors.errors import SyncFailed
 from actors.ports import ModelEntry
 from actors.runtime import Clock, TimerHandle
 from dgxmm.config import Config
-from dgxmm.litellm import (
+from dgxmm.litellm.sync import (
     HINT,
     ApiSync,
     ConfigFileSync,
@@ -34,7 +34,7 @@ from dgxmm.litellm import (
 from events import model as m
 from storage.eventlog import EventStore
 
-log = structlog.get_logger("dgxmm.litellm")
+log = structlog.get_logger("dgxmm.litellm.sync")
 
 COALESCE_S = 0.2
 RETRY_S = 30.0

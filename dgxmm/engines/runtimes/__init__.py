@@ -1,8 +1,8 @@
 """Runtimes: what starts and stops engines (`actors.ports.Runtime`).
 
-- `dgxmm.runtimes.docker.DockerRuntime`: one labelled container per deployment (aiodocker).
-- `dgxmm.runtimes.process.ProcessRuntime`: a local subprocess per deployment, for hosts without
-  Docker and for tests.
+- `docker.DockerRuntime`: one labelled container per deployment (aiodocker).
+- `process.ProcessRuntime`: a local subprocess per deployment, for hosts without Docker and for
+  tests.
 
 Both expand two placeholders in `LaunchSpec.argv` and in `LaunchSpec.env` values, so an engine
 adapter can write one command line for either runtime:

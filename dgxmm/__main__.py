@@ -1,0 +1,5 @@
+"""`python -m dgxmm`: the same as the `dgxmm` command."""
+
+from dgxmm.cli import main
+
+raise SystemExit(main())

@@ -16,13 +16,11 @@ from typing import Any, TypeVar
 import pytest
 
 from dgxmm.engines import httpclient
+from simulations.answers import Flavour, generate, metrics_text
 from simulations.engine import (
-    Flavour,
     Phase,
     SimOptions,
     SimServer,
-    generate,
-    metrics_text,
     parse_args,
     serve,
 )

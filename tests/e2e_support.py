@@ -38,11 +38,11 @@ from actors.memory_broker import GIB, MemoryBroker
 from actors.ports import EngineHandle, LaunchSpec, Runtime
 from actors.runtime import Clock, SystemClock, VirtualClock
 from dgxmm.engines import adapters as engines
-from dgxmm.engines import httpclient
 from dgxmm.engines.runtimes.docker import LABEL_DEPLOYMENT, SIM_IMAGE, DockerRuntime
 from dgxmm.engines.runtimes.process import ProcessRuntime
 from events import model as m
 from events.state import DeploymentState
+from gateway import client
 from storage.eventlog import EventStore
 
 RuntimeKind = Literal["docker", "process"]
@@ -418,7 +418,7 @@ async def chat_completion(handle: EngineHandle, model: str) -> dict[str, Any]:
     body = msgspec.json.encode(
         {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
     )
-    response = await httpclient.request(
+    response = await client.request(
         handle.host,
         handle.port,
         "POST",

@@ -15,7 +15,6 @@ import pytest
 
 from actors.errors import EngineUnreachable
 from actors.ports import EngineHandle, EngineLoad, EngineProbe, Readiness
-from dgxmm.engines import httpclient
 from dgxmm.engines.adapters import (
     DEFAULT_STARTUP_TIMEOUT_S,
     EngineSettings,
@@ -30,6 +29,7 @@ from dgxmm.engines.adapters import (
     sleeping_from,
 )
 from dgxmm.engines.runtimes import expand_argv
+from gateway import client
 from simulations.engine import SimOptions, SimServer, serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,7 +306,7 @@ def test_probe_reads_live_load_of_each_flavour(flavour: str) -> None:
             assert await probe.load(flavour, handle) == EngineLoad(0, 0)
             requests = [
                 asyncio.create_task(
-                    httpclient.request(
+                    client.request(
                         "127.0.0.1",
                         server.port,
                         "POST",
@@ -345,7 +345,7 @@ def test_probe_reads_vllm_sleep_state_and_false_elsewhere() -> None:
         async with sim(flavour="vllm") as server:
             handle = handle_for(server.port)
             assert await probe.is_sleeping("vllm", handle) is False
-            await httpclient.request("127.0.0.1", server.port, "POST", "/sleep?level=1")
+            await client.request("127.0.0.1", server.port, "POST", "/sleep?level=1")
             assert await probe.is_sleeping("vllm", handle) is True
             assert await probe.is_sleeping("sim", handle) is True
             assert await probe.readiness("vllm", handle) is Readiness.READY
@@ -361,7 +361,7 @@ def test_probe_wakes_a_vllm_engine_put_to_sleep_by_hand() -> None:
         probe = HttpEngineProbe()
         async with sim(flavour="vllm") as server:
             handle = handle_for(server.port)
-            await httpclient.request("127.0.0.1", server.port, "POST", "/sleep?level=1")
+            await client.request("127.0.0.1", server.port, "POST", "/sleep?level=1")
             assert await probe.is_sleeping("vllm", handle) is True
             await probe.wake_up("vllm", handle)
             assert await probe.is_sleeping("vllm", handle) is False

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from dgxmm.engines import httpclient
+from gateway import client
 from simulations.answers import Flavour, generate, metrics_text
 from simulations.engine import (
     Phase,
@@ -69,10 +69,10 @@ async def call(
     target: str,
     body: Any = None,
     headers: tuple[tuple[str, str], ...] = (),
-) -> httpclient.Response:
+) -> client.Response:
     """One request to the engine; JSON-encodes `body` unless it is bytes."""
     raw = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-    return await httpclient.request(
+    return await client.request(
         "127.0.0.1", server.port, method, target, body=raw, headers=headers, timeout_s=10.0
     )
 
@@ -80,8 +80,8 @@ async def call(
 async def status_or_none(port: int, target: str = "/health") -> int | None:
     """The status of GET target, or None when the connection is refused."""
     try:
-        response = await httpclient.request("127.0.0.1", port, "GET", target)
-    except httpclient.ConnectionRefused:
+        response = await client.request("127.0.0.1", port, "GET", target)
+    except client.ConnectionRefused:
         return None
     return response.status
 
@@ -125,7 +125,7 @@ def test_llamacpp_answers_loading_model_503_then_status_ok() -> None:
             chat = await call(server, "POST", "/v1/chat/completions", CHAT)
             assert chat.status == 503
 
-            async def ok() -> httpclient.Response | None:
+            async def ok() -> client.Response | None:
                 response = await call(server, "GET", "/health")
                 return response if response.status == 200 else None
 
@@ -609,7 +609,7 @@ def test_close_drops_open_streams_promptly() -> None:
         await eventually(running)
         await asyncio.wait_for(server.close(), 2)
         assert await asyncio.wait_for(server.wait_done(), 1) == 0
-        with pytest.raises(httpclient.HttpClientError):
+        with pytest.raises(client.HttpClientError):
             await task
 
     run(body())

@@ -20,9 +20,9 @@ import msgspec
 
 from actors.errors import EngineUnreachable
 from actors.ports import EngineHandle, EngineLoad, LaunchSpec, Readiness
-from dgxmm.engines import httpclient
 from dgxmm.engines.runtimes import HOST_PLACEHOLDER, PORT_PLACEHOLDER
 from events.state import DeploymentState
+from gateway import client
 
 ENGINES = ("vllm", "llamacpp", "sglang", "sim")
 DEFAULT_STARTUP_TIMEOUT_S = 1200.0
@@ -364,12 +364,12 @@ class HttpEngineProbe:
         try:
             response = await self._get(handle, "/health")
         except (
-            httpclient.ConnectionRefused,
-            httpclient.ConnectionDropped,
-            httpclient.RequestTimedOut,
+            client.ConnectionRefused,
+            client.ConnectionDropped,
+            client.RequestTimedOut,
         ):
             return Readiness.DOWN
-        except httpclient.HttpClientError as exc:
+        except client.HttpClientError as exc:
             raise EngineUnreachable(str(exc)) from exc
         return readiness_from(engine, response.status, response.body)
 
@@ -398,16 +398,16 @@ class HttpEngineProbe:
 
     async def _fetch(
         self, handle: EngineHandle, target: str, method: str = "GET"
-    ) -> httpclient.Response:
+    ) -> client.Response:
         try:
             return await self._get(handle, target, method)
-        except httpclient.HttpClientError as exc:
+        except client.HttpClientError as exc:
             raise EngineUnreachable(str(exc)) from exc
 
     async def _get(
         self, handle: EngineHandle, target: str, method: str = "GET"
-    ) -> httpclient.Response:
-        return await httpclient.request(
+    ) -> client.Response:
+        return await client.request(
             handle.host,
             handle.port,
             method,

@@ -30,19 +30,18 @@ import contextlib
 import copy
 import json
 import os
-import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import h11
 import msgspec
 import structlog
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
+from gateway import client
 
 log = structlog.get_logger(__name__)
 
@@ -206,101 +205,11 @@ class SyncStatus(msgspec.Struct, frozen=True, kw_only=True):
         return self.enabled and self.ok
 
 
-# --------------------------------------------------------------------------------------------
-# A small HTTP/1.1 client (asyncio + h11), one connection per exchange
-
-
-class _TransportError(Exception):
-    """LiteLLM could not be reached or answered something that is not HTTP."""
-
-
 class _Unreachable(SyncFailed):
     """A sync failed because LiteLLM did not answer (down, or restarting)."""
 
 
-class _Answer(msgspec.Struct, frozen=True):
-    status: int
-    body: bytes
-
-    def json(self) -> Any:
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            return None
-
-
-def _split_url(url: str) -> tuple[str, int, bool, str]:
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise SyncFailed(f"LiteLLM URL {url!r} is not an http:// or https:// URL")
-    tls = parts.scheme == "https"
-    return parts.hostname, parts.port or (443 if tls else 80), tls, parts.path.rstrip("/")
-
-
-async def _exchange(
-    url: str,
-    method: str,
-    target: str,
-    headers: list[tuple[str, str]],
-    body: bytes | None,
-    timeout_s: float,
-) -> _Answer:
-    host, port, tls, base_path = _split_url(url)
-    host_header = host if port in (80, 443) else f"{host}:{port}"
-    all_headers = [("host", host_header), ("connection", "close"), *headers]
-    if body is not None:
-        all_headers += [("content-type", "application/json"), ("content-length", str(len(body)))]
-    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=64 * 1024)
-    try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(
-                host, port, ssl=ssl.create_default_context() if tls else None
-            )
-            try:
-                request = h11.Request(method=method, target=base_path + target, headers=all_headers)
-                out = conn.send(request) or b""
-                if body:
-                    out += conn.send(h11.Data(data=body)) or b""
-                out += conn.send(h11.EndOfMessage()) or b""
-                writer.write(out)
-                await writer.drain()
-                return await _read_answer(conn, reader)
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-    except TimeoutError as exc:
-        raise _TransportError(f"no answer within {timeout_s:.0f} s") from exc
-    except h11.ProtocolError as exc:
-        raise _TransportError(f"not an HTTP answer ({exc})") from exc
-    except ConnectionRefusedError as exc:
-        raise _TransportError("connection refused (is LiteLLM running?)") from exc
-    except OSError as exc:
-        raise _TransportError(exc.strerror or str(exc)) from exc
-
-
-async def _read_answer(conn: h11.Connection, reader: asyncio.StreamReader) -> _Answer:
-    status = 0
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await reader.read(64 * 1024))
-        elif isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            size += len(event.data)
-            if size > MAX_ANSWER_BYTES:
-                raise _TransportError(f"answer larger than {MAX_ANSWER_BYTES} bytes")
-            chunks.append(bytes(event.data))
-        elif isinstance(event, h11.EndOfMessage):
-            return _Answer(status, b"".join(chunks))
-        elif isinstance(event, h11.ConnectionClosed):
-            raise _TransportError("connection closed before the answer was complete")
-
-
-def _error_text(answer: _Answer) -> str:
+def _error_text(answer: client.Response) -> str:
     """LiteLLM's error message out of its several error shapes, shortened for the UI."""
     body = answer.json()
     text: object = None
@@ -320,7 +229,7 @@ def _error_text(answer: _Answer) -> str:
     return message if len(message) <= 300 else message[:297] + "..."
 
 
-def _kind(answer: _Answer) -> Literal["auth", "no_db", "other"]:
+def _kind(answer: client.Response) -> Literal["auth", "no_db", "other"]:
     """What a refusal means: a wrong key, a LiteLLM without database, or anything else."""
     reason = _error_text(answer)
     # Without a database LiteLLM looks any key but its master key up there: HTTP 400.
@@ -331,7 +240,7 @@ def _kind(answer: _Answer) -> Literal["auth", "no_db", "other"]:
     return "other"
 
 
-def _failure(what: str, answer: _Answer) -> SyncFailed:
+def _failure(what: str, answer: client.Response) -> SyncFailed:
     reason = _error_text(answer)
     status = f"{what}: HTTP {answer.status}"
     match _kind(answer):
@@ -358,11 +267,31 @@ class LiteLLMClient:
     def __repr__(self) -> str:
         return f"LiteLLMClient({self.url!r})"  # never the key
 
-    async def _call(self, method: str, target: str, body: object = None) -> _Answer:
-        payload = None if body is None else json.dumps(body).encode()
+    async def _call(self, method: str, target: str, body: object = None) -> client.Response:
         try:
-            return await _exchange(self.url, method, target, self._auth, payload, self._timeout_s)
-        except _TransportError as exc:
+            origin = client.Origin.parse(self.url)
+        except ValueError as exc:
+            raise SyncFailed(f"LiteLLM URL: {exc}") from exc
+        headers = self._auth
+        payload = b""
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers = [*headers, ("content-type", "application/json")]
+        try:
+            return await client.request_url(
+                origin,
+                method,
+                target,
+                body=payload,
+                headers=headers,
+                timeout_s=self._timeout_s,
+                max_body_bytes=MAX_ANSWER_BYTES,
+            )
+        except client.ConnectionRefused as exc:
+            raise _Unreachable(
+                f"cannot reach LiteLLM at {self.url}: connection refused (is LiteLLM running?)"
+            ) from exc
+        except client.HttpClientError as exc:
             raise _Unreachable(f"cannot reach LiteLLM at {self.url}: {exc}") from exc
 
     async def list_entries(self) -> list[dict[str, Any]]:
@@ -375,7 +304,7 @@ class LiteLLMClient:
             raise SyncFailed(f"LiteLLM's /model/info at {self.url} did not return a model list")
         return [item for item in body["data"] if isinstance(item, dict)]
 
-    async def add(self, deployment: Mapping[str, Any]) -> _Answer:
+    async def add(self, deployment: Mapping[str, Any]) -> client.Response:
         """`POST /model/new`; returns LiteLLM's answer, whatever its status."""
         return await self._call("POST", "/model/new", deployment)
 
@@ -387,7 +316,7 @@ class LiteLLMClient:
         if answer.status != 200:
             raise _failure(f"updating {model_id}", answer)
 
-    async def delete(self, model_id: str) -> _Answer:
+    async def delete(self, model_id: str) -> client.Response:
         """`POST /model/delete`; returns LiteLLM's answer, whatever its status."""
         return await self._call("POST", "/model/delete", {"id": model_id})
 

@@ -14,28 +14,27 @@ names and memory figures are not for anyone who can reach the port.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import datetime as dt
 import enum
 import math
-import mimetypes
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, cast
 
 import msgspec
 import structlog
 
-from actors.controller import Controller, DeploymentSpec, validate_idle_timeout
+from actors.controller import Controller, DeploymentSpec
 from actors.deployment import DeploymentActor, Refusal
 from actors.errors import ActorCrashed, ActorError, ActorStopped, AskTimeout, MailboxFull
 from actors.memory_broker import GIB
 from actors.runtime import Clock
-from dgxmm.admin import metrics
+from dgxmm.admin import bodies, metrics, static
 from dgxmm.admin.auth import Auth, AuthError, Principal
+from dgxmm.admin.errors import ApiError, error_body, from_refusal
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
 from dgxmm.litellm.sync import HINT
 from events import model as m
@@ -49,93 +48,12 @@ from storage.eventlog import EventStore
 log = structlog.get_logger("dgxmm.admin.api")
 
 MAX_BODY_BYTES = 1024 * 1024
-MAX_STATIC_BYTES = 32 * 1024 * 1024
 AUDIT_CHUNK = 5000
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-}
 _SERVER_CODES = {400: "bad_request", 408: "request_timeout", 413: "request_too_large"}
-_CONTENT_TYPES = {
-    ".html": "text/html; charset=utf-8",
-    ".js": "text/javascript; charset=utf-8",
-    ".mjs": "text/javascript; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
-    ".json": "application/json",
-    ".map": "application/json",
-    ".svg": "image/svg+xml",
-    ".png": "image/png",
-    ".jpg": "image/jpeg",
-    ".ico": "image/x-icon",
-    ".webp": "image/webp",
-    ".woff2": "font/woff2",
-    ".txt": "text/plain; charset=utf-8",
-}
-_SPEC_FIELDS = frozenset(
-    {"name", "engine", "model", "memory_gib", "mode", "idle_timeout_s", "role", "args", "image",
-     "gpu"}
-)  # fmt: skip
-_MODES = ("on_demand", "always_on")
-_ROLES = ("model", "decision")
-
-
-class ApiError(Exception):
-    """An error answer: status, code, message, and the field at fault if one is."""
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        param: str | None = None,
-        headers: Headers | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.headers: Headers = headers or []
-
-
-def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
-    """`{"error": {"message", "type", "code"}}`, OpenAI style."""
-    err: dict[str, Any] = {
-        "message": message,
-        "type": _ERROR_TYPES.get(status, "server_error" if status >= 500 else "api_error"),
-        "code": code,
-    }
-    if param is not None:
-        err["param"] = param
-    return _encoder.encode({"error": err})
-
-
-def _field_of(message: str) -> str | None:
-    head, sep, _ = message.partition(":")
-    return head if sep and head.isidentifier() else None
-
-
-def from_refusal(exc: Refusal) -> ApiError:
-    """The controller's refusal as an answer (a 422 names its field)."""
-    param = _field_of(exc.message) if exc.status == 422 else None
-    return ApiError(exc.status, exc.code, exc.message, param=param)
-
-
-# --- routes ---------------------------------------------------------------------------------
-
 
 class Access(enum.Enum):
     """Who may call a route."""
@@ -210,133 +128,7 @@ def match_route(method: str, parts: list[str]) -> tuple[Route, dict[str, str]]:
     raise ApiError(404, "not_found", "no such API route")
 
 
-# --- request bodies (pure) ------------------------------------------------------------------
-
-
-def _object(body: Any) -> dict[str, Any]:
-    if body is None:
-        return {}
-    if not isinstance(body, dict):
-        raise ApiError(422, "invalid_body", "the body must be a JSON object")
-    return body
-
-
-def _no_unknown(body: Mapping[str, Any], allowed: frozenset[str] | set[str]) -> None:
-    extra = sorted(k for k in body if k not in allowed)
-    if extra:
-        raise ApiError(422, "unknown_field", f"{extra[0]}: unknown field", param=extra[0])
-
-
-def _text(body: Mapping[str, Any], key: str, *, required: bool = True) -> str | None:
-    value = body.get(key)
-    if value is None:
-        if required:
-            raise ApiError(422, "missing_field", f"{key}: required", param=key)
-        return None
-    if not isinstance(value, str) or not value.strip():
-        raise ApiError(422, "invalid_field", f"{key}: a non-empty string", param=key)
-    return value
-
-
-def _gib(body: Mapping[str, Any], key: str, *, required: bool) -> int | None:
-    value = body.get(key)
-    if value is None:
-        if required:
-            raise ApiError(422, "missing_field", f"{key}: required", param=key)
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not 0 < value <= 1 << 20
-    ):
-        raise ApiError(422, "invalid_field", f"{key}: a number of GiB greater than 0", param=key)
-    return round(value * GIB)
-
-
-def _idle_timeout(value: Any) -> int | None:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    try:
-        validate_idle_timeout(value)
-    except Refusal as exc:
-        raise ApiError(422, exc.code, exc.message, param="idle_timeout_s") from None
-    return cast(int | None, value)
-
-
-def _mode(value: Any) -> m.Mode:
-    if value not in _MODES:
-        raise ApiError(
-            422,
-            "invalid_mode",
-            f'mode: "on_demand" or "always_on", not {_encoder.encode(value).decode()[:40]}',
-            param="mode",
-        )
-    return cast(m.Mode, value)
-
-
-def parse_deployment_spec(body: Any) -> DeploymentSpec:
-    """The POST /deployments body as a spec; ApiError 422 naming the field."""
-    data = _object(body)
-    _no_unknown(data, _SPEC_FIELDS)
-    name = _text(data, "name")
-    engine = _text(data, "engine")
-    model = _text(data, "model")
-    memory = _gib(data, "memory_gib", required=True)
-    mode = _mode(data.get("mode", "always_on"))
-    idle = _idle_timeout(data.get("idle_timeout_s"))
-    role = data.get("role", "model")
-    if role not in _ROLES:
-        raise ApiError(422, "invalid_role", 'role: "model" or "decision"', param="role")
-    args = data.get("args", [])
-    if (
-        not isinstance(args, list)
-        or len(args) > 256
-        or not all(isinstance(a, str) and len(a) <= 4096 for a in args)
-    ):
-        raise ApiError(422, "invalid_field", "args: a list of strings", param="args")
-    image = data.get("image")
-    if image is not None and (not isinstance(image, str) or not image.strip()):
-        raise ApiError(422, "invalid_field", "image: a non-empty string or null", param="image")
-    gpu = data.get("gpu", False)
-    if not isinstance(gpu, bool):
-        raise ApiError(422, "invalid_field", "gpu: true or false", param="gpu")
-    assert name is not None and engine is not None and model is not None and memory is not None
-    return DeploymentSpec(
-        name=name,
-        engine=engine,
-        model=model,
-        memory_bytes=memory,
-        mode=mode,
-        idle_timeout_s=idle,
-        role=cast(m.Role, role),
-        args=list(args),
-        image=image,
-        gpu=gpu,
-    )
-
-
-@dataclass(frozen=True)
-class ModeChange:
-    """A parsed PATCH .../mode body."""
-
-    mode: m.Mode
-    idle_timeout_s: int | None
-    keep_idle_timeout: bool
-
-
-def parse_mode_change(body: Any) -> ModeChange:
-    """`{"mode": ..., "idle_timeout_s"?: null | 60..86400}`: null = default, omitted = keep."""
-    data = _object(body)
-    _no_unknown(data, {"mode", "idle_timeout_s"})
-    if "mode" not in data:
-        raise ApiError(422, "missing_field", "mode: required", param="mode")
-    mode = _mode(data["mode"])
-    if "idle_timeout_s" not in data:
-        return ModeChange(mode=mode, idle_timeout_s=None, keep_idle_timeout=True)
-    return ModeChange(
-        mode=mode, idle_timeout_s=_idle_timeout(data["idle_timeout_s"]), keep_idle_timeout=False
-    )
+# --- queries (pure) ------------------------------------------------------------------------
 
 
 def _iso(ts: float) -> str:
@@ -371,6 +163,31 @@ def _plain(value: Any) -> Any:
     if isinstance(value, msgspec.Struct):
         return msgspec.structs.asdict(value)
     return value
+
+
+def _object(body: Any) -> dict[str, Any]:
+    """A body that must be a JSON object (settings, LiteLLM): validated by the controller."""
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ApiError(422, "invalid_body", "the body must be a JSON object")
+    return body
+
+
+def deployment_spec(body: bodies.DeploymentBody) -> DeploymentSpec:
+    """A decoded POST /deployments body as the controller's spec."""
+    return DeploymentSpec(
+        name=body.name,
+        engine=body.engine,
+        model=body.model,
+        memory_bytes=round(body.memory_gib * GIB),
+        mode=body.mode,
+        idle_timeout_s=bodies.idle_timeout(body.idle_timeout_s),
+        role=body.role,
+        args=list(body.args),
+        image=body.image,
+        gpu=body.gpu,
+    )
 
 
 # --- the API --------------------------------------------------------------------------------
@@ -603,15 +420,9 @@ class AdminApi:
             and urllib.parse.urlsplit(origin.decode("latin-1")).netloc.encode() != host
         ):
             raise ApiError(403, "cross_origin", "login from another origin is refused")
-        data = _object(call.body)
-        _no_unknown(data, {"name", "password"})
-        name, password = data.get("name"), data.get("password")
-        if not isinstance(name, str) or not name:
-            raise ApiError(422, "missing_field", "name: required", param="name")
-        if not isinstance(password, str):
-            raise ApiError(422, "missing_field", "password: required", param="password")
+        body = bodies.decode(call.body, bodies.LoginBody, bodies.LOGIN_RULES)
         client_ip = req.client[0] if req.client else None
-        session = await self.auth.login(name, password, client_ip)
+        session = await self.auth.login(body.name, body.password, client_ip)
         user = await self.auth.user(session.user)
         assert user is not None  # it just logged in
         call.headers.append((b"set-cookie", self.auth.session_cookie(session)))
@@ -641,9 +452,7 @@ class AdminApi:
 
     async def _h_create_token(self, call: _Call) -> Reply:
         assert call.principal is not None
-        data = _object(call.body)
-        _no_unknown(data, {"user"})
-        user = _text(data, "user", required=False) or call.principal.user
+        user = bodies.decode(call.body, bodies.TokenBody).user or call.principal.user
         token, token_id = await self.auth.create_token(user, call.principal.actor)
         return 201, {"user": user, "token_id": token_id, "token": token}
 
@@ -667,7 +476,7 @@ class AdminApi:
         return 200, {"deployments": [record_json(r) for r in self.controller.records()]}
 
     async def _h_create_deployment(self, call: _Call) -> Reply:
-        spec = parse_deployment_spec(call.body)
+        spec = deployment_spec(bodies.decode(call.body, bodies.DeploymentBody))
         record = await self.controller.create(spec, self._who(call))
         return 201, record_json(record)
 
@@ -689,24 +498,20 @@ class AdminApi:
 
     async def _h_switch_model(self, call: _Call) -> Reply:
         actor = self._actor(call)
-        data = _object(call.body)
-        _no_unknown(data, {"model", "memory_gib"})
-        model = _text(data, "model")
-        memory = _gib(data, "memory_gib", required=False)
+        body = bodies.decode(call.body, bodies.SwitchModelBody)
+        memory = None if body.memory_gib is None else round(body.memory_gib * GIB)
         record = await self.controller.reconfigure(
-            actor.deployment_id, self._who(call), model=model, memory_bytes=memory
+            actor.deployment_id, self._who(call), model=body.model, memory_bytes=memory
         )
         return 200, record_json(record)
 
     async def _h_change_mode(self, call: _Call) -> Reply:
         actor = self._actor(call)
-        change = parse_mode_change(call.body)
+        body = bodies.decode(call.body, bodies.ModeBody)
+        keep = body.idle_timeout_s is msgspec.UNSET
+        idle = None if keep else bodies.idle_timeout(cast(float | None, body.idle_timeout_s))
         record = await self.controller.change_mode(
-            actor.deployment_id,
-            change.mode,
-            change.idle_timeout_s,
-            change.keep_idle_timeout,
-            self._who(call),
+            actor.deployment_id, body.mode, idle, keep, self._who(call)
         )
         return 200, record_json(record)
 
@@ -849,8 +654,7 @@ class AdminApi:
         return 200, self.controller.settings()
 
     async def _h_change_settings(self, call: _Call) -> Reply:
-        data = _object(call.body)
-        return 200, await self.controller.change_settings(data, self._who(call))
+        return 200, await self.controller.change_settings(_object(call.body), self._who(call))
 
     # --- LiteLLM -------------------------------------------------------------------------
 
@@ -959,58 +763,8 @@ class AdminApi:
             raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
         if self.web_root is None:
             raise ApiError(404, "not_found", "the web UI is not installed")
-        path = resolve_static(self.web_root, rel)
-        if path is None:
-            raise ApiError(404, "not_found", "not found")
-        found = await asyncio.to_thread(_read_static, path)
-        if found is None and "." not in PurePosixPath(rel).name:
-            # A client-side route (e.g. /dgxmm/deployments/abc): the UI's index answers it.
-            path = self.web_root / "index.html"
-            found = await asyncio.to_thread(_read_static, path)
-        if found is None:
-            raise ApiError(404, "not_found", "not found")
-        ctype = _CONTENT_TYPES.get(path.suffix.lower()) or (
-            mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-        )
-        headers: Headers = [
-            (b"content-type", ctype.encode()),
-            (b"cache-control", b"no-cache"),
-            (b"x-frame-options", b"DENY"),
-            (b"referrer-policy", b"same-origin"),
-        ]
-        await self._send(responder, 200, found, headers)
-
-
-def resolve_static(root: Path, rel: str) -> Path | None:
-    """The file under `root` that `rel` (still percent-encoded) names, or None; never outside."""
-    try:
-        decoded = urllib.parse.unquote(rel, errors="strict")
-    except UnicodeDecodeError:
-        return None
-    if "\x00" in decoded or "\\" in decoded:
-        return None
-    parts = [p for p in decoded.split("/") if p]
-    if any(p in (".", "..") or p.startswith(".") for p in parts):
-        return None
-    candidate = root.joinpath(*parts) if parts else root
-    try:
-        resolved = candidate.resolve()
-    except (OSError, RuntimeError):
-        return None
-    if resolved != root and root not in resolved.parents:
-        return None  # a symlink pointing out of the web root
-    if resolved == root or not parts:
-        return root / "index.html"
-    return resolved
-
-
-def _read_static(path: Path) -> bytes | None:
-    try:
-        if not path.is_file() or path.stat().st_size > MAX_STATIC_BYTES:
-            return None
-        return path.read_bytes()
-    except OSError:
-        return None
+        body, headers = await static.read(self.web_root, rel)
+        await self._send(responder, 200, body, headers)
 
 
 def _from_auth(exc: AuthError) -> ApiError:

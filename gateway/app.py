@@ -85,6 +85,7 @@ class Gateway:
         self.waited = 0
         self.queued_lines = 0
         self.health_checks = 0
+        self.health_checks_relayed = 0  # always-on probes passed to the engine
         self.refused = 0
         self.engine_failures = 0
 
@@ -121,6 +122,7 @@ class Gateway:
             "waited": self.waited,
             "queued_lines": self.queued_lines,
             "health_checks": self.health_checks,
+            "health_checks_relayed": self.health_checks_relayed,
             "refused": self.refused,
             "engine_failures": self.engine_failures,
             "server": self.server.statistics() if self.server else None,
@@ -194,6 +196,9 @@ class Gateway:
     ) -> None:
         body = await request.read_body()
         if route.health_check:
+            if view.mode == "always_on" and view.state != "failed":
+                await self._health_from_engine(request, responder, view, body, target)
+                return
             await self._health(responder, view, route, body)
             return
         lease = self.controller.try_acquire(view.deployment_id)
@@ -226,6 +231,33 @@ class Gateway:
         else:
             answer = health.empty_answer(endpoint, view.served_model, now)
             await responder.respond(200, [*queued.JSON_HEADERS, state], answer)
+
+    async def _health_from_engine(
+        self,
+        request: Request,
+        responder: Responder,
+        view: DeploymentView,
+        body: bytes,
+        target: bytes,
+    ) -> None:
+        """An always-on model's probe goes to its engine, so LiteLLM's /health tests the engine.
+
+        Without a lease: a probe is not traffic.  Not ready (stopped, starting, stopping): 503,
+        a status that puts no LiteLLM entry into a cooldown.
+        """
+        self.health_checks += 1
+        self.health_checks_relayed += 1
+        engine = view.engine_handle if view.state == "ready" else None
+        if engine is None:
+            reply = ErrorReply(
+                503,
+                "engine_not_ready",
+                f"{view.model_name} is {view.state}: its engine is not serving",
+            )
+            state = (STATE_HEADER, view.state.encode())
+            await responder.respond(reply.status, [*reply.headers(), state], reply.body())
+            return
+        await self._relay(engine.host, engine.port, request, body, responder, view, target)
 
     async def _wait_then_relay(
         self,

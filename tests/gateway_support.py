@@ -100,6 +100,7 @@ class ScriptedDeployment:
     handle: EngineHandle | None
     refuse: Refused | None = None
     queue_on_enqueue: bool = False
+    mode: str = "on_demand"
 
 
 @dataclass
@@ -122,6 +123,7 @@ class ScriptedController:
         handle: EngineHandle | None = None,
         model_name: str | None = None,
         served_model: str | None = None,
+        mode: str = "on_demand",
     ) -> ScriptedDeployment:
         """Register a deployment."""
         dep = ScriptedDeployment(
@@ -130,6 +132,7 @@ class ScriptedController:
             served_model=served_model or f"served-{deployment_id}",
             state=state,
             handle=handle,
+            mode=mode,
         )
         self.deployments[deployment_id] = dep
         self.in_flight.setdefault(deployment_id, 0)
@@ -148,7 +151,7 @@ class ScriptedController:
             served_model=dep.served_model,
             engine="sim",
             state=dep.state,
-            mode="on_demand",
+            mode=dep.mode,
             created_at=1700000000.0,
             engine_handle=dep.handle if dep.state == "ready" else None,
         )

@@ -12,10 +12,10 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
+from dgxmm.litellm.filesync import ConfigFileSync
 from dgxmm.litellm.sync import (
     READY,
     ApiSync,
-    ConfigFileSync,
     DisabledSync,
     LiteLLMSettings,
     Registration,

@@ -8,11 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.ports import ModelEntry
+from dgxmm.litellm.filesync import config_document, load_verdict
 from dgxmm.litellm.sync import (
     FAILED,
     READY,
     Registration,
-    config_document,
     desired_entries,
     differs,
     entry_id,
@@ -214,3 +214,53 @@ def test_the_config_document_that_only_removes_drops_the_entry() -> None:
     new = _rendered(desired_entries([reg("a")], GATEWAY, 900))
     final = config_document({"model_list": list(old.values())}, new, "")
     assert [i["model_info"]["id"] for i in final["model_list"]] == ["dgxmm-a-gw"]
+
+
+# --- stable entries (the file back-end) ------------------------------------------------------
+
+STATES = ("stopped", "starting", READY, "stopping", FAILED, "asleep")
+
+
+@given(
+    mode=st.sampled_from(["on_demand", "always_on"]),
+    state=st.sampled_from(STATES),
+    engine_url=st.sampled_from([None, "http://127.0.0.1:9001", "http://127.0.0.1:9002"]),
+    other_mode=st.sampled_from(["on_demand", "always_on"]),
+    other_state=st.sampled_from(STATES),
+)
+def test_stable_entries_do_not_depend_on_mode_state_or_engine(
+    mode: str, state: str, engine_url: str | None, other_mode: str, other_state: str
+) -> None:
+    one = desired_entries(
+        [reg(mode=mode, state=state, engine_url=engine_url)], GATEWAY, 900, stable=True
+    )
+    other = desired_entries(
+        [reg(mode=other_mode, state=other_state, engine_url=None)], GATEWAY, 900, stable=True
+    )
+    assert one == other
+    [entry] = one
+    assert entry.api_base == "http://127.0.0.1:8401/d/d1/v1"
+    assert entry.model_id == "dgxmm-d1-gw"
+    assert litellm_deployment(entry)["litellm_params"]["num_retries"] == 0
+
+
+def test_stable_entries_change_when_a_deployment_is_created_or_removed() -> None:
+    one = desired_entries([reg("a")], GATEWAY, 900, stable=True)
+    two = desired_entries([reg("a"), reg("b", mode="always_on")], GATEWAY, 900, stable=True)
+    assert [e.model_id for e in one] == ["dgxmm-a-gw"]
+    assert [e.model_id for e in two] == ["dgxmm-a-gw", "dgxmm-b-gw"]
+
+
+def test_a_failed_deployment_keeps_its_stable_entry() -> None:
+    assert [
+        e.model_id for e in desired_entries([reg(state=FAILED)], GATEWAY, 900, stable=True)
+    ] == ["dgxmm-d1-gw"]
+
+
+def test_litellm_serving_exactly_what_was_written_is_loaded() -> None:
+    want = {e.model_id: litellm_deployment(e) for e in desired_entries([reg()], GATEWAY, 900)}
+    assert load_verdict(want, want) is None
+    verdict = load_verdict(want, {})
+    assert verdict is not None and "missing or older: dgxmm-d1-gw" in verdict
+    extra = load_verdict({}, want)
+    assert extra is not None and "not in the file: dgxmm-d1-gw" in extra

@@ -1,4 +1,4 @@
-"""ConfigFileSync against the double, which reloads LiteLLM's config file at once."""
+"""ConfigFileSync: writes at once, checks LiteLLM in the background (double: reloads at once)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
-from dgxmm.litellm.sync import READY, ConfigFileSync, Registration, desired_entries
+from dgxmm.litellm.filesync import ConfigFileSync
+from dgxmm.litellm.sync import READY, Registration, desired_entries
 from tests.litellm_double import LiteLLMDouble
+from tests.litellm_support import free_port
 
 GATEWAY = "http://127.0.0.1:8401"
 KEY = "sk-" + secrets.token_hex(8)
+DEADLINE_S = 10.0  # the background check looks every 0.05-0.2 s here
 
 
-def entries(*specs: tuple[str, str]) -> list[ModelEntry]:
+def entries(*specs: tuple[str, str], stable: bool = False) -> list[ModelEntry]:
     """Desired entries for (deployment_id, mode) pairs, all ready."""
     regs = [
         Registration(
@@ -34,7 +37,7 @@ def entries(*specs: tuple[str, str]) -> list[ModelEntry]:
         )
         for dep, mode in specs
     ]
-    return desired_entries(regs, GATEWAY, 900)
+    return desired_entries(regs, GATEWAY, 900, stable=stable)
 
 
 class RecordingFileSync(ConfigFileSync):
@@ -47,6 +50,10 @@ class RecordingFileSync(ConfigFileSync):
         super()._write(document)
 
 
+def file_sync(path: Path, url: str, key: str | None = KEY) -> RecordingFileSync:
+    return RecordingFileSync(path, url, key, check_first_s=0.05, check_max_s=0.2)
+
+
 def ids(document: Mapping[str, Any]) -> list[str]:
     return [item["model_info"]["id"] for item in document["model_list"] if "model_info" in item]
 
@@ -54,13 +61,18 @@ def ids(document: Mapping[str, Any]) -> list[str]:
 def sync_with_double(
     path: Path, wanted: list[ModelEntry], reloads: bool = True
 ) -> RecordingFileSync:
-    """Sync `wanted` into `path`, with a double that reloads the file at once (or never)."""
+    """Sync `wanted` into `path` with a double that reloads at once (or never); wait for it."""
 
     async def main() -> RecordingFileSync:
         config_path = path if reloads else None
         async with LiteLLMDouble(KEY, db_connected=False, config_path=config_path) as double:
-            sync = RecordingFileSync(path, double.url, KEY, reload_timeout_s=2.0)
-            await sync.sync(wanted)
+            sync = file_sync(path, double.url)
+            try:
+                await sync.sync(wanted)
+                if reloads:
+                    await sync.wait_until_loaded(DEADLINE_S)
+            finally:
+                await sync.close()
             return sync
 
     return asyncio.run(main())
@@ -72,6 +84,14 @@ def test_a_missing_file_is_created_with_the_entries_and_default_settings(tmp_pat
     document = json.loads(path.read_text())
     assert ids(document) == ["dgxmm-a-gw"]
     assert document["general_settings"] == {"disable_model_info_refresh": True}
+
+
+def test_a_missing_file_is_written_even_with_no_deployments(tmp_path: Path) -> None:
+    path = tmp_path / "litellm.json"
+    sync = sync_with_double(path, [])
+    assert json.loads(path.read_text())["model_list"] == []
+    assert sync.load_status().config_writes == 1
+    assert sync.load_status().loaded is True
 
 
 def test_settings_and_foreign_entries_in_the_file_are_kept(tmp_path: Path) -> None:
@@ -103,6 +123,7 @@ def test_an_unchanged_model_list_is_not_written_again(tmp_path: Path) -> None:
     before = path.stat()
     again = sync_with_double(path, wanted)
     assert getattr(again, "written", []) == []
+    assert again.load_status().config_writes == 0 and again.load_status().loaded is True
     assert path.stat().st_ino == before.st_ino and path.stat().st_mtime_ns == before.st_mtime_ns
 
 
@@ -117,7 +138,7 @@ def test_the_file_is_replaced_atomically_and_keeps_its_mode(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["litellm.json"]
 
 
-def test_a_mode_switch_is_one_write_of_the_final_model_list(tmp_path: Path) -> None:
+def test_a_change_is_one_write_of_the_final_model_list(tmp_path: Path) -> None:
     path = tmp_path / "litellm.json"
     sync_with_double(path, entries(("a", "on_demand"), ("b", "on_demand")))
     switched = sync_with_double(path, entries(("a", "always_on"), ("b", "on_demand")))
@@ -126,7 +147,14 @@ def test_a_mode_switch_is_one_write_of_the_final_model_list(tmp_path: Path) -> N
     assert json.loads(path.read_text()) == final
 
 
-def test_a_mode_switch_keeps_foreign_entries_and_settings_in_its_one_write(tmp_path: Path) -> None:
+def test_with_stable_entries_a_mode_switch_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "litellm.json"
+    sync_with_double(path, entries(("a", "on_demand"), ("b", "always_on"), stable=True))
+    switched = sync_with_double(path, entries(("a", "always_on"), ("b", "on_demand"), stable=True))
+    assert getattr(switched, "written", []) == []
+
+
+def test_a_change_keeps_foreign_entries_and_settings_in_its_one_write(tmp_path: Path) -> None:
     path = tmp_path / "litellm.json"
     operator = {"model_name": "gpt", "litellm_params": {"model": "openai/gpt"}}
     other_box = {"model_name": "x", "litellm_params": {}, "model_info": {"id": "b2-dgxmm-a"}}
@@ -142,30 +170,91 @@ def test_a_mode_switch_keeps_foreign_entries_and_settings_in_its_one_write(tmp_p
     assert final["general_settings"] == {"disable_model_info_refresh": True}
 
 
-def test_a_sync_that_changes_nothing_still_waits_for_litellm_to_serve_it(tmp_path: Path) -> None:
-    path = tmp_path / "litellm.json"
-    wanted = entries(("a", "on_demand"))
-    sync_with_double(path, wanted)
-    with pytest.raises(SyncFailed, match="--reload"):
-        sync_with_double(path, wanted, reloads=False)  # this LiteLLM never loaded the file
-    assert ids(json.loads(path.read_text())) == ["dgxmm-a-gw"]
-
-
-def test_a_litellm_that_does_not_reload_fails_the_sync_with_a_hint(tmp_path: Path) -> None:
-    path = tmp_path / "litellm.json"
-    with pytest.raises(SyncFailed, match="--reload"):
-        sync_with_double(path, entries(("a", "on_demand")), reloads=False)
-    assert ids(json.loads(path.read_text())) == ["dgxmm-a-gw"]  # written all the same
-
-
-def test_a_mode_switch_that_litellm_never_loads_is_written_and_fails_the_sync(
+def test_the_file_is_written_at_once_while_litellm_is_down_and_that_is_a_status(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "litellm.json"
-    sync_with_double(path, entries(("a", "on_demand")))
-    with pytest.raises(SyncFailed, match="--reload"):
-        sync_with_double(path, entries(("a", "always_on")), reloads=False)
-    assert ids(json.loads(path.read_text())) == ["dgxmm-a"]  # the next sync only waits
+
+    async def main() -> None:
+        sync = file_sync(path, f"http://127.0.0.1:{free_port()}")
+        try:
+            async with asyncio.timeout(2):  # no wait for LiteLLM (it used to be up to 120 s)
+                await sync.sync(entries(("a", "on_demand")))
+                await sync.sync(entries(("a", "on_demand"), ("b", "on_demand")))
+            assert ids(json.loads(path.read_text())) == ["dgxmm-a-gw", "dgxmm-b-gw"]
+            assert sync.status().ok is True
+            with pytest.raises(SyncFailed, match="connection refused"):
+                await sync.wait_until_loaded(0.5)
+            status = sync.load_status()
+            assert status.config_writes == 2 and status.last_write_at is not None
+            assert status.loaded is False
+            assert status.load_error is not None
+            assert "LiteLLM reads the file when it starts" in status.load_error
+        finally:
+            await sync.close()
+
+    asyncio.run(main())
+
+
+def test_a_litellm_started_after_the_write_is_seen_to_load_it(tmp_path: Path) -> None:
+    path = tmp_path / "litellm.json"
+
+    async def main() -> None:
+        port = free_port()
+        sync = file_sync(path, f"http://127.0.0.1:{port}")
+        try:
+            await sync.sync(entries(("a", "on_demand")))
+            assert sync.load_status().loaded is False
+            async with LiteLLMDouble(KEY, db_connected=False, config_path=path, port=port):
+                await sync.wait_until_loaded(DEADLINE_S)
+            status = sync.load_status()
+            assert status.loaded is True and status.load_error is None
+            assert status.loaded_at is not None and status.config_writes == 1
+        finally:
+            await sync.close()
+
+    asyncio.run(main())
+
+
+def test_a_litellm_that_does_not_reload_is_reported_with_a_hint_and_the_sync_succeeds(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "litellm.json"
+
+    async def main() -> None:
+        async with LiteLLMDouble(KEY, db_connected=False) as double:  # never reads the file
+            sync = file_sync(path, double.url)
+            try:
+                await sync.sync(entries(("a", "on_demand")))
+                with pytest.raises(SyncFailed, match="--reload"):
+                    await sync.wait_until_loaded(1.0)
+                assert sync.status().ok is True
+                error = sync.load_status().load_error
+                assert error is not None and "missing or older: dgxmm-a-gw" in error
+                assert f"--config {path} --reload" in error
+            finally:
+                await sync.close()
+
+    asyncio.run(main())
+    assert ids(json.loads(path.read_text())) == ["dgxmm-a-gw"]  # written all the same
+
+
+def test_without_a_master_key_the_file_is_written_and_loading_is_unknown(tmp_path: Path) -> None:
+    path = tmp_path / "litellm.json"
+
+    async def main() -> None:
+        sync = file_sync(path, f"http://127.0.0.1:{free_port()}", key=None)
+        try:
+            await sync.sync(entries(("a", "on_demand")))
+            with pytest.raises(SyncFailed, match="LITELLM_MASTER_KEY"):
+                await sync.wait_until_loaded(0.5)
+            status = sync.load_status()
+            assert status.config_writes == 1 and status.loaded is None
+        finally:
+            await sync.close()
+
+    asyncio.run(main())
+    assert ids(json.loads(path.read_text())) == ["dgxmm-a-gw"]
 
 
 def test_a_file_that_is_not_json_is_left_alone_and_named(tmp_path: Path) -> None:

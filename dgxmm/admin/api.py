@@ -736,6 +736,10 @@ class AdminApi:
         failures.add(self.auth.stats["login_failures"])
         return [replies, streams, dropped, sessions, failures]
 
+    def _litellm_families(self) -> list[metrics.Family]:
+        status = _plain(self._litellm_status())
+        return metrics.litellm_families(status) if isinstance(status, Mapping) else []
+
     async def _metrics(self, request: Request, responder: Responder) -> None:
         if request.method != b"GET":
             raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
@@ -747,7 +751,7 @@ class AdminApi:
         text = metrics.exposition(
             self.controller,
             gateway_statistics=self.gateway_statistics,
-            extra=self._api_families(),
+            extra=[*self._api_families(), *self._litellm_families()],
         )
         await self._send(
             responder,

@@ -2,7 +2,9 @@
 
 Families: deployments by state and mode, per-deployment in flight / queued / waiting for a
 start / memory, the memory budget, the queue's gauges and counters, the admin API's event
-streams, and the gateway's statistics when the composition root hands over a callable.
+streams, the LiteLLM integration (config-file writes, i.e. LiteLLM restarts DGXMM caused, and
+whether LiteLLM loaded the last one), and the gateway's statistics when the composition root
+hands over a callable.
 """
 
 from __future__ import annotations
@@ -190,3 +192,37 @@ def exposition(
     if gateway_statistics is not None:
         families.extend(flatten_statistics("dgxmm_gateway", gateway_statistics()))
     return render(families)
+
+
+def litellm_families(status: Mapping[str, Any]) -> list[Family]:
+    """The LiteLLM integration: sync outcome, and for the file back-end the restarts it caused."""
+    if not status.get("enabled"):
+        return []
+    ok = Family("dgxmm_litellm_sync_ok", "gauge", "1 when the last LiteLLM sync succeeded.")
+    ok.add(1 if status.get("ok") else 0)
+    families = [ok]
+    if status.get("backend") == "file":
+        writes = Family(
+            "dgxmm_litellm_config_writes_total",
+            "counter",
+            "Writes of LiteLLM's config file since start; each restarts LiteLLM's worker.",
+        )
+        writes.add(int(status.get("config_writes") or 0))
+        loaded = Family(
+            "dgxmm_litellm_config_loaded",
+            "gauge",
+            "1 when LiteLLM was last seen serving the file as written, 0 when not, -1 unknown.",
+        )
+        state = status.get("loaded")
+        loaded.add(-1 if state is None else int(bool(state)))
+        families += [writes, loaded]
+        last = status.get("last_write_at")
+        if isinstance(last, int | float):
+            at = Family(
+                "dgxmm_litellm_config_last_write_timestamp_seconds",
+                "gauge",
+                "When DGXMM last wrote LiteLLM's config file (Unix time).",
+            )
+            at.add(float(last))
+            families.append(at)
+    return families

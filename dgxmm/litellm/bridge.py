@@ -2,9 +2,12 @@
 
 Every change that matters to LiteLLM (a deployment created, ready, failed, removed, or its
 mode switched) schedules one sync; changes that arrive together share it.  Traffic (requests
-starting and ending, the queue) never does.  Each sync's outcome is recorded as a
-`LiteLLMSynced` event when it differs from the previous one, so the log shows when LiteLLM fell
-out of step and when it came back, without an event per sync.
+starting and ending, the queue) never does.  With the file back-end the entries are stable
+(`desired_entries(stable=True)`): a state change or mode switch leaves them equal, so the sync
+writes nothing and LiteLLM is not restarted; the first sync at start-up writes the file even
+with no deployments, so LiteLLM can be started on it right away.  Each sync's outcome is
+recorded as a `LiteLLMSynced` event when it differs from the previous one, so the log shows when
+LiteLLM fell out of step and when it came back, without an event per sync.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from actors.errors import SyncFailed
 from actors.ports import ModelEntry
 from actors.runtime import Clock, TimerHandle
 from dgxmm.config import Config
+from dgxmm.litellm.filesync import ConfigFileSync, LoadStatus
 from dgxmm.litellm.sync import (
     HINT,
     ApiSync,
-    ConfigFileSync,
     DisabledSync,
     LiteLLMSettings,
     Registration,
@@ -120,6 +123,8 @@ class LiteLLMBridge:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._backend is not None:
+            await self._backend.close()
 
     def _on_change(self, deployment_id: str, what: str) -> None:
         if what not in _QUIET:
@@ -152,7 +157,10 @@ class LiteLLMBridge:
             for rec in self._controller.records()
         ]
         queue_limit = float(self._controller.setting("ondemand_queue_timeout_s"))
-        return desired_entries(regs, self._config.server.public_gateway_url, queue_limit)
+        stable = self._settings["backend"] == "file"  # each write restarts LiteLLM's worker
+        return desired_entries(
+            regs, self._config.server.public_gateway_url, queue_limit, stable=stable
+        )
 
     async def _sync(self, *, force: bool) -> None:
         backend = self._backend
@@ -183,10 +191,16 @@ class LiteLLMBridge:
 
     # --- the API's side ------------------------------------------------------------------
 
+    def load_status(self) -> LoadStatus:
+        """File back-end: writes (LiteLLM restarts DGXMM caused) and whether LiteLLM loaded them."""
+        backend = self._backend
+        return backend.load_status() if isinstance(backend, ConfigFileSync) else LoadStatus()
+
     def status(self) -> dict[str, Any]:
-        """Enabled, last sync, ok or the error, and the deploy wizard's default."""
+        """Enabled, last sync, ok or the error, the file back-end's load, the wizard's default."""
         s = self._settings
         synced = bool(s["enabled"] and self._last_ok)
+        load = self.load_status()
         return {
             "enabled": s["enabled"],
             "url": s["url"],
@@ -200,6 +214,11 @@ class LiteLLMBridge:
             "entries": len(self._last_synced or []),
             "default_mode": "on_demand" if synced else "always_on",
             "hint": None if synced else HINT,
+            "config_writes": load.config_writes,
+            "last_write_at": load.last_write_at,
+            "loaded": load.loaded,
+            "loaded_at": load.loaded_at,
+            "load_error": load.load_error,
         }
 
     async def sync_now(self) -> dict[str, Any]:
@@ -230,6 +249,8 @@ class LiteLLMBridge:
                 actor=actor,
             )
             self._settings.update(checked)
+            if self._backend is not None:
+                await self._backend.close()
             self._backend = self._build_backend()
             self._last_synced = None
             if not self._settings["enabled"]:

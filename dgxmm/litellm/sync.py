@@ -1,23 +1,22 @@
 """LiteLLM sync: which model entries DGXMM wants in LiteLLM, and two ways to put them there.
 
-`desired_entries` is the pure decision: always-on deployments that are ready point at their
-engine, on-demand ones (in any state but failed) at the gateway, failed ones are absent.  Each
-path has its own stable `model_info.id`, so a mode switch replaces one entry by another.
-`litellm_deployment` renders an entry the way LiteLLM 1.108.7 reads it.
+`desired_entries` is the pure decision.  For the api back-end (a change costs LiteLLM nothing)
+it follows the seed: always-on deployments that are ready point at their engine, on-demand ones
+(in any state but failed) at the gateway, failed ones are absent; each path has its own stable
+`model_info.id`, so a mode switch replaces one entry by another.  For the file back-end, where
+every write restarts LiteLLM's worker, the entries are *stable*: every deployment, whatever its
+mode and state, has its gateway entry, so only creating, removing or reconfiguring a deployment
+changes the file.  `litellm_deployment` renders an entry the way LiteLLM 1.108.7 reads it.
 
 Two back-ends implement `actors.ports.LiteLLMSync`:
 
-- `ApiSync` talks to LiteLLM's model-management API (`/model/info`, `/model/new`,
+- `ApiSync` (here) talks to LiteLLM's model-management API (`/model/info`, `/model/new`,
   `PATCH /model/{id}/update`, `/model/delete`; LiteLLM needs its database for the writes).  It
   reads LiteLLM's live list on every sync, so it converges after either side restarts.  It adds
   before it removes: one LiteLLM process serves both lists in turn, so a mode switch never
   leaves the model name without an entry.
-- `ConfigFileSync` rewrites LiteLLM's config file (JSON, which LiteLLM reads as YAML) for a
-  LiteLLM run with `--config FILE --reload`.  Every change restarts LiteLLM's worker, so it
-  writes the final model list in one write, only when something changed, and waits until
-  LiteLLM serves what it wrote.  No intermediate list with both entries is needed there: the
-  stopping worker finishes its requests on the old list, and the requests that arrive
-  meanwhile wait for the new worker, which reads the whole new list.
+- `dgxmm.litellm.filesync.ConfigFileSync` rewrites LiteLLM's config file for a LiteLLM run with
+  `--config FILE --reload`, at once, and checks in the background that LiteLLM loaded it.
 
 Both only touch entries they own (ids with this box's prefix); every failure becomes
 `actors.errors.SyncFailed` with a sentence an operator can act on.
@@ -27,14 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import os
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import structlog
@@ -43,10 +40,13 @@ from actors.errors import SyncFailed
 from actors.ports import ModelEntry
 from gateway import client
 
+if TYPE_CHECKING:
+    from dgxmm.litellm.filesync import ConfigFileSync
+
 log = structlog.get_logger(__name__)
 
 READY = "ready"  # Registration.state of a deployment whose engine serves
-FAILED = "failed"  # Registration.state of a deployment whose start failed: removed from LiteLLM
+FAILED = "failed"  # a deployment whose start failed: removed from LiteLLM (api back-end)
 GATEWAY_TIMEOUT_MARGIN_S = 600.0  # LiteLLM's timeout = queue limit + this (cold start, answer)
 HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
 # The deploy wizard's hint when it preselects Always on (the seed's words).
@@ -57,8 +57,6 @@ GATEWAY_ID_SUFFIX = "-gw"
 
 REQUEST_TIMEOUT_S = 10.0  # one HTTP exchange with LiteLLM
 MAX_ANSWER_BYTES = 16 * 1024 * 1024  # /model/info lists every entry with its cost map fields
-RELOAD_TIMEOUT_S = 120.0  # LiteLLM drains in-flight requests for 30 s, then starts in ~7-15 s
-POLL_INTERVAL_S = 0.5
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,15 +92,21 @@ def gateway_timeout_s(queue_timeout_s: float) -> float:
 
 
 def desired_entries(
-    regs: Iterable[Registration], gateway_url: str, queue_timeout_s: float
+    regs: Iterable[Registration],
+    gateway_url: str,
+    queue_timeout_s: float,
+    *,
+    stable: bool = False,
 ) -> list[ModelEntry]:
-    """The LiteLLM entries DGXMM wants for these deployments, sorted by `model_id`."""
+    """The LiteLLM entries DGXMM wants for these deployments, sorted by `model_id`.
+
+    `stable` (the file back-end): every deployment gets its gateway entry, whatever its mode and
+    state, so that nothing but creating, removing or reconfiguring a deployment changes the list.
+    """
     gateway = gateway_url.rstrip("/")
     entries: list[ModelEntry] = []
     for reg in regs:
-        if reg.state == FAILED:
-            continue
-        if reg.mode == "on_demand":
+        if stable or (reg.mode == "on_demand" and reg.state != FAILED):
             entries.append(
                 ModelEntry(
                     model_id=entry_id(reg.box_id, reg.deployment_id, via_gateway=True),
@@ -114,7 +118,7 @@ def desired_entries(
                     deployment_id=reg.deployment_id,
                 )
             )
-        elif reg.state == READY and reg.engine_url:
+        elif reg.mode == "always_on" and reg.state == READY and reg.engine_url:
             entries.append(
                 ModelEntry(
                     model_id=entry_id(reg.box_id, reg.deployment_id, via_gateway=False),
@@ -358,34 +362,6 @@ def _rendered(entries: Iterable[ModelEntry]) -> dict[str, dict[str, Any]]:
     return {e.model_id: litellm_deployment(e) for e in sorted(entries, key=lambda e: e.model_id)}
 
 
-async def wait_until_served(
-    client: LiteLLMClient,
-    want: Mapping[str, Mapping[str, Any]],
-    box_id: str,
-    timeout_s: float = RELOAD_TIMEOUT_S,
-) -> None:
-    """Poll `/model/info` until LiteLLM's owned entries are exactly `want` (by id and content)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    last = "no answer yet"
-    while True:
-        try:
-            live = _owned(await client.list_entries(), box_id)
-            missing = [i for i, w in want.items() if i not in live or differs(w, live[i])]
-            extra = [i for i in live if i not in want]
-            if not missing and not extra:
-                return
-            last = f"still waiting for {missing or extra}"
-        except _Unreachable as exc:  # LiteLLM is restarting: its listener queues or refuses
-            last = str(exc)
-        if loop.time() >= deadline:
-            raise SyncFailed(
-                f"LiteLLM did not load the new model list within {timeout_s:.0f} s ({last}); "
-                "is it running with --config <this file> --reload?"
-            )
-        await asyncio.sleep(POLL_INTERVAL_S)
-
-
 # --------------------------------------------------------------------------------------------
 # Back-end (a): the model-management API
 
@@ -415,14 +391,18 @@ class _Backend:
         """The outcome of the last sync."""
         return self._tracker.status
 
+    def _require_key(self) -> None:
+        if not self._has_key:
+            raise SyncFailed(f"LiteLLM master key: environment variable {self._key_env} is not set")
+
+    async def close(self) -> None:
+        """Stop background work (none here)."""
+
     async def sync(self, entries: list[ModelEntry]) -> None:
         """Make LiteLLM's owned entries equal to `entries`; raises SyncFailed."""
         async with self._tracker.lock:
             try:
-                if not self._has_key:
-                    raise SyncFailed(
-                        f"LiteLLM master key: environment variable {self._key_env} is not set"
-                    )
+                self._require_key()
                 counts = await self._sync(entries)
             except SyncFailed as exc:
                 self._tracker.failed(self.kind, exc)
@@ -513,136 +493,6 @@ class ApiSync(_Backend):
 
 
 # --------------------------------------------------------------------------------------------
-# Back-end (b): LiteLLM's config file
-
-
-DEFAULT_CONFIG: dict[str, Any] = {
-    "model_list": [],
-    "general_settings": {"disable_model_info_refresh": True},
-}
-
-
-def config_document(
-    document: Mapping[str, Any], want: Mapping[str, Mapping[str, Any]], box_id: str
-) -> dict[str, Any]:
-    """The config file with this box's entries replaced by `want`: what `ConfigFileSync` writes.
-
-    Entries other than this box's are kept as they are (and first), as is every non-model
-    setting; `general_settings.disable_model_info_refresh` defaults to true.  A mode switch is
-    this one document: the new entry replaces the old one in the same write (each LiteLLM
-    worker reads the whole file, so no worker ever serves a list without the model).
-    """
-    items = [i for i in document.get("model_list") or [] if isinstance(i, dict)]
-    prefix = id_prefix(box_id)
-    foreign = [i for i in items if not (_model_id(i) or "").startswith(prefix)]
-    base = {k: v for k, v in document.items() if k != "model_list"}
-    settings = dict(base.get("general_settings") or {})
-    settings.setdefault("disable_model_info_refresh", True)
-    base["general_settings"] = settings
-    return {**base, "model_list": foreign + [dict(d) for d in want.values()]}
-
-
-class ConfigFileSync(_Backend):
-    """Keeps the model list in LiteLLM's config file equal to DGXMM's (LiteLLM runs --reload)."""
-
-    kind = "file"
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        url: str,
-        master_key: str | None,
-        *,
-        box_id: str = "",
-        master_key_env: str = "LITELLM_MASTER_KEY",
-        reload_timeout_s: float = RELOAD_TIMEOUT_S,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        super().__init__(url, master_key, box_id=box_id, master_key_env=master_key_env, clock=clock)
-        self.path = Path(path)
-        self._reload_timeout_s = reload_timeout_s
-
-    def __repr__(self) -> str:
-        return f"ConfigFileSync({str(self.path)!r}, box_id={self._box_id!r})"
-
-    async def wait_until_served(self, entries: list[ModelEntry]) -> None:
-        """Wait until LiteLLM serves exactly these owned entries (after a reload)."""
-        await wait_until_served(
-            self._client, _rendered(entries), self._box_id, self._reload_timeout_s
-        )
-
-    async def write_config(self, entries: list[ModelEntry]) -> bool:
-        """Write the model list at once, without waiting (e.g. before LiteLLM starts)."""
-        async with self._tracker.lock:
-            document = await asyncio.to_thread(self._read)
-            final = config_document(document, _rendered(entries), self._box_id)
-            if final == document:
-                return False
-            await asyncio.to_thread(self._write, final)
-            return True
-
-    async def _sync(self, entries: list[ModelEntry]) -> dict[str, int]:
-        document = await asyncio.to_thread(self._read)
-        want = _rendered(entries)
-        final = config_document(document, want, self._box_id)
-        writes = 0
-        if final != document:
-            # One write, so one worker restart, whatever changed (a mode switch included).
-            await asyncio.to_thread(self._write, final)
-            count = len(final["model_list"])
-            log.info("litellm_config_written", path=str(self.path), entries=count)
-            writes = 1
-        # Also with nothing to write: LiteLLM may still be reloading an earlier write.
-        await wait_until_served(self._client, want, self._box_id, self._reload_timeout_s)
-        return {"writes": writes}
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return copy.deepcopy(DEFAULT_CONFIG)
-        except OSError as exc:
-            raise SyncFailed(f"cannot read LiteLLM config {self.path}: {exc.strerror}") from exc
-        if not text.strip():
-            return {}
-        try:
-            document = json.loads(text)
-        except ValueError as exc:
-            raise SyncFailed(
-                f"LiteLLM config {self.path} is not JSON ({exc}); DGXMM writes this file as JSON, "
-                "which LiteLLM reads as YAML: convert it once, or give DGXMM a file of its own"
-            ) from exc
-        if not isinstance(document, dict):
-            raise SyncFailed(f"LiteLLM config {self.path} is not a JSON object")
-        return document
-
-    def _write(self, document: Mapping[str, Any]) -> None:
-        data = (json.dumps(document, indent=2) + "\n").encode()
-        tmp = self.path.with_name(f".{self.path.name}.dgxmm-tmp")
-        try:
-            mode = self.path.stat().st_mode & 0o777
-        except FileNotFoundError:
-            mode = 0o644
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)  # LiteLLM's reloader never sees a half-written file
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise SyncFailed(f"cannot write LiteLLM config {self.path}: {exc.strerror}") from exc
-
-
-# --------------------------------------------------------------------------------------------
 # Choosing a back-end
 
 
@@ -656,11 +506,16 @@ class DisabledSync:
     async def sync(self, entries: list[ModelEntry]) -> None:
         """Do nothing."""
 
+    async def close(self) -> None:
+        """Nothing to stop."""
+
 
 def make_sync(
     settings: LiteLLMSettings, environ: Mapping[str, str] | None = None
 ) -> ApiSync | ConfigFileSync | DisabledSync:
     """The back-end these settings ask for; the master key comes from `settings.master_key_env`."""
+    from dgxmm.litellm.filesync import ConfigFileSync  # the file back-end builds on this module
+
     if not settings.enabled:
         return DisabledSync()
     env = os.environ if environ is None else environ

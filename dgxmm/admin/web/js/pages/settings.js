@@ -93,6 +93,12 @@ export function render({ isAdmin, notify }) {
     if (st.ok === null || st.ok === undefined) return h("span.badge.badge-starting", "Not synced yet");
     return st.ok ? h("span.badge.badge-ready", "Synced") : h("span.badge.badge-failed", "Sync failed");
   }
+  function loadedWords(st) {
+    if (st.loaded === true) return [h("span.badge.badge-ready", "Loaded"), st.loaded_at ? ` (checked ${relativeTime(st.loaded_at)})` : ""];
+    const why = st.load_error ? ` ${st.load_error}` : "";
+    if (st.loaded === false) return [h("span.badge.badge-failed", "Not loaded"), why];
+    return [h("span.badge.badge-neutral", "Unknown"), why];
+  }
   function drawLiteLLM(st) {
     const facts = [
       ["Status", statusWords(st)],
@@ -102,6 +108,11 @@ export function render({ isAdmin, notify }) {
     if (st.url) facts.push(["Address", st.url]);
     if (st.backend) facts.push(["How DGXMM updates it", st.backend === "api" ? "Model-management API" : `Config file ${st.config_path || ""}`]);
     if (st.entries !== undefined) facts.push(["Models registered", String(st.entries)]);
+    if (st.backend === "file" && st.enabled) {
+      facts.push(["Last write of the file", st.last_write_at ? [relativeTime(st.last_write_at), ` (${dateTime(st.last_write_at)})`] : "none since DGXMM started"]);
+      facts.push(["LiteLLM restarts caused", `${st.config_writes || 0} since DGXMM started (each write restarts LiteLLM's worker)`]);
+      facts.push(["Loaded by LiteLLM", loadedWords(st)]);
+    }
     if (st.master_key_env) facts.push(["Master key", st.master_key_set ? `set (${st.master_key_env})` : `not set: export ${st.master_key_env}`]);
     facts.push(["Deploy wizard's default mode", st.default_mode === "on_demand" ? "On demand" : "Always on"]);
     const parts = [h("dl.facts", { id: "litellm-facts" }, facts.map(([k, v]) => h("div", [h("dt", k), h("dd", v)])))];

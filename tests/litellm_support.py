@@ -456,6 +456,23 @@ class LiteLLMProxy:
             time.sleep(0.2)  # poll interval; the deadline above bounds the wait
         return self
 
+    @property
+    def pid(self) -> int | None:
+        """The proxy's main process (with --reload: uvicorn's reloader, parent of the worker)."""
+        return None if self._process is None else self._process.pid
+
+    def child_pids(self) -> set[int]:
+        """The main process's children right now (with --reload: the worker; a new pid after
+        every worker restart)."""
+        pid = self.pid
+        if pid is None:
+            return set()
+        try:
+            text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+        except OSError:
+            return set()
+        return {int(child) for child in text.split()}
+
     def _is_live(self) -> bool:
         try:
             return http_request(self.url, path="/health/liveliness", timeout_s=2).status == 200

@@ -1,19 +1,24 @@
-"""A real LiteLLM proxy in front of a real DGXMM (issue 4's acceptance), on loopback.
+"""A real LiteLLM proxy in front of a real DGXMM (issues 4 and 16), on loopback.
 
 DGXMM runs in-process (`App`, process runtime, simulated engines, a small memory budget so that
 models compete) with the LiteLLM integration's `file` back-end; the pinned LiteLLM runs once for
-the module with the config file DGXMM writes, and `--reload`.  Every request goes through
-LiteLLM, as a client's would; a spy on the gateway's engine pool records what reached engines.
+the module with the config file DGXMM writes, and `--reload`.  DGXMM starts first and creates
+every deployment while LiteLLM is still down (the file is written at once each time); LiteLLM
+is started second on that file.  Every request goes through LiteLLM, as a client's would; a spy
+on the gateway's engine pool records what reached engines.  LiteLLM's worker restarts are
+counted from LiteLLM's own output ("Reloading...") and from its process tree (the worker's pid).
 
 The deployments (12 GiB usable):
 
 | name | mode | GiB | role in the tests |
 |---|---|---|---|
-| e2e-always | always on | 1 | LiteLLM's entry points at the engine |
+| e2e-always | always on | 1 | steady load; its probes are relayed to the engine |
+| e2e-flaky | always on | 1 | its engine is killed (failed), then started again |
 | e2e-od | on demand | 2 | the gateway path: answers, cold start, health, Anthropic, mode switch |
 | e2e-hog | on demand | 4 | a slow engine that holds memory while it answers |
+| e2e-nap | on demand | 1 | put to sleep and woken by a request under load |
 | e2e-wait | on demand | 6 | does not fit while e2e-hog holds its memory: queued |
-| e2e-huge | on demand | 16 | can never fit (16 > 12 - 1 always on): does_not_fit |
+| e2e-huge | on demand | 16 | can never fit (16 > 12 - 2 always on): does_not_fit |
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import contextlib
 import http.client
 import inspect
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +40,7 @@ from typing import Any
 import pytest
 
 from actors.controller import DeploymentRecord, DeploymentSpec
+from actors.deployment import SleepDeployment
 from actors.memory_broker import GIB
 from dgxmm.app import App
 from dgxmm.config import (
@@ -58,9 +66,13 @@ pytestmark = pytest.mark.litellm
 
 ADMIN = "admin:e2e"
 ALWAYS, OD, HOG, WAIT, HUGE = "e2e-always", "e2e-od", "e2e-hog", "e2e-wait", "e2e-huge"
+FLAKY, NAP, NEW = "e2e-flaky", "e2e-nap", "e2e-new"
 SPECS = (
     DeploymentSpec(
         name=ALWAYS, engine="sim", model="e2e/always-1b", memory_bytes=1 * GIB, mode="always_on"
+    ),
+    DeploymentSpec(
+        name=FLAKY, engine="sim", model="e2e/flaky-1b", memory_bytes=1 * GIB, mode="always_on"
     ),
     DeploymentSpec(
         name=OD,
@@ -77,6 +89,14 @@ SPECS = (
         memory_bytes=4 * GIB,
         mode="on_demand",
         args=["--token-delay", "0.25", "--tokens", "24"],  # a request holds it for 6 s
+    ),
+    DeploymentSpec(
+        name=NAP,
+        engine="sim",
+        model="e2e/nap-1b",
+        memory_bytes=1 * GIB,
+        mode="on_demand",
+        args=["--startup-delay", "1"],
     ),
     # Created after the others: no room left, so they are created stopped.
     DeploymentSpec(
@@ -127,6 +147,7 @@ class Stack:
     config_path: Path
     ids: dict[str, str]  # deployment name -> id
     relayed: list[Relayed] = field(default_factory=list)
+    start_order: StartOrder | None = None
 
     # -- DGXMM's side
 
@@ -302,30 +323,31 @@ def _config(data_dir: Path, config_path: Path, litellm_url: str, litellm: bool) 
     )
 
 
-def _deploy(data_dir: Path, config: Config) -> dict[str, str]:
-    """Create the deployments with a DGXMM that has no LiteLLM yet; returns name -> id.
+def _create_all(dgxmm: AppInThread) -> dict[str, str]:
+    """Create the deployments (LiteLLM is not running yet); returns name -> id."""
+    controller = dgxmm.app.controller
+    ids = {}
+    for spec in SPECS:
+        ids[spec.name] = dgxmm.run(controller.create(spec, ADMIN)).id
+    deadline = time.monotonic() + READY_S
+    want = {ALWAYS: "ready", FLAKY: "ready", OD: "ready", HOG: "ready", NAP: "ready"}
+    want |= {WAIT: "stopped", HUGE: "stopped"}
+    while True:
+        states = dgxmm.read(lambda: {r.name: r.state for r in controller.records()})
+        if states == want:
+            return ids
+        if time.monotonic() > deadline:
+            pytest.fail(f"deployments are {states}, not {want}")
+        time.sleep(0.05)  # poll interval; the deadline bounds the wait
 
-    The engines keep running when it stops, and the DGXMM of the tests adopts them: its first
-    sync then writes the final model list, so LiteLLM starts with it and never has to reload
-    during set-up (a reload costs 7-15 s).
-    """
-    first = AppInThread(App(config)).start()
-    try:
-        controller = first.app.controller
-        ids = {}
-        for spec in SPECS:
-            ids[spec.name] = first.run(controller.create(spec, ADMIN)).id
-        deadline = time.monotonic() + READY_S
-        want = {ALWAYS: "ready", OD: "ready", HOG: "ready", WAIT: "stopped", HUGE: "stopped"}
-        while True:
-            states = first.read(lambda: {r.name: r.state for r in controller.records()})
-            if states == want:
-                return ids
-            if time.monotonic() > deadline:
-                pytest.fail(f"deployments are {states}, not {want}")
-            time.sleep(0.05)  # poll interval; the deadline bounds the wait
-    finally:
-        first.stop()
+
+@dataclass(frozen=True)
+class StartOrder:
+    """What the fixture saw while DGXMM ran before LiteLLM (issue 16: no start-order trap)."""
+
+    status_before_litellm: dict[str, Any]  # DGXMM's LiteLLM status just before LiteLLM started
+    file_ids_before_litellm: set[str]
+    litellm_live_at: float  # /health/liveliness answered (time.monotonic())
 
 
 @pytest.fixture(scope="module")
@@ -335,27 +357,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     config_path = tmp_path_factory.mktemp("litellm-config") / "litellm.json"
     proxy = LiteLLMProxy(binary, config_path, tmp_path_factory.mktemp("litellm-run"))
     config = _config(data_dir, config_path, proxy.url, litellm=True)
-    dgxmm = AppInThread(App(config))
+    stacks: list[Stack] = []
     try:
-        ids = _deploy(data_dir, _config(data_dir, config_path, proxy.url, litellm=False))
         with pytest.MonkeyPatch.context() as env:
             env.setenv("LITELLM_MASTER_KEY", proxy.master_key)
-            dgxmm.start()
-            stack = Stack(dgxmm, proxy, config_path, ids)
+            # DGXMM first: every deployment is created while LiteLLM is down.
+            stack = Stack(AppInThread(App(config)).start(), proxy, config_path, {})
+            stacks.append(stack)
+            stack.ids = _create_all(stack.dgxmm)
             _install_spy(stack)
-            for name in (ALWAYS, OD, HOG):
-                assert stack.record(name).state == "ready"
-            # DGXMM's first sync writes the file and waits for LiteLLM, which starts with it.
             deadline = time.monotonic() + READY_S
             while _file_ids(config_path) != set(stack.wanted_ids()):
                 assert time.monotonic() < deadline, "DGXMM did not write LiteLLM's config"
                 time.sleep(0.05)  # poll interval; the deadline bounds the wait
+            status = stack.dgxmm.read(stack.app.litellm.status)
+            file_ids = _file_ids(config_path)
+            # LiteLLM second, on the file DGXMM wrote.
             proxy.start()
-            stack.wait_synced()
+            stack.start_order = StartOrder(status, file_ids, time.monotonic())
             yield stack
     finally:
         proxy.stop()
-        dgxmm.stop()
+        for each in stacks:
+            each.dgxmm.stop()
         _stop_leftover_engines(data_dir)
 
 
@@ -442,18 +466,45 @@ def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]
 
 
 # --------------------------------------------------------------------------------------------
-# 1. chat, streaming and not, to an always-on and an on-demand model
+# 1. DGXMM first, LiteLLM second; chat, streaming and not, to an always-on and an on-demand model
 
 
-def test_litellm_serves_the_always_on_model_from_its_engine_and_the_on_demand_one_via_the_gateway(
+def test_dgxmm_started_first_wrote_every_entry_and_litellm_serves_them_once_it_is_up(
     stack: Stack,
 ) -> None:
+    order = stack.start_order
+    assert order is not None
+    # While LiteLLM was down, every deployment reached the file at once, and the status said so.
+    assert order.file_ids_before_litellm == {f"box-dgxmm-{i}-gw" for i in stack.ids.values()}
+    before = order.status_before_litellm
+    # The start-up write (an empty model_list), then the creations (coalesced within 0.2 s).
+    assert before["ok"] is True and before["config_writes"] >= 2
+    assert before["loaded"] is False
+    assert "LiteLLM reads the file when it starts" in before["load_error"]
+    # LiteLLM serves them from its first start: a deployment created before it is answered.
+    answer = stack.chat(OD, "created before LiteLLM")
+    served_after = time.monotonic() - order.litellm_live_at
+    assert answer.status == 200, answer.body
+    assert stack.chat(ALWAYS, "created before LiteLLM").status == 200
+    # DGXMM notices within its check interval (at most 5 s between looks).
+    assert _wait_loaded(stack)["load_error"] is None
+    print(f"\nDGXMM first: first answer {served_after:.2f} s after LiteLLM was live")
+
+
+def _wait_loaded(stack: Stack, timeout_s: float = 30.0) -> dict[str, Any]:
+    """DGXMM's LiteLLM status once its background check saw LiteLLM serve the file."""
+    deadline = time.monotonic() + timeout_s
+    while not (status := stack.dgxmm.read(stack.app.litellm.status))["loaded"]:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.1)  # poll interval; the deadline bounds the wait
+    return status
+
+
+def test_every_entry_points_at_the_gateway_whatever_the_mode(stack: Stack) -> None:
     served = stack.served_ids()
     assert served is not None
     gateway = stack.app.config.server.public_gateway_url
-    by_name = {name: stack.ids[name] for name in (ALWAYS, OD)}
-    assert served[f"box-dgxmm-{by_name[ALWAYS]}"] == f"{stack.record(ALWAYS).engine_url}/v1"
-    assert served[f"box-dgxmm-{by_name[OD]}-gw"] == f"{gateway}/d/{by_name[OD]}/v1"
+    assert served == {f"box-dgxmm-{i}-gw": f"{gateway}/d/{i}/v1" for i in stack.ids.values()}
 
 
 @pytest.mark.parametrize("name", [ALWAYS, OD])
@@ -463,8 +514,8 @@ def test_a_chat_completion_through_litellm_is_the_engines_answer(stack: Stack, n
     assert answer.status == 200, answer.body
     assert answer.json()["model"] == name
     assert message_text(answer) == message_text(stack.direct_chat(name, "plain question"))
-    # Only the on-demand entry goes through the gateway.
-    assert len(stack.relayed_to(name)) - before == (1 if name == OD else 0)
+    # Both go through the gateway (file back-end: one entry whatever the mode).
+    assert len(stack.relayed_to(name)) - before == 1
 
 
 @pytest.mark.parametrize("name", [ALWAYS, OD])
@@ -587,6 +638,20 @@ def test_litellm_health_reports_a_sleeping_on_demand_model_healthy_without_start
     assert len(stack.relayed_to(OD)) == relayed
 
 
+def test_litellm_health_of_an_always_on_model_is_the_engines_answer(stack: Stack) -> None:
+    before = stack.gateway_stats()
+    relayed = len(stack.relayed)
+    answer = http_request(stack.proxy.url, path=f"/health?model={ALWAYS}", headers=stack.proxy.auth)
+    assert answer.status == 200, answer.body
+    health = answer.json()
+    assert health["healthy_count"] == 1 and health["unhealthy_count"] == 0, health
+    after = stack.gateway_stats()
+    assert after["health_checks_relayed"] - before["health_checks_relayed"] == 1
+    # The probe reached the engine (LiteLLM's own probe text), without the marking header.
+    probes = stack.dgxmm.read(lambda: list(stack.relayed))[relayed:]
+    assert [_body_model(p.body) for p in probes] == ["e2e/always-1b"]
+
+
 # --------------------------------------------------------------------------------------------
 # 5. a gateway 503 reaches the client as LiteLLM's error, after one attempt
 
@@ -601,7 +666,7 @@ def test_a_gateway_503_reaches_the_client_inside_litellms_error_after_one_attemp
     assert answer.status == 503, answer.body
     error = answer.json()["error"]
     assert (
-        "e2e-huge needs 16 GiB but at most 11 GiB can be freed for on-demand models"
+        "e2e-huge needs 16 GiB but at most 10 GiB can be freed for on-demand models"
         in (error["message"])
     )
     assert error["code"] == "503"
@@ -651,12 +716,12 @@ def test_an_anthropic_messages_client_reaches_the_engine_through_the_gateway_as_
 
 
 # --------------------------------------------------------------------------------------------
-# 7. a mode switch under load
+# 7. under load: state changes and mode switches restart nothing and fail nothing (issue 16)
 
 
-LOAD_CLIENTS = 4
-LOAD_MAX_REQUESTS = 1000  # per client: bounds the load even if the switch hangs
-RESTARTS_PER_SWITCH = 1  # one write of the final model list per switch: one reload
+CLIENTS_PER_MODEL = 2
+LOAD_MODELS = (ALWAYS, OD)
+LOAD_MAX_REQUESTS = 2000  # per client: bounds the load even if a step hangs
 WINDOW_SLACK_S = 0.5  # log lines are stamped when the watcher reads them (every 10 ms)
 
 
@@ -664,6 +729,7 @@ WINDOW_SLACK_S = 0.5  # log lines are stamped when the watcher reads them (every
 class Outcome:
     """One request of the load, on the clock of `time.monotonic()`."""
 
+    model: str
     client: int
     stream: bool
     started: float
@@ -683,21 +749,27 @@ class Restart:
 
 
 class LiteLLMWatcher:
-    """Stamps LiteLLM's log lines and every version of its config file as they appear."""
+    """Stamps LiteLLM's log lines, its worker pids and every version of its config file."""
 
     def __init__(self, stack: Stack) -> None:
+        self._proxy = stack.proxy
         self._log = stack.proxy.log_path
         self._config = stack.config_path
         self._stop = threading.Event()
         self.lines: list[tuple[float, str]] = []
         self.versions: list[tuple[float, dict[str, Any]]] = []
+        self.workers: list[int] = []  # the reloader's children, in the order they appeared
         self._offset = 0
         self._mtime = 0
+        self._initial_workers = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> LiteLLMWatcher:
         self._offset = self._log.stat().st_size
         self._mtime = self._config.stat().st_mtime_ns
+        self.workers = sorted(self._proxy.child_pids())
+        self._initial_workers = len(self.workers)
+        assert self.workers, "LiteLLM runs without --reload (no worker process)"
         self._thread.start()
         return self
 
@@ -723,9 +795,12 @@ class LiteLLMWatcher:
             self._mtime = mtime
             with contextlib.suppress(ValueError):  # os.replace makes the file whole or absent
                 self.versions.append((now, json.loads(self._config.read_text())))
+        for pid in sorted(self._proxy.child_pids()):
+            if pid not in self.workers:
+                self.workers.append(pid)
 
     def restarts(self) -> list[Restart]:
-        """Every worker restart seen since `__enter__` (times not in the log yet are inf)."""
+        """Every worker restart LiteLLM logged since `__enter__` (times not logged yet: inf)."""
         found = []
         for at, line in self.lines:
             if "Reloading..." not in line:
@@ -739,11 +814,15 @@ class LiteLLMWatcher:
             found.append(Restart(at, exit_at, ready_at))
         return found
 
+    def new_workers(self) -> int:
+        """Worker processes that appeared since `__enter__` (one per restart)."""
+        return len(self.workers) - self._initial_workers
 
-def _load_request(stack: Stack, client: int, index: int) -> Outcome:
+
+def _load_request(stack: Stack, model: str, client: int, index: int) -> Outcome:
     """One chat request on a fresh connection (as curl would), classified; never retried."""
     stream = index % 2 == 1
-    body = stack.chat_body(OD, f"load {client} {index}", stream)
+    body = stack.chat_body(model, f"load {client} {index}", stream)
     headers = {"content-type": "application/json", **stack.proxy.auth}
     conn = http.client.HTTPConnection("127.0.0.1", stack.proxy.port, timeout=120)
     started = time.monotonic()
@@ -765,126 +844,212 @@ def _load_request(stack: Stack, client: int, index: int) -> Outcome:
         detail = f"{type(exc).__name__}: {exc}"
     finally:
         conn.close()
-    return Outcome(client, stream, started, time.monotonic(), answered, ok, detail)
+    return Outcome(model, client, stream, started, time.monotonic(), answered, ok, detail)
 
 
-def _switch_and_sync(stack: Stack, mode: str) -> tuple[float, float]:
-    """Switch e2e-od and wait until LiteLLM serves the new path; returns (started, synced)."""
-    started = time.monotonic()
-    rec = stack.change_mode(OD, mode)
-    assert rec.mode == mode and rec.pending_mode is None  # a ready deployment switches at once
-    served = stack.wait_synced()
-    gateway_entry = f"box-dgxmm-{stack.ids[OD]}-gw"
-    assert (gateway_entry in served) == (mode == "on_demand"), served
-    return started, time.monotonic()
+class Load:
+    """Clients calling models through LiteLLM in a loop until stopped (threads)."""
 
-
-def test_a_mode_switch_there_and_back_under_load_through_litellm(stack: Stack) -> None:
-    """Switch e2e-od to always on and back while clients keep calling it through LiteLLM.
-
-    With the file back-end a switch is one write of the final model list, so one restart of
-    LiteLLM's worker (see docs/litellm.md).  What DGXMM guarantees, and this test asserts: every
-    version of the file lists the model (the new path replaces the old one in the same write),
-    so no request gets an error answer; every request LiteLLM answered was answered completely,
-    those in flight when a worker stopped included (it finishes them on the old list); new
-    connections wait for the new worker, which serves the new path.  What LiteLLM's restart
-    does on its own: a connection the stopping worker had accepted but whose request it had not
-    read yet is reset without an answer.  Those are counted, must fall inside a restart, and
-    are reported.
-    """
-    if stack.record(OD).state != "ready":
-        assert stack.chat(OD, "wake up").status == 200
-    outcomes: list[Outcome] = []
-    stop = threading.Event()
-
-    def client(n: int) -> None:
-        for index in range(LOAD_MAX_REQUESTS):
-            if stop.is_set():
-                return
-            outcomes.append(_load_request(stack, n, index))
-
-    clients = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(LOAD_CLIENTS)]
-    with LiteLLMWatcher(stack) as watcher:
-        for thread in clients:
-            thread.start()
-        try:
-            deadline = time.monotonic() + READY_S
-            while len([o for o in outcomes if o.ok]) < 2 * LOAD_CLIENTS:
-                assert time.monotonic() < deadline, outcomes
-                time.sleep(0.02)  # poll interval; the deadline bounds the wait
-            switches = [_switch_and_sync(stack, "always_on")]
-            assert stack.chat(OD, "straight to the engine").status == 200
-            switches.append(_switch_and_sync(stack, "on_demand"))
-            assert stack.chat(OD, "through the gateway again").status == 200
-        finally:
-            stop.set()
-            for thread in clients:
-                thread.join(150)
-    restarts = watcher.restarts()
-    relayed = [r.body for r in stack.relayed_to(OD)]
-    assert not any(b"straight to the engine" in body for body in relayed)
-    assert any(b"through the gateway again" in body for body in relayed)
-
-    # One write per switch, and every version of the file lists the model: the new path only.
-    versions = [doc for _, doc in watcher.versions]
-    od_paths = [
-        sorted(i["litellm_params"]["api_base"] for i in doc["model_list"] if i["model_name"] == OD)
-        for doc in versions
-    ]
-    assert len(versions) == len(switches) * RESTARTS_PER_SWITCH, od_paths
-    gateway_path = f"/d/{stack.ids[OD]}/v1"
-    assert [[gateway_path in path for path in paths] for paths in od_paths] == [[False], [True]]
-    assert len(restarts) == len(versions), watcher.lines
-    for started, synced in switches:  # each switch: exactly one write and one restart
-        written = [at for at, _ in watcher.versions if started <= at <= synced]
-        restarted = [r for r in restarts if started <= r.reload_at <= synced]
-        assert len(written) == len(restarted) == RESTARTS_PER_SWITCH, (switches, restarts)
-
-    # No request got an error answer, and every answer that started was complete.
-    answered = [o for o in outcomes if o.answered]
-    assert all(o.ok for o in answered), [o for o in answered if not o.ok]
-    # Requests that arrived while a worker restarted waited for the new one and succeeded...
-    for restart in restarts:
-        waited = [
-            o
-            for o in answered
-            if restart.old_exit_at <= o.started + WINDOW_SLACK_S and o.ended >= restart.ready_at
+    def __init__(self, stack: Stack, models: tuple[str, ...], per_model: int) -> None:
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._client, args=(stack, model, n), daemon=True)
+            for model in models
+            for n in range(per_model)
         ]
-        assert waited, (restart, outcomes)
-    # ...and requests in flight when a worker was told to stop were finished by it.
-    drained = [
-        o
-        for o in answered
-        for r in restarts
-        if o.started < r.reload_at < o.ended <= r.old_exit_at + WINDOW_SLACK_S
-    ]
-    assert drained, (restarts, outcomes)
-    assert not [line for _, line in watcher.lines if "graceful shutdown exceeded" in line]
-    # The only failures: connections reset without an answer while an old worker stopped,
-    # at most one per client and restart.
-    dropped = [o for o in outcomes if not o.answered]
-    for o in dropped:
-        assert o.detail.startswith(("ConnectionResetError", "RemoteDisconnected", "BrokenPipe")), o
-        assert any(
-            r.reload_at - WINDOW_SLACK_S <= o.ended <= r.old_exit_at + WINDOW_SLACK_S
-            for r in restarts
-        ), (o, restarts)
-    assert len(dropped) <= LOAD_CLIENTS * len(restarts)
-    waits = ", ".join(f"{r.ready_at - r.reload_at:.1f}" for r in restarts)
-    resets = [
-        f"{type_name(o)} {min(abs(o.ended - r.reload_at) for r in restarts):.2f} s after a reload"
-        for o in dropped
-    ]
-    per_switch = ", ".join(f"{synced - started:.1f}" for started, synced in switches)
+
+    def _client(self, stack: Stack, model: str, n: int) -> None:
+        for index in range(LOAD_MAX_REQUESTS):
+            if self._stop.is_set():
+                return
+            self.outcomes.append(_load_request(stack, model, n, index))
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(150)
+
+    def wait_for_more(self, count: int, timeout_s: float = READY_S) -> None:
+        """Wait until `count` more requests were answered completely (every model among them)."""
+        mark = len(self.outcomes)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            new = [o for o in self.outcomes[mark:] if o.ok]
+            models = {o.model for o in new}
+            if len(new) >= count and len(models) == len({o.model for o in self.outcomes}):
+                return
+            assert time.monotonic() < deadline, self.outcomes[mark:]
+            time.sleep(0.02)  # poll interval; the deadline bounds the wait
+
+
+def _kill_engine(stack: Stack, name: str) -> None:
+    """Kill the deployment's engine behind DGXMM's back (SIGKILL to its process)."""
+    controller = stack.app.controller
+    assert controller is not None
+    handle = stack.dgxmm.read(lambda: controller.actors[stack.ids[name]].engine_handle)
+    assert handle is not None, f"{name} has no engine"
+    os.kill(int(handle.runtime_id.removeprefix("pid:")), signal.SIGKILL)
+
+
+def test_mode_switches_sleep_wake_and_a_failure_under_load_restart_nothing_and_fail_nothing(
+    stack: Stack,
+) -> None:
+    """Issue 16's acceptance through a real LiteLLM (file back-end, --reload).
+
+    Steady load on two models (an always-on and an on-demand one, fresh connection per request,
+    no retries) while: e2e-od switches to always on and back; e2e-nap is put to sleep and woken
+    by a request; e2e-flaky's engine is killed (failed), then started again.  None of it
+    changes LiteLLM's entries, so DGXMM writes nothing, LiteLLM's worker never restarts, and
+    every request of the load is answered completely.
+    """
+    controller = stack.app.controller
+    assert controller is not None
+    for name in (OD, NAP):
+        if stack.record(name).state != "ready":
+            assert stack.chat(name, "wake up").status == 200
+    writes_before = stack.dgxmm.read(stack.app.litellm.status)["config_writes"]
+    steps: dict[str, float] = {}
+    with LiteLLMWatcher(stack) as watcher, Load(stack, LOAD_MODELS, CLIENTS_PER_MODEL) as load:
+        load.wait_for_more(4 * len(LOAD_MODELS) * CLIENTS_PER_MODEL)
+        # A mode switch in each direction.
+        started = time.monotonic()
+        assert stack.change_mode(OD, "always_on").mode == "always_on"
+        load.wait_for_more(20)
+        assert stack.change_mode(OD, "on_demand").mode == "on_demand"
+        load.wait_for_more(20)
+        steps["switches"] = time.monotonic() - started
+        # An on-demand model put to sleep, then woken by a request through LiteLLM.
+        started = time.monotonic()
+        nap = controller.actors[stack.ids[NAP]]
+        assert stack.dgxmm.run(nap.ask(SleepDeployment(reason="watchdog", actor="watchdog")))
+        stack.wait_state(NAP, "stopped")
+        woken = stack.chat(NAP, "wake up from sleep")
+        assert woken.status == 200, woken.body
+        assert stack.record(NAP).state == "ready"
+        load.wait_for_more(20)
+        steps["sleep_wake"] = time.monotonic() - started
+        # A deployment fails (its engine dies) and is started again.
+        started = time.monotonic()
+        _kill_engine(stack, FLAKY)
+        stack.wait_state(FLAKY, "failed")
+        asked = time.monotonic()
+        refused = stack.chat(FLAKY, "while failed")
+        steps["failed_answer"] = time.monotonic() - asked
+        assert refused.status == 503, refused.body  # at once, and no status LiteLLM cools down on
+        assert "e2e-flaky could not start" in refused.json()["error"]["message"]
+        stack.dgxmm.run(controller.start(stack.ids[FLAKY], ADMIN))
+        stack.wait_state(FLAKY, "ready")
+        again = stack.chat(FLAKY, "after the restart")
+        assert again.status == 200, again.body  # no cooldown left behind
+        load.wait_for_more(20)
+        steps["fail_restart"] = time.monotonic() - started
+    # Nothing was written and LiteLLM's worker never restarted (its log and its process tree).
+    assert stack.dgxmm.read(stack.app.litellm.status)["config_writes"] == writes_before
+    assert watcher.versions == []
+    assert watcher.restarts() == [], watcher.lines
+    assert watcher.new_workers() == 0, watcher.workers
+    # Every request of the load was answered, completely: none failed, none was reset.
+    outcomes = load.outcomes
+    failed = [o for o in outcomes if not o.ok]
+    assert failed == [], failed
+    by_model = {m: len([o for o in outcomes if o.model == m]) for m in LOAD_MODELS}
+    took = ", ".join(f"{k} {v:.1f} s" for k, v in steps.items())
     print(
-        f"\nmode switch under load: {len(outcomes)} requests from {LOAD_CLIENTS} clients, "
-        f"{len(answered)} answered (all complete), {len(drained)} of them finished by a stopping "
-        f"worker; {len(dropped)} reset without an answer {resets}; {len(restarts)} worker "
-        f"restarts ({len(restarts) / len(switches):g} per switch) of {waits} s; switches "
-        f"{per_switch} s, both {switches[-1][1] - switches[0][0]:.1f} s"
+        f"\nunder load: {len(outcomes)} requests {by_model}, 0 failed, 0 reset; "
+        f"0 LiteLLM restarts, 0 writes; {took}"
     )
 
 
-def type_name(outcome: Outcome) -> str:
-    """The exception's name out of an outcome's detail."""
-    return outcome.detail.split(":", 1)[0]
+# --------------------------------------------------------------------------------------------
+# 8. LiteLLM first, DGXMM second (a DGXMM restart); creating and removing: one restart each
+
+
+def _restart_dgxmm(stack: Stack) -> tuple[float, float]:
+    """Stop DGXMM and start a new one on the same data and file; returns (stopped, serving)."""
+    old = stack.dgxmm
+    old.stop()
+    stopped = time.monotonic()
+    stack.dgxmm = AppInThread(App(old.app.config)).start()
+    stack.relayed = []
+    _install_spy(stack)
+    return stopped, time.monotonic()
+
+
+def test_a_dgxmm_restart_writes_nothing_and_always_on_traffic_fails_only_while_it_is_down(
+    stack: Stack,
+) -> None:
+    with LiteLLMWatcher(stack) as watcher, Load(stack, (ALWAYS,), 2) as load:
+        load.wait_for_more(8)
+        down_from = time.monotonic()
+        stopped, serving = _restart_dgxmm(stack)
+        for name in (ALWAYS, OD):
+            stack.wait_state(name, "ready")  # adopted, not restarted
+        load.wait_for_more(8)
+    # LiteLLM was up first; the new DGXMM found the file as it wants it and wrote nothing.
+    status = stack.dgxmm.read(stack.app.litellm.status)
+    assert status["config_writes"] == 0 and status["ok"] is True
+    assert watcher.versions == [] and watcher.restarts() == []
+    assert watcher.new_workers() == 0
+    # Always-on traffic goes through the gateway: it fails while DGXMM is down, at once (LiteLLM
+    # gets "connection refused"), never hangs, and the entry is not cooled down afterwards.
+    failed = [o for o in load.outcomes if not o.ok]
+    assert all(o.answered for o in failed), failed
+    assert all(down_from - WINDOW_SLACK_S <= o.started <= serving for o in failed), failed
+    assert all(o.ended - o.started < 5 for o in failed), failed
+    after = [o for o in load.outcomes if o.started > serving]
+    assert after and all(o.ok for o in after), after
+    statuses = sorted({o.detail.split(":", 1)[0] for o in failed})
+    print(
+        f"\nDGXMM restart: down {serving - down_from:.2f} s (stop took "
+        f"{stopped - down_from:.2f} s); always-on load {len(load.outcomes)} requests, "
+        f"{len(failed)} failed while it was down ({statuses}), 0 after"
+    )
+
+
+def test_creating_and_removing_a_deployment_restart_litellm_exactly_once_each(
+    stack: Stack,
+) -> None:
+    controller = stack.app.controller
+    assert controller is not None
+    spec = DeploymentSpec(
+        name=NEW, engine="sim", model="e2e/new-1b", memory_bytes=1 * GIB, mode="on_demand"
+    )
+    with LiteLLMWatcher(stack) as created:
+        dep_id = stack.dgxmm.run(controller.create(spec, ADMIN)).id
+        stack.ids[NEW] = dep_id
+        served = stack.wait_synced()
+        assert f"box-dgxmm-{dep_id}-gw" in served
+        answer = stack.chat(NEW, "a new model")
+        assert answer.status == 200, answer.body
+        _wait_restarts_logged(created, 1)
+    with LiteLLMWatcher(stack) as removed:
+        stack.dgxmm.run(controller.remove(dep_id, ADMIN))
+        served = stack.wait_synced()
+        assert f"box-dgxmm-{dep_id}-gw" not in served
+        _wait_restarts_logged(removed, 1)
+    for watcher in (created, removed):
+        assert len(watcher.versions) == 1, watcher.versions
+        assert len(watcher.restarts()) == 1, watcher.lines
+        assert watcher.new_workers() == 1, watcher.workers
+    status = _wait_loaded(stack)
+    assert status["config_writes"] == 2  # DGXMM counted the two restarts it caused
+    waits = [r.ready_at - r.reload_at for w in (created, removed) for r in w.restarts()]
+    print(f"\ncreate/remove: one restart each, {', '.join(f'{w:.1f}' for w in waits)} s")
+
+
+def _wait_restarts_logged(watcher: LiteLLMWatcher, count: int) -> None:
+    """Wait until LiteLLM logged `count` complete restarts (the new worker started)."""
+    deadline = time.monotonic() + SYNC_S
+    while True:
+        restarts = watcher.restarts()
+        done = [r for r in restarts if r.ready_at != float("inf")]
+        if len(done) >= count and watcher.new_workers() >= count:
+            return
+        assert time.monotonic() < deadline, watcher.lines
+        time.sleep(0.05)  # poll interval; the deadline bounds the wait

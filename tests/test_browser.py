@@ -78,7 +78,7 @@ def dgxmm(tmp_path_factory: pytest.TempPathFactory, litellm: ThreadedLiteLLM) ->
 
 @pytest.fixture(scope="module")
 def admin_api(dgxmm: Dgxmm) -> ApiClient:
-    return dgxmm.admin.api()
+    return dgxmm.api()
 
 
 @pytest.fixture(scope="module")
@@ -528,3 +528,31 @@ def test_settings_sync_now_and_the_wizard_hint_when_litellm_is_off(
         shot(page, "22-wizard-hint-without-litellm")
     finally:
         admin_api.call("PATCH", "litellm", {"enabled": True})
+
+
+def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_status(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    page = admin_page
+    config_path = dgxmm.data_dir / "browser-litellm.json"
+    try:
+        admin_api.call("PATCH", "litellm", {"backend": "file", "config_path": str(config_path)})
+        status = wait_for(
+            "the background load check",
+            lambda: s if (s := admin_api.call("GET", "litellm"))["loaded"] is not None else None,
+            30,
+        )
+        assert status["config_writes"] == 1 and config_path.is_file()
+        open_hash(page, dgxmm, "/settings")
+        facts = page.locator("#litellm-facts")
+        expect(facts).to_contain_text("Last write of the file")
+        expect(facts).to_contain_text("LiteLLM restarts caused")
+        expect(facts).to_contain_text("1 since DGXMM started")
+        # This LiteLLM (the double) does not read the file, unless its list happens to match.
+        expect(facts).to_contain_text("Loaded" if status["loaded"] else "Not loaded")
+        shot(page, "23-settings-file-back-end")
+    finally:
+        admin_api.call("PATCH", "litellm", {"backend": "api"})
+    page.reload()
+    expect(page.locator("#litellm-facts")).to_contain_text("Model-management API")
+    expect(page.locator("#litellm-facts")).not_to_contain_text("LiteLLM restarts caused")

@@ -25,7 +25,6 @@ Both only touch entries they own (ids with this box's prefix); every failure bec
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import time

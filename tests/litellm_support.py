@@ -31,6 +31,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from dgxmm.engines.runtimes.process import ProcessRuntime
+
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 120.0  # ~13 s on an idle machine; generous for a loaded CI box
 STOP_TIMEOUT_S = 15.0
@@ -639,3 +641,16 @@ class AppInThread:
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+def stop_leftover_engines(data_dir: Path) -> None:
+    """`App.stop` leaves engines running (they are adopted at the next start): stop them."""
+
+    async def stop_all() -> None:
+        runtime = ProcessRuntime(data_dir / "engines", cwd=REPO)
+        for handle in await runtime.list_engines():
+            with contextlib.suppress(Exception):
+                await runtime.stop(handle, 5.0)
+        await runtime.close()
+
+    asyncio.run(stop_all())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from actors.memory_broker import GIB
 from dgxmm.admin.metrics import litellm_families, render
 from dgxmm.app import App
 from dgxmm.config import Config, LiteLLMConfig, MemoryConfig, RuntimeConfig, ServerConfig
-from tests.litellm_support import AppInThread, free_port
+from tests.litellm_support import AppInThread, free_port, stop_leftover_engines
 
 DEADLINE_S = 20.0
 
@@ -58,59 +59,61 @@ def _model_list(path: Path) -> list[dict[str, Any]] | None:
     return items
 
 
-def test_dgxmm_writes_an_empty_model_list_at_start_up_while_litellm_is_down(
+@pytest.fixture
+def running(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> Iterator[tuple[AppInThread, App, Path]]:
+    """DGXMM with the file back-end, LiteLLM down; its engines stopped at the end."""
     monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-test")
     app, config_path = _app(tmp_path, free_port())
     dgxmm = AppInThread(app).start()
     try:
-        _wait(lambda: dgxmm.read(app.litellm.status)["loaded"] is False, "the load check")
-        assert _model_list(config_path) == []
-        status = dgxmm.read(app.litellm.status)
-        assert status["ok"] is True and status["config_writes"] == 1
-        assert status["last_write_at"] is not None
-        assert "connection refused" in status["load_error"]
-        text = render(litellm_families(status))
-        assert "dgxmm_litellm_config_writes_total 1\n" in text
-        assert "dgxmm_litellm_config_loaded 0\n" in text
-        assert "dgxmm_litellm_sync_ok 1\n" in text
+        yield dgxmm, app, config_path
     finally:
         dgxmm.stop()
+        stop_leftover_engines(tmp_path / "data")
+
+
+def test_dgxmm_writes_an_empty_model_list_at_start_up_while_litellm_is_down(
+    running: tuple[AppInThread, App, Path],
+) -> None:
+    dgxmm, app, config_path = running
+    _wait(lambda: dgxmm.read(app.litellm.status)["loaded"] is False, "the load check")
+    assert _model_list(config_path) == []
+    status = dgxmm.read(app.litellm.status)
+    assert status["ok"] is True and status["config_writes"] == 1
+    assert status["last_write_at"] is not None
+    assert "connection refused" in status["load_error"]
+    text = render(litellm_families(status))
+    assert "dgxmm_litellm_config_writes_total 1\n" in text
+    assert "dgxmm_litellm_config_loaded 0\n" in text
+    assert "dgxmm_litellm_sync_ok 1\n" in text
 
 
 def test_a_deployment_reaches_the_file_at_once_and_its_state_changes_write_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    running: tuple[AppInThread, App, Path],
 ) -> None:
-    monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-test")
-    app, config_path = _app(tmp_path, free_port())
-    dgxmm = AppInThread(app).start()
+    dgxmm, app, config_path = running
     controller = app.controller
-    try:
-        _wait(lambda: dgxmm.read(app.litellm.status)["config_writes"] == 1, "the start-up write")
-        spec = DeploymentSpec(
-            name="bridge-od", engine="sim", model="t/od", memory_bytes=1 * GIB, mode="on_demand"
-        )
-        dep_id = dgxmm.run(controller.create(spec, "admin:t")).id
-        _wait(lambda: dgxmm.read(app.litellm.status)["config_writes"] == 2, "the creation's write")
-        [entry] = _model_list(config_path) or []
-        assert entry["model_info"]["id"] == f"box-dgxmm-{dep_id}-gw"
-        written = config_path.stat().st_mtime_ns
-        writes = dgxmm.read(app.litellm.status)["config_writes"]
-        _wait(lambda: dgxmm.read(lambda: controller.records()[0].state) == "ready", "ready")
-        dgxmm.run(controller.change_mode(dep_id, "always_on", None, True, "admin:t"))
-        dgxmm.run(controller.stop(dep_id, "admin:t"))
-        _wait(lambda: dgxmm.read(lambda: controller.records()[0].state) == "stopped", "stopped")
-        dgxmm.run(controller.change_mode(dep_id, "on_demand", None, True, "admin:t"))
-        dgxmm.run(app.litellm.sync_now())  # a forced sync: it would write if anything differed
-        assert config_path.stat().st_mtime_ns == written
-        assert dgxmm.read(app.litellm.status)["config_writes"] == writes
-        dgxmm.run(controller.remove(dep_id, "admin:t"))
-        # The file is renamed into place just before the count is taken: wait on the count.
-        _wait(lambda: dgxmm.read(app.litellm.status)["config_writes"] == writes + 1, "a write")
-        assert _model_list(config_path) == []
-    finally:
-        dgxmm.stop()
-        from tests.test_litellm_e2e import _stop_leftover_engines
-
-        _stop_leftover_engines(tmp_path / "data")
+    _wait(lambda: dgxmm.read(app.litellm.status)["config_writes"] == 1, "the start-up write")
+    spec = DeploymentSpec(
+        name="bridge-od", engine="sim", model="t/od", memory_bytes=1 * GIB, mode="on_demand"
+    )
+    dep_id = dgxmm.run(controller.create(spec, "admin:t")).id
+    _wait(lambda: dgxmm.read(app.litellm.status)["config_writes"] == 2, "the creation's write")
+    [entry] = _model_list(config_path) or []
+    assert entry["model_info"]["id"] == f"box-dgxmm-{dep_id}-gw"
+    written = config_path.stat().st_mtime_ns
+    writes = dgxmm.read(app.litellm.status)["config_writes"]
+    _wait(lambda: dgxmm.read(lambda: controller.records()[0].state) == "ready", "ready")
+    dgxmm.run(controller.change_mode(dep_id, "always_on", None, True, "admin:t"))
+    dgxmm.run(controller.stop(dep_id, "admin:t"))
+    _wait(lambda: dgxmm.read(lambda: controller.records()[0].state) == "stopped", "stopped")
+    dgxmm.run(controller.change_mode(dep_id, "on_demand", None, True, "admin:t"))
+    dgxmm.run(app.litellm.sync_now())  # a forced sync: it would write if anything differed
+    assert config_path.stat().st_mtime_ns == written
+    assert dgxmm.read(app.litellm.status)["config_writes"] == writes
+    dgxmm.run(controller.remove(dep_id, "admin:t"))
+    # The file is renamed into place just before the count is taken: wait on the count.
+    _wait(lambda: dgxmm.read(app.litellm.status)["config_writes"] == writes + 1, "a write")
+    assert _model_list(config_path) == []

@@ -23,7 +23,6 @@ The deployments (12 GiB usable):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import inspect
@@ -50,9 +49,7 @@ from dgxmm.config import (
     RuntimeConfig,
     ServerConfig,
 )
-from dgxmm.engines.runtimes.process import ProcessRuntime
 from tests.litellm_support import (
-    REPO,
     AppInThread,
     LiteLLMProxy,
     Response,
@@ -60,6 +57,7 @@ from tests.litellm_support import (
     http_request,
     require_litellm,
     sse_data,
+    stop_leftover_engines,
 )
 
 pytestmark = pytest.mark.litellm
@@ -295,19 +293,6 @@ def _install_spy(stack: Stack) -> None:
     setattr(pool, "request", request)  # noqa: B010 (an instance attribute shadows the method)
 
 
-def _stop_leftover_engines(data_dir: Path) -> None:
-    """`App.stop` leaves engines running (they are adopted at the next start): stop them."""
-
-    async def stop_all() -> None:
-        runtime = ProcessRuntime(data_dir / "engines", cwd=REPO)
-        for handle in await runtime.list_engines():
-            with contextlib.suppress(Exception):
-                await runtime.stop(handle, 5.0)
-        await runtime.close()
-
-    asyncio.run(stop_all())
-
-
 def _config(data_dir: Path, config_path: Path, litellm_url: str, litellm: bool) -> Config:
     return Config(
         server=ServerConfig(
@@ -380,7 +365,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         proxy.stop()
         for each in stacks:
             each.dgxmm.stop()
-        _stop_leftover_engines(data_dir)
+        stop_leftover_engines(data_dir)
 
 
 def _file_ids(config_path: Path) -> set[str]:

@@ -269,3 +269,22 @@ def test_an_unwritable_directory_fails_with_the_path(tmp_path: Path) -> None:
     path = tmp_path / "missing-dir" / "litellm.json"
     with pytest.raises(SyncFailed, match="cannot write LiteLLM config"):
         sync_with_double(path, entries(("a", "on_demand")))
+
+
+def test_a_wrong_master_key_is_reported_as_such_and_the_file_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "litellm.json"
+
+    async def main() -> None:
+        async with LiteLLMDouble(KEY, db_connected=False, config_path=path) as double:
+            sync = file_sync(path, double.url, key="sk-not-the-master-key")
+            try:
+                await sync.sync(entries(("a", "on_demand")))
+                with pytest.raises(SyncFailed, match="refused the master key"):
+                    await sync.wait_until_loaded(1.0)
+                error = sync.load_status().load_error
+                assert error is not None and "reads the file when it starts" not in error
+            finally:
+                await sync.close()
+
+    asyncio.run(main())
+    assert ids(json.loads(path.read_text())) == ["dgxmm-a-gw"]

@@ -29,11 +29,19 @@ import structlog
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
-from dgxmm.litellm.sync import _Backend, _model_id, _owned, _rendered, differs, id_prefix
+from dgxmm.litellm.sync import (
+    _Backend,
+    _model_id,
+    _owned,
+    _rendered,
+    _Unreachable,
+    differs,
+    id_prefix,
+)
 
 log = structlog.get_logger("dgxmm.litellm.sync")
 
-CHECK_FIRST_S = 0.5  # first look at LiteLLM after a write; a reload takes 7-42 s
+CHECK_FIRST_S = 0.5  # the pause after the first look (at once); a reload takes 7-42 s
 CHECK_MAX_S = 5.0  # the check backs off to this; LiteLLM started later is seen within it
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -205,8 +213,11 @@ class ConfigFileSync(_Backend):
             return True  # nothing to poll for until the key is set (a restart of DGXMM)
         try:
             live = _owned(await self._client.list_entries(), self._box_id)
-        except SyncFailed as exc:
+        except _Unreachable as exc:
             self._not_loaded(False, f"{exc}; LiteLLM reads the file when it starts")
+            return False
+        except SyncFailed as exc:  # a wrong master key, an answer that is not a model list
+            self._not_loaded(False, str(exc))
             return False
         verdict = load_verdict(want, live)
         if verdict is not None:

@@ -1,8 +1,9 @@
 """The bridge in a real DGXMM (`App`, real SQLite, loopback) with LiteLLM down: no start-order trap.
 
 The file back-end writes LiteLLM's config file at start-up, even with no deployments, and at
-once on every change; LiteLLM being down is a status (the API's and /metrics'), not a stall.
-The whole path through a real LiteLLM is in test_litellm_e2e.py.
+once on every change; LiteLLM being down is a status (the API's and /metrics', whose rendering
+over HTTP is checked here too), not a stall.  The whole path through a real LiteLLM is in
+test_litellm_e2e.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from actors.memory_broker import GIB
 from dgxmm.admin.metrics import litellm_families, render
 from dgxmm.app import App
 from dgxmm.config import Config, LiteLLMConfig, MemoryConfig, RuntimeConfig, ServerConfig
+from tests.api_support import Box, run_box
 from tests.litellm_support import AppInThread, free_port, stop_leftover_engines
+from tests.test_api_stream import parse_exposition
 
 DEADLINE_S = 20.0
 
@@ -117,3 +120,29 @@ def test_a_deployment_reaches_the_file_at_once_and_its_state_changes_write_nothi
     # The file is renamed into place just before the count is taken: wait on the count.
     _wait(lambda: dgxmm.read(app.litellm.status)["config_writes"] == writes + 1, "a write")
     assert _model_list(config_path) == []
+
+
+def test_metrics_count_the_litellm_restarts_dgxmm_caused_and_say_whether_it_loaded(
+    tmp_path: Path,
+) -> None:
+    status = {
+        "enabled": True,
+        "ok": True,
+        "backend": "file",
+        "config_writes": 3,
+        "last_write_at": 1700000000.0,
+        "loaded": None,
+    }
+
+    async def t(box: Box) -> None:
+        alice = await box.login()
+        reply = await alice.call("GET", "/metrics")
+        assert reply.status == 200
+        fams = parse_exposition(reply.body.decode())
+        assert fams["dgxmm_litellm_config_writes_total"] == [("", 3.0)]
+        assert fams["dgxmm_litellm_config_loaded"] == [("", -1.0)]  # not known
+        assert fams["dgxmm_litellm_sync_ok"] == [("", 1.0)]
+        last = fams["dgxmm_litellm_config_last_write_timestamp_seconds"]
+        assert last == [("", 1700000000.0)]
+
+    run_box(tmp_path, t, litellm=status)

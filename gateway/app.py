@@ -246,7 +246,6 @@ class Gateway:
         a status that puts no LiteLLM entry into a cooldown.
         """
         self.health_checks += 1
-        self.health_checks_relayed += 1
         engine = view.engine_handle if view.state == "ready" else None
         if engine is None:
             reply = ErrorReply(
@@ -257,6 +256,7 @@ class Gateway:
             state = (STATE_HEADER, view.state.encode())
             await responder.respond(reply.status, [*reply.headers(), state], reply.body())
             return
+        self.health_checks_relayed += 1
         await self._relay(engine.host, engine.port, request, body, responder, view, target)
 
     async def _wait_then_relay(

@@ -77,13 +77,14 @@ def test_a_probe_of_an_always_on_model_that_is_not_serving_is_a_503_and_starts_n
     state: str,
 ) -> None:
     async def main() -> None:
-        async with always_on(state) as (engine, controller, _, port):
+        async with always_on(state) as (engine, controller, gateway, port):
             probe = await request_once(port, "POST", CHAT, BODY, PROBE)
             assert probe.status == 503  # unhealthy, and no status LiteLLM cools down on
             assert probe.json()["error"]["code"] == "engine_not_ready"
             assert probe.header("x-dgxmm-ondemand-state") == state
             assert engine.seen == []
             assert controller.acquired == 0 and controller.enqueued == 0
+            assert gateway.statistics()["health_checks_relayed"] == 0
 
     run(main())
 

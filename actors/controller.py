@@ -46,6 +46,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "ondemand_idle_timeout_s": 300,
     "ondemand_queue_timeout_s": 900,
     "ondemand_max_queued": 64,
+    "ondemand_make_room_after_s": None,  # None: the seed's rule (the full idle timeout)
 }
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -76,6 +77,8 @@ class DeploymentRecord(msgspec.Struct, frozen=True, kw_only=True):
     engine_url: str | None
     created_at: float
     args: list[str]
+    make_room_after_s: int | None = None
+    effective_make_room_after_s: int = 0
 
 
 class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,6 +94,7 @@ class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True):
     args: list[str] = []
     image: str | None = None
     gpu: bool = False
+    make_room_after_s: int | None = None
 
 
 class Controller:
@@ -122,9 +126,10 @@ class Controller:
         self._hooks.candidates = self.candidates
         self._hooks.sleep_victims = self.sleep_victims
         self._hooks.default_idle_s = lambda: int(self.setting("ondemand_idle_timeout_s"))
+        self._hooks.default_make_room_s = self.default_make_room_s
         self._hooks.launch_spec = launch_spec
         self._hooks.stop_timeout_s = stop_timeout_s
-        self._hooks.activity = lambda deployment_id: self._notify(deployment_id, "activity")
+        self._hooks.activity = self._on_activity
         self.queue = QueueActor(
             clock=clock,
             store=store,
@@ -133,6 +138,7 @@ class Controller:
             candidates=self.candidates,
             sleep_victims=self.sleep_victims,
             settings=self.setting,
+            candidate_due=self.candidate_due,
         )
         self.queue.on_change = self._on_queue_change
         self._listeners: list[Callable[[str, str], None]] = []
@@ -143,6 +149,11 @@ class Controller:
     def setting(self, key: str) -> Any:
         """A setting: the recorded override, else the configured default."""
         return self.system.settings.get(key, self._defaults.get(key))
+
+    def default_make_room_s(self) -> int | None:
+        """`ondemand_make_room_after_s` in force (None: the seed's rule)."""
+        value = self.setting("ondemand_make_room_after_s")
+        return None if value is None else int(value)
 
     def settings(self) -> dict[str, Any]:
         """All settings in force."""
@@ -161,6 +172,8 @@ class Controller:
             if "ondemand_idle_timeout_s" in changed:
                 for actor_ in self.actors.values():
                     actor_.default_idle_timeout_changed()
+            if "ondemand_make_room_after_s" in changed or "ondemand_idle_timeout_s" in changed:
+                self.queue.poke("settings")
             self._notify("settings", "changed")
         return self.settings()
 
@@ -292,6 +305,23 @@ class Controller:
                 found.append(cand)
         return found
 
+    def candidate_due(self, for_deployment: str) -> float | None:
+        """When the next model not yet a candidate becomes one (None: none will while idle)."""
+        default_idle, default_room = self._hooks.default_idle_s(), self.default_make_room_s()
+        now = self.clock.now()
+        due: float | None = None
+        for dep_id, actor in self.actors.items():
+            dep = actor.state
+            if dep_id == for_deployment or not dep.on_demand or dep.role == "decision":
+                continue
+            if dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP) or actor.activity.in_flight:
+                continue
+            after = dep.effective_make_room_after_s(default_idle, default_room)
+            at = actor.activity.last_used + after
+            if at > now and (due is None or at < due):
+                due = at
+        return due
+
     def sleep_victims(self, victims: list[str], for_id: str, for_name: str) -> None:
         """Ask each victim to sleep; each re-checks that it is idle just before it stops."""
         for victim in victims:
@@ -313,7 +343,7 @@ class Controller:
             slept = False
         if not slept:
             self.broker.unmark_releasing(actor.deployment_id)
-            self.queue._tell_recheck("victim refused")
+            self.queue.replan(for_id)
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -340,6 +370,11 @@ class Controller:
             if actor is not None:
                 self._spawn_task(actor.stop())
         self._notify(dep.deployment_id, outcome or detail or "changed")
+
+    def _on_activity(self, deployment_id: str) -> None:
+        self._notify(deployment_id, "activity")
+        if len(self.queue):
+            self.queue.activity(deployment_id)
 
     def _on_queue_change(self, deployment_id: str) -> None:
         self._notify(deployment_id, "queue")
@@ -375,6 +410,7 @@ class Controller:
             memory_bytes=spec.memory_bytes,
             mode=spec.mode,
             idle_timeout_s=spec.idle_timeout_s,
+            make_room_after_s=spec.make_room_after_s,
             role=spec.role,
             args=list(spec.args),
             image=spec.image,
@@ -415,15 +451,19 @@ class Controller:
         idle_timeout_s: int | None,
         keep_idle_timeout: bool,
         actor: str,
+        make_room_after_s: int | msgspec.UnsetType | None = msgspec.UNSET,
     ) -> DeploymentRecord:
-        """PATCH .../mode."""
+        """PATCH .../mode (`make_room_after_s` left UNSET keeps the current value)."""
         dep_actor = self._actor(deployment_id)
+        if not isinstance(make_room_after_s, msgspec.UnsetType):
+            validate_make_room_after(make_room_after_s)
         await dep_actor.ask(
             ChangeMode(
                 mode=mode,
                 idle_timeout_s=idle_timeout_s,
                 keep_idle_timeout=keep_idle_timeout,
                 actor=actor,
+                make_room_after_s=make_room_after_s,
             )
         )
         return self.record(dep_actor)
@@ -482,6 +522,10 @@ class Controller:
             engine_url=engine_url,
             created_at=dep.created_at,
             args=dep.args,
+            make_room_after_s=dep.make_room_after_s,
+            effective_make_room_after_s=dep.effective_make_room_after_s(
+                default_idle, self.default_make_room_s()
+            ),
         )
 
     def records(self) -> list[DeploymentRecord]:
@@ -510,6 +554,17 @@ def validate_spec(spec: DeploymentSpec) -> None:
     if spec.mode not in ("on_demand", "always_on"):
         raise Refusal(422, "invalid_mode", 'mode: "on_demand" or "always_on"')
     validate_idle_timeout(spec.idle_timeout_s)
+    validate_make_room_after(spec.make_room_after_s)
+
+
+def validate_make_room_after(value: object) -> None:
+    """make_room_after_s is null (the DGXMM default) or 0 to 86400 seconds."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 86400:
+        raise Refusal(
+            422, "invalid_make_room_after", "make_room_after_s: null or 0 to 86400 seconds"
+        )
 
 
 def validate_idle_timeout(value: object) -> None:
@@ -524,7 +579,9 @@ _SETTING_RANGES = {
     "ondemand_idle_timeout_s": (60, 86400),
     "ondemand_queue_timeout_s": (1, 86400),
     "ondemand_max_queued": (1, 10_000),
+    "ondemand_make_room_after_s": (0, 86400),
 }
+_NULLABLE_SETTINGS = {"ondemand_make_room_after_s"}  # null: the seed's rule
 
 
 def validate_settings(changes: dict[str, Any]) -> dict[str, Any]:
@@ -534,6 +591,9 @@ def validate_settings(changes: dict[str, Any]) -> dict[str, Any]:
         bounds = _SETTING_RANGES.get(key)
         if bounds is None:
             raise Refusal(422, "unknown_setting", f"{key}: not a setting")
+        if value is None and key in _NULLABLE_SETTINGS:
+            checked[key] = None
+            continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise Refusal(422, "invalid_setting", f"{key}: an integer")
         lo, hi = bounds

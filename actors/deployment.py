@@ -74,6 +74,21 @@ def is_idle(
     return True, "idle"
 
 
+def may_make_room(
+    dep: DeploymentState,
+    act: Activity,
+    now: float,
+    default_idle_s: int,
+    default_make_room_s: int | None,
+) -> tuple[bool, str]:
+    """Whether it may sleep to make room for the queue's head: the idle rules, with
+    `ondemand_make_room_after_s` (or the deployment's own) in place of the idle timeout; pure."""
+    after = dep.effective_make_room_after_s(default_idle_s, default_make_room_s)
+    if after == dep.effective_idle_timeout_s(default_idle_s):
+        return is_idle(dep, act, now, default_idle_s)
+    return is_idle(msgspec.structs.replace(dep, idle_timeout_s=after), act, now, default_idle_s)
+
+
 class LeaseImpl:
     """A request in flight on a ready engine."""
 
@@ -130,6 +145,7 @@ class ChangeMode(Command, frozen=True, kw_only=True):
     mode: m.Mode
     idle_timeout_s: int | None
     keep_idle_timeout: bool
+    make_room_after_s: int | msgspec.UnsetType | None = msgspec.UNSET  # UNSET: kept
     actor: str
 
 
@@ -215,6 +231,7 @@ class Hooks:
         self.candidates: Callable[[str], list[Candidate]] = lambda deployment_id: []
         self.sleep_victims: Callable[[list[str], str, str], None] = lambda ids, for_id, name: None
         self.default_idle_s: Callable[[], int] = lambda: 300
+        self.default_make_room_s: Callable[[], int | None] = lambda: None
         self.activity: Callable[[str], None] = lambda deployment_id: None
         self.stop_timeout_s = 30.0  # SIGTERM, then SIGKILL after this
         self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
@@ -597,7 +614,7 @@ class DeploymentActor(Actor):
     async def _sleep(self, cmd: SleepDeployment) -> bool:
         dep = self.state
         if cmd.reason != "watchdog":
-            idle, why = is_idle(dep, self.activity, self.clock.now(), self._hooks.default_idle_s())
+            idle, why = self._idle_for(cmd.reason)
             if not idle:
                 log.info("sleep_refused", deployment=self.deployment_id, reason=why)
                 return False
@@ -794,9 +811,18 @@ class DeploymentActor(Actor):
         due = self.activity.last_used + timeout - self.clock.now()
         self._idle_timer = self.schedule(due if due > 0 else IDLE_CHECK_EVERY_S, IdleCheck())
 
+    def _idle_for(self, reason: m.SleepReason) -> tuple[bool, str]:
+        """Idle enough to sleep for `reason` (make room: `ondemand_make_room_after_s`)."""
+        now, default_idle = self.clock.now(), self._hooks.default_idle_s()
+        if reason == "make_room":
+            return may_make_room(
+                self.state, self.activity, now, default_idle, self._hooks.default_make_room_s()
+            )
+        return is_idle(self.state, self.activity, now, default_idle)
+
     def idle_candidate(self) -> Candidate | None:
-        """This deployment as a make-room candidate, when it is idle right now."""
-        idle, _ = is_idle(self.state, self.activity, self.clock.now(), self._hooks.default_idle_s())
+        """This deployment as a make-room candidate, when it may sleep for room right now."""
+        idle, _ = self._idle_for("make_room")
         if not idle:
             return None
         return Candidate(self.deployment_id, self.state.memory_bytes, self.activity.last_used)
@@ -806,11 +832,16 @@ class DeploymentActor(Actor):
     async def _change_mode(self, cmd: ChangeMode) -> dict[str, Any]:
         dep = self.state
         idle = dep.idle_timeout_s if cmd.keep_idle_timeout else cmd.idle_timeout_s
+        room = cmd.make_room_after_s
+        room_changed = not isinstance(room, msgspec.UnsetType) and room != dep.make_room_after_s
         if cmd.mode == "on_demand" and dep.role == "decision":
             raise Refusal(409, "decision_model_always_on", "the decision model is always on")
         if cmd.mode == dep.mode and dep.pending_mode is None:
-            if idle != dep.idle_timeout_s:
-                await self._record(cmd.actor, m.ModeChanged(mode=dep.mode, idle_timeout_s=idle))
+            if idle != dep.idle_timeout_s or room_changed:
+                await self._record(
+                    cmd.actor,
+                    m.ModeChanged(mode=dep.mode, idle_timeout_s=idle, make_room_after_s=room),
+                )
                 self.activity.last_used = (
                     self.clock.now() if dep.on_demand else self.activity.last_used
                 )
@@ -818,7 +849,9 @@ class DeploymentActor(Actor):
                 self._changed()
             return {"applied": True}
         if cmd.mode == "on_demand":
-            events: list[m.AnyEvent] = [m.ModeChanged(mode="on_demand", idle_timeout_s=idle)]
+            events: list[m.AnyEvent] = [
+                m.ModeChanged(mode="on_demand", idle_timeout_s=idle, make_room_after_s=room)
+            ]
             if dep.pending_mode is not None:
                 events.append(m.PendingModeCleared(applied=False))
             await self._record(cmd.actor, *events)
@@ -834,7 +867,10 @@ class DeploymentActor(Actor):
             return {"applied": True}
         # on demand -> always on
         if dep.lifecycle is Lifecycle.READY:
-            await self._record(cmd.actor, m.ModeChanged(mode="always_on", idle_timeout_s=idle))
+            await self._record(
+                cmd.actor,
+                m.ModeChanged(mode="always_on", idle_timeout_s=idle, make_room_after_s=room),
+            )
             self._broker.set_always_on(self.deployment_id, True)
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
@@ -854,7 +890,7 @@ class DeploymentActor(Actor):
             await self._wake()
             await self._record(
                 cmd.actor,
-                m.ModeChanged(mode="always_on", idle_timeout_s=idle),
+                m.ModeChanged(mode="always_on", idle_timeout_s=idle, make_room_after_s=room),
                 m.PendingModeCleared(),
             )
             self._changed()
@@ -874,8 +910,18 @@ class DeploymentActor(Actor):
             )
         if victims:
             self._hooks.sleep_victims(victims, self.deployment_id, dep.name)
+        kept: list[m.AnyEvent] = []
+        if room_changed:
+            kept.append(
+                m.ModeChanged(
+                    mode=dep.mode, idle_timeout_s=dep.idle_timeout_s, make_room_after_s=room
+                )
+            )
         await self._record(
-            cmd.actor, m.PendingModeSet(mode="always_on"), m.StartRequested(reason="mode_switch")
+            cmd.actor,
+            *kept,
+            m.PendingModeSet(mode="always_on"),
+            m.StartRequested(reason="mode_switch"),
         )
         self._begin_boot()
         self._changed()

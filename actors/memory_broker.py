@@ -176,6 +176,44 @@ class MemoryBroker:
         self._notify()
         return plan
 
+    def shortfall(self) -> int:
+        """Memory held beyond the budget by deployments that keep it (0 normally).
+
+        Only a planned stop that was refused (the victim got a request) leaves the books
+        over: the reservation made for the head counted on that victim's memory.
+        """
+        kept = sum(h.memory_bytes for h in self._held.values() if not h.releasing)
+        return max(0, kept - self.usable_bytes)
+
+    def replan(self, deployment_id: str, candidates: Iterable[Candidate]) -> list[str] | None:
+        """Make room again for a reservation whose victim refused, with the candidates left.
+
+        Returns the further deployments to stop (empty when nothing is missing, or when
+        `deployment_id` has no reservation waiting for its launch), or None when even all
+        candidates left would not cover the shortfall; then nothing is stopped and the launch
+        keeps waiting (the queue tries again on its next pass).
+        """
+        held = self._held.get(deployment_id)
+        if held is None or held.launched or held.releasing:
+            return []
+        missing = self.shortfall()
+        if missing == 0:
+            return []
+        eligible = [
+            c
+            for c in candidates
+            if c.deployment_id != deployment_id
+            and c.deployment_id in self._held
+            and not self._held[c.deployment_id].releasing
+        ]
+        plan = plan_make_room(missing, 0, eligible)
+        if plan is None:
+            return None
+        for victim in plan:
+            self._held[victim].releasing = True
+        self._notify()
+        return plan
+
     def adopt(self, deployment_id: str, need: int, *, always_on: bool) -> None:
         """Account for an engine found running at start-up (it already exists)."""
         self._held[deployment_id] = Holding(memory_bytes=need, always_on=always_on, launched=True)

@@ -6,6 +6,12 @@ oldest request queued for memory) may put idle models to sleep; a later request 
 ahead when its model fits in the memory free right now, without stopping anything and
 without the memory reserved for the head.
 
+When a model planned to sleep for the head refuses (a request reached it after the plan),
+the head's plan is made again at once with the candidates left (`replan`).  With
+`ondemand_make_room_after_s` set, a model becomes a candidate before its idle timer runs
+out, so the queue also looks again the moment the next one becomes one, and whenever a
+model's last request in flight ends.
+
 `enqueue` and `leave` are synchronous: the gateway needs an immediate answer (queue full,
 does not fit), and a synchronous call cannot interleave with a re-check.  Re-checks, expiries
 and the 15 s tick arrive through the mailbox.
@@ -96,6 +102,7 @@ class QueueActor(Actor):
         sleep_victims: Callable[[list[str], str, str], None],
         settings: Callable[[str], Any],
         plain_fifo: bool = False,
+        candidate_due: Callable[[str], float | None] = lambda deployment_id: None,
     ) -> None:
         super().__init__("queue", clock)
         # Off in DGXMM; the fairness simulations turn it on to compare with plain FIFO.
@@ -106,6 +113,8 @@ class QueueActor(Actor):
         self._candidates = candidates
         self._sleep_victims = sleep_victims
         self._settings = settings
+        self._candidate_due = candidate_due
+        self._due_timer: TimerHandle | None = None
         self._waiting: dict[str, WaiterImpl] = {}  # insertion order is arrival order
         self._starting: set[str] = set()  # deployments started for requests, not yet settled
         self._writes: set[asyncio.Task[Any]] = set()
@@ -191,6 +200,8 @@ class QueueActor(Actor):
         if not admitted:
             waiter.kind = "queued"
             waiter.queued.set()
+            if is_head:
+                self._arm_due(dep.deployment_id)
         self._record(
             m.RequestQueued(
                 request_id=request_id,
@@ -260,6 +271,10 @@ class QueueActor(Actor):
         self._writes.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("queue_event_not_recorded", error=str(task.exception()))
+
+    def poke(self, why: str) -> None:
+        """Look at the queue again soon (something the queue does not watch changed)."""
+        self._tell_recheck(why)
 
     def _tell_recheck(self, why: str) -> None:
         if self.running:
@@ -341,6 +356,8 @@ class QueueActor(Actor):
 
     def recheck(self) -> None:
         """Walk the queue in arrival order; the head may make room, later ones may go ahead."""
+        for dep_id in list(self._starting):
+            self._replan(dep_id)
         head_seen = False
         done: set[str] = set()
         for w in list(self._waiting.values()):
@@ -375,8 +392,42 @@ class QueueActor(Actor):
                 continue
             is_head = not head_seen
             admitted = self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
+            if is_head and not admitted:
+                self._arm_due(dep.deployment_id)
             # Once the head is admitted it no longer waits for memory: the next one is the head.
             head_seen = head_seen or not admitted
+
+    def _arm_due(self, head_id: str) -> None:
+        """Look again when the next model becomes a make-room candidate for the head."""
+        due = self._candidate_due(head_id)
+        if self._due_timer is not None:
+            self._due_timer.cancel()
+            self._due_timer = None
+        now = self.clock.now()
+        if due is not None and now < due < now + RECHECK_EVERY_S:
+            self._due_timer = self.schedule(due - now, Recheck("make_room_after"))
+
+    def replan(self, deployment_id: str) -> None:
+        """A model planned to sleep for `deployment_id` refused: plan again at once."""
+        self._replan(deployment_id)
+        self._tell_recheck("victim refused")
+
+    def _replan(self, deployment_id: str) -> None:
+        actor = self._lookup(deployment_id)
+        if actor is None:
+            return
+        victims = self._broker.replan(deployment_id, self._candidates(deployment_id))
+        if victims:
+            log.info("make_room_replanned", deployment=deployment_id, victims=victims)
+            self._sleep_victims(victims, deployment_id, actor.state.name)
+
+    def activity(self, deployment_id: str) -> None:
+        """A request started or ended on a model: once none is in flight, it may be a candidate."""
+        actor = self._lookup(deployment_id)
+        if actor is None or actor.activity.in_flight:
+            return
+        if any(w.kind == "queued" for w in self._waiting.values()) or self._starting:
+            self._tell_recheck("activity")
 
     def _fail_all(self, deployment_id: str, reason: m.LeaveReason, error: Refused) -> None:
         for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:

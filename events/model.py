@@ -36,6 +36,8 @@ class DeploymentCreated(Event, frozen=True, kw_only=True):
     args: list[str] = []
     image: str | None = None
     gpu: bool = False
+    # How long without a request before it may sleep to make room; None: the DGXMM default.
+    make_room_after_s: int | None = None
 
 
 class DeploymentReconfigured(Event, frozen=True, kw_only=True):
@@ -64,6 +66,8 @@ class ModeChanged(Event, frozen=True, kw_only=True):
 
     mode: Mode
     idle_timeout_s: int | None = None
+    # UNSET (left out): kept; None: follows the DGXMM default.
+    make_room_after_s: int | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class PendingModeSet(Event, frozen=True, kw_only=True):

@@ -136,6 +136,7 @@ class DeploymentState(msgspec.Struct, frozen=True, kw_only=True):
     stop_reason: str | None = None
     changed_at: float = 0.0  # time of the last lifecycle change
     version: int = 0
+    make_room_after_s: int | None = None  # None: follows the DGXMM default
 
     @property
     def on_demand(self) -> bool:
@@ -145,6 +146,16 @@ class DeploymentState(msgspec.Struct, frozen=True, kw_only=True):
     def effective_idle_timeout_s(self, default_s: int) -> int:
         """The idle timeout in force, following the default when unset."""
         return default_s if self.idle_timeout_s is None else self.idle_timeout_s
+
+    def effective_make_room_after_s(self, default_idle_s: int, default_s: int | None) -> int:
+        """How long without a request before it may sleep to make room for the queue's head.
+
+        Unset here and in the DGXMM default: the seed's rule, its full idle timeout.  Never
+        longer than the idle timeout: a model idle by the seed's rule is always a candidate.
+        """
+        idle = self.effective_idle_timeout_s(default_idle_s)
+        after = default_s if self.make_room_after_s is None else self.make_room_after_s
+        return idle if after is None else min(after, idle)
 
 
 class QueueEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -217,9 +228,12 @@ def _evolve_deployment(dep: DeploymentState, rec: m.Recorded) -> DeploymentState
                 retry_at=None,
             )
         case m.ModeChanged():
-            return replace(
+            dep = replace(
                 dep, mode=ev.mode, idle_timeout_s=ev.idle_timeout_s, failures=0, retry_at=None
             )
+            if isinstance(ev.make_room_after_s, msgspec.UnsetType):
+                return dep
+            return replace(dep, make_room_after_s=ev.make_room_after_s)
         case m.PendingModeSet():
             return replace(dep, pending_mode=ev.mode)
         case m.PendingModeCleared():
@@ -267,6 +281,7 @@ def _created(rec: m.Recorded, ev: m.DeploymentCreated) -> DeploymentState:
         memory_bytes=ev.memory_bytes,
         mode=ev.mode,
         idle_timeout_s=ev.idle_timeout_s,
+        make_room_after_s=ev.make_room_after_s,
         role=ev.role,
         args=ev.args,
         image=ev.image,

@@ -100,18 +100,21 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ondemand_idle_timeout_s: int = 300
     ondemand_queue_timeout_s: int = 900
     ondemand_max_queued: int = 64
+    # Quiet this long, an on-demand model may sleep for the queue's head; unset: its idle timeout.
+    ondemand_make_room_after_s: int | None = None
     server: ServerConfig = ServerConfig()
     memory: MemoryConfig = MemoryConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     engines: EnginesConfig = EnginesConfig()
     litellm: LiteLLMConfig = LiteLLMConfig()
 
-    def ondemand_defaults(self) -> dict[str, int]:
+    def ondemand_defaults(self) -> dict[str, int | None]:
         """The on-demand defaults (settings changed in the UI override them)."""
         return {
             "ondemand_idle_timeout_s": self.ondemand_idle_timeout_s,
             "ondemand_queue_timeout_s": self.ondemand_queue_timeout_s,
             "ondemand_max_queued": self.ondemand_max_queued,
+            "ondemand_make_room_after_s": self.ondemand_make_room_after_s,
         }
 
 
@@ -141,5 +144,8 @@ def _check(config: Config, where: str) -> None:
         raise ConfigError(f"{where}: ondemand_queue_timeout_s must be at least 1")
     if config.ondemand_max_queued < 1:
         raise ConfigError(f"{where}: ondemand_max_queued must be at least 1")
+    room = config.ondemand_make_room_after_s
+    if room is not None and not 0 <= room <= 86400:
+        raise ConfigError(f"{where}: ondemand_make_room_after_s must be 0 to 86400")
     if config.memory.max_concurrent_starts < 1:
         raise ConfigError(f"{where}: memory.max_concurrent_starts must be at least 1")

@@ -79,7 +79,10 @@ def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
         case m.ModelSwitched():
             return "deployment_switch_model", {"model": ev.model}
         case m.ModeChanged():
-            return "ondemand_mode", {"mode": ev.mode, "idle_timeout_s": ev.idle_timeout_s}
+            mode: dict[str, Any] = {"mode": ev.mode, "idle_timeout_s": ev.idle_timeout_s}
+            if not isinstance(ev.make_room_after_s, msgspec.UnsetType):
+                mode["make_room_after_s"] = ev.make_room_after_s
+            return "ondemand_mode", mode
         case m.StartRequested() if ev.reason == "request":
             return "ondemand_start", {"request_id": ev.request_id}
         case m.StartRequested() if ev.reason == "admin":
@@ -270,6 +273,19 @@ def deployment_events(
                     title="Queued request timed out",
                     type=rec.type,
                 )
+            )
+            continue
+        if (
+            isinstance(ev, m.PutToSleep)
+            and ev.reason == "make_room"
+            and ev.for_deployment == deployment_id
+            and rec.stream != stream
+        ):
+            # The head's own tab names the models stopped for it.
+            victim = names.get(rec.stream.partition(":")[2], rec.stream.partition(":")[2])
+            made = f"Made room: {victim} put to sleep"
+            rows.append(
+                EventRow(seq=rec.seq, ts=rec.ts, actor=rec.actor, title=made, type=rec.type)
             )
             continue
         if rec.stream != stream:

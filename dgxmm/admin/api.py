@@ -187,6 +187,7 @@ def deployment_spec(body: bodies.DeploymentBody) -> DeploymentSpec:
         args=list(body.args),
         image=body.image,
         gpu=body.gpu,
+        make_room_after_s=bodies.make_room_after(body.make_room_after_s),
     )
 
 
@@ -510,8 +511,11 @@ class AdminApi:
         body = bodies.decode(call.body, bodies.ModeBody)
         keep = body.idle_timeout_s is msgspec.UNSET
         idle = None if keep else bodies.idle_timeout(cast(float | None, body.idle_timeout_s))
+        room: int | msgspec.UnsetType | None = msgspec.UNSET  # left out: kept
+        if not isinstance(body.make_room_after_s, msgspec.UnsetType):
+            room = bodies.make_room_after(body.make_room_after_s)
         record = await self.controller.change_mode(
-            actor.deployment_id, body.mode, idle, keep, self._who(call)
+            actor.deployment_id, body.mode, idle, keep, self._who(call), make_room_after_s=room
         )
         return 200, record_json(record)
 
@@ -547,7 +551,12 @@ class AdminApi:
             and rec.event.deployment_id == dep_id
             and rec.event.reason == "timeout"
         ]
-        merged = sorted([*own, *timeouts], key=lambda r: r.seq)
+        made_room = [  # the models put to sleep to make room for this one
+            rec
+            async for rec in self.store.iterate(types=("PutToSleep",))
+            if isinstance(rec.event, m.PutToSleep) and rec.event.for_deployment == dep_id
+        ]
+        merged = sorted([*own, *timeouts, *made_room], key=lambda r: r.seq)
         rows = [
             r
             for r in deployment_events(merged, dep_id, self._names())

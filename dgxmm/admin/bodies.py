@@ -22,6 +22,7 @@ NonEmpty = Annotated[str, msgspec.Meta(pattern=r"\S")]
 Gib = Annotated[float, msgspec.Meta(gt=0, le=1 << 20)]
 Arg = Annotated[str, msgspec.Meta(max_length=4096)]
 IdleTimeout = Annotated[float, msgspec.Meta(ge=60, le=86400)]
+MakeRoomAfter = Annotated[float, msgspec.Meta(ge=0, le=86400)]
 Mode = Literal["on_demand", "always_on"]
 Role = Literal["model", "decision"]
 
@@ -38,6 +39,7 @@ RULES: dict[str, tuple[str, str]] = {
     "image": ("invalid_field", "a non-empty string or null"),
     "gpu": ("invalid_field", "true or false"),
     "idle_timeout_s": ("invalid_idle_timeout", "null or 60 to 86400 seconds"),
+    "make_room_after_s": ("invalid_make_room_after", "null or 0 to 86400 seconds"),
 }
 # Login answers one way whatever is wrong with a field: it is required.
 LOGIN_RULES: dict[str, tuple[str, str]] = {
@@ -59,6 +61,7 @@ class DeploymentBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     args: Annotated[list[Arg], msgspec.Meta(max_length=256)] = msgspec.field(default_factory=list)
     image: NonEmpty | None = None
     gpu: bool = False
+    make_room_after_s: MakeRoomAfter | None = None
 
 
 class ModeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -66,6 +69,7 @@ class ModeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     mode: Mode
     idle_timeout_s: float | msgspec.UnsetType | None = msgspec.UNSET
+    make_room_after_s: float | msgspec.UnsetType | None = msgspec.UNSET  # omitted: kept
 
 
 class SwitchModelBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -126,9 +130,18 @@ def idle_timeout(value: float | None) -> int | None:
     Checked here as well as by the Struct: msgspec drops the range of a constrained float in
     a union with `UnsetType` (seen with msgspec 0.23 in `ModeBody`).
     """
+    return _seconds(value, 60, "idle_timeout_s")
+
+
+def make_room_after(value: float | None) -> int | None:
+    """`make_room_after_s`: null (the DGXMM default), or whole seconds from 0 to 86400."""
+    return _seconds(value, 0, "make_room_after_s")
+
+
+def _seconds(value: float | None, lo: int, field: str) -> int | None:
     if value is None:
         return None
-    if not float(value).is_integer() or not 60 <= value <= 86400:
-        code, hint = RULES["idle_timeout_s"]
-        raise ApiError(422, code, f"idle_timeout_s: {hint}", param="idle_timeout_s")
+    if not float(value).is_integer() or not lo <= value <= 86400:
+        code, hint = RULES[field]
+        raise ApiError(422, code, f"{field}: {hint}", param=field)
     return int(value)

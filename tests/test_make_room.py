@@ -101,9 +101,7 @@ def test_the_setting_accepts_null_and_zero_and_refuses_the_rest() -> None:
     assert validate_settings({"ondemand_make_room_after_s": None}) == {
         "ondemand_make_room_after_s": None
     }
-    assert validate_settings({"ondemand_make_room_after_s": 0}) == {
-        "ondemand_make_room_after_s": 0
-    }
+    assert validate_settings({"ondemand_make_room_after_s": 0}) == {"ondemand_make_room_after_s": 0}
     for bad in (-1, 86401, 1.5, "30", True):
         with pytest.raises(Refusal) as caught:
             validate_settings({"ondemand_make_room_after_s": bad})

@@ -2,6 +2,7 @@
 
     python -m simulations.fairness --scenario hot-small-cold-large --seed 1
     python -m simulations.fairness --scenario all --seed 1 --compare
+    python -m simulations.fairness --scenario all --seed 1 --compare make-room
     python -m simulations.fairness --list
 
 Per model it prints the waits (arrival to serving; a request that timed out counts with
@@ -9,8 +10,11 @@ the time it waited), their p50/p90/p99/max, the waits of requests while they wer
 of the queue and how many later requests went ahead of them meanwhile, evictions, cold
 starts, timeouts and refusals; then Jain's fairness index over the models' mean waits.
 `--policy fifo` runs the same arrivals and engines with the go-ahead rule turned off
-(plain first come, first served) for comparison.  The numbers come from the event log
-and the simulated clients, not from the actors' own counters.
+(plain first come, first served) for comparison.  `--make-room-after N` runs it with
+`ondemand_make_room_after_s = N`, and `--compare make-room` runs the seed's rule, 0 s, 30 s
+and 120 s on the same arrivals and engines and prints mean and p90 wait, the head's longest
+wait, cold starts per hour and Jain's index side by side.  The numbers come from the event
+log and the simulated clients, not from the actors' own counters.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from simulations.scenarios import (
     ModelSpec,
     Outcome,
     Policy,
+    Scenario,
     describe,
     quiet_logs,
     scenario,
@@ -93,6 +98,8 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
     jain: float  # over the models' mean waits; 1.0 = every model waited as long on average
     models: list[ModelReport]
     violations: list[str]
+    make_room_after_s: int | None = None  # None: the seed's rule (the full idle timeout)
+    cold_starts_per_hour: float = 0.0  # launches per simulated hour of traffic: swapping's cost
 
 
 # --- numbers --------------------------------------------------------------------------------
@@ -278,12 +285,14 @@ def report(outs: Sequence[Outcome], violations: Sequence[str] = ()) -> Report:
         head += _count(out, tallies)
     models = [t.report() for t in tallies.values()]
     every = [w for t in tallies.values() for w in t.waits]
+    simulated = sum(out.end - out.traffic_start for out in outs)
+    room = spec.settings.get("ondemand_make_room_after_s")
     return Report(
         scenario=spec.name,
         description=spec.description,
         seeds=[out.seed for out in outs],
         policy=outs[0].policy,
-        simulated_s=sum(out.end - out.traffic_start for out in outs),
+        simulated_s=simulated,
         wall_s=sum(out.wall_s for out in outs),
         requests=sum(r.requests for r in models),
         served=sum(r.served for r in models),
@@ -293,26 +302,57 @@ def report(outs: Sequence[Outcome], violations: Sequence[str] = ()) -> Report:
         jain=jain(r.waits.mean for r in models if r.waits.n),
         models=models,
         violations=[v for out in outs for v in out.harness_violations] + list(violations),
+        make_room_after_s=None if room is None else int(room),
+        cold_starts_per_hour=(
+            sum(r.cold_starts for r in models) * 3600.0 / simulated if simulated > 0 else 0.0
+        ),
     )
 
 
 # --- running --------------------------------------------------------------------------------
 
 
+MAKE_ROOM_RULES: tuple[int | None, ...] = (None, 0, 30, 120)  # None: the seed's rule
+
+
+def with_make_room_after(spec: Scenario, after_s: int | None) -> Scenario:
+    """The scenario with `ondemand_make_room_after_s` set (None: left to the seed's rule)."""
+    if after_s is None:
+        return spec
+    settings = {**spec.settings, "ondemand_make_room_after_s": after_s}
+    return msgspec.structs.replace(spec, settings=settings)
+
+
 async def run(
-    name: str, seed: int, policy: Policy, duration_s: float = 3600.0, db: Path | None = None
+    name: str,
+    seed: int,
+    policy: Policy,
+    duration_s: float = 3600.0,
+    db: Path | None = None,
+    make_room_after_s: int | None = None,
 ) -> Outcome:
     """Simulate scenario `name` (the log goes to `db` or a temporary file)."""
-    spec = scenario(name, seed, duration_s)
+    spec = with_make_room_after(scenario(name, seed, duration_s), make_room_after_s)
     if db is not None:
         return await simulate(spec, db, seed=seed, policy=policy)
     with tempfile.TemporaryDirectory(prefix="dgxmm-fairness-") as tmp:
         return await simulate(spec, Path(tmp) / "log.db", seed=seed, policy=policy)
 
 
-def measure(name: str, seeds: Iterable[int], policy: Policy, duration_s: float = 3600.0) -> Report:
+def measure(
+    name: str,
+    seeds: Iterable[int],
+    policy: Policy,
+    duration_s: float = 3600.0,
+    make_room_after_s: int | None = None,
+) -> Report:
     """Run scenario `name` once per seed with `policy` and report them pooled."""
-    return report([asyncio.run(run(name, seed, policy, duration_s)) for seed in seeds])
+    return report(
+        [
+            asyncio.run(run(name, seed, policy, duration_s, make_room_after_s=make_room_after_s))
+            for seed in seeds
+        ]
+    )
 
 
 # --- text -----------------------------------------------------------------------------------
@@ -328,10 +368,16 @@ def _seeds(seeds: Sequence[int]) -> str:
     return f"seeds {seeds[0]}-{seeds[-1]}"
 
 
+def rule_label(after_s: int | None) -> str:
+    """How a make-room rule reads in the reports."""
+    return "seed's rule" if after_s is None else f"{after_s} s"
+
+
 def render(rep: Report) -> list[str]:
     """The report as text lines."""
     lines = [
-        f"scenario {rep.scenario}  {_seeds(rep.seeds)}  policy {rep.policy}",
+        f"scenario {rep.scenario}  {_seeds(rep.seeds)}  policy {rep.policy}"
+        f"  make room after: {rule_label(rep.make_room_after_s)}",
         f"  {rep.description}",
         f"  {rep.simulated_s:.0f} s simulated in {rep.wall_s:.2f} s; {rep.requests} requests, "
         f"{rep.served} served, {rep.timeouts} timed out",
@@ -363,6 +409,7 @@ def render(rep: Report) -> list[str]:
         f"  head of the queue: {hw.n} requests, p50 {_s(hw.p50)} s, p90 {_s(hw.p90)} s, "
         f"max {_s(hw.max)} s",
         f"  Jain's fairness index over the models' mean waits: {rep.jain:.3f}",
+        f"  cold starts per hour: {rep.cold_starts_per_hour:.1f}",
     ]
     refused = {k: sum(r.refused.get(k, 0) for r in rep.models) for k in REFUSALS}
     if any(refused.values()):
@@ -401,6 +448,23 @@ def render_comparison(pairs: Sequence[tuple[Report, Report]]) -> list[str]:
     return lines
 
 
+def render_make_room(groups: Sequence[Sequence[Report]]) -> list[str]:
+    """The make-room rules side by side per scenario, as a Markdown table."""
+    lines = [
+        "| scenario | make room after | mean wait (s) | p90 wait (s) | head's longest wait (s) "
+        "| cold starts / h | Jain | timed out |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for group in groups:
+        for rep in group:
+            lines.append(
+                f"| {rep.scenario} | {rule_label(rep.make_room_after_s)} | {_s(rep.waits.mean)} "
+                f"| {_s(rep.waits.p90)} | {_s(rep.head_waits.max)} "
+                f"| {rep.cold_starts_per_hour:.1f} | {rep.jain:.3f} | {rep.timeouts} |"
+            )
+    return lines
+
+
 # --- command line ---------------------------------------------------------------------------
 
 
@@ -419,7 +483,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--policy", choices=list(get_args(Policy)), default="fifo-go-ahead")
     parser.add_argument(
-        "--compare", action="store_true", help="run both policies and print them side by side"
+        "--compare",
+        nargs="?",
+        const="policy",
+        choices=("policy", "make-room"),
+        help="run both policies (or, with make-room, the seed's rule and 0, 30 and 120 s of "
+        "ondemand_make_room_after_s) and print them side by side",
+    )
+    parser.add_argument(
+        "--make-room-after",
+        type=_make_room_arg,
+        default=None,
+        metavar="SECONDS",
+        help="ondemand_make_room_after_s for the runs (default: unset, the seed's rule)",
     )
     parser.add_argument(
         "--duration", type=float, default=3600.0, help="simulated seconds of traffic per run"
@@ -428,6 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="JSON instead of text")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     return parser
+
+
+def _make_room_arg(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError("0 to 86400 seconds")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -443,26 +526,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}\n")
         return 2
     seeds = list(range(args.seed, args.seed + max(1, args.seeds)))
-    policies: tuple[Policy, ...] = POLICIES if args.compare else (args.policy,)
-    if args.db is not None and len(names) * len(seeds) * len(policies) > 1:
+    policies: tuple[Policy, ...] = POLICIES if args.compare == "policy" else (args.policy,)
+    rules = MAKE_ROOM_RULES if args.compare == "make-room" else (args.make_room_after,)
+    if args.db is not None and len(names) * len(seeds) * len(policies) * len(rules) > 1:
         sys.stderr.write("--db keeps one run's log: use it with one scenario, seed and policy\n")
         return 2
     reports: list[Report] = []
     for name in names:
         for policy in policies:
-            if args.db is not None:
-                out = asyncio.run(run(name, seeds[0], policy, args.duration, args.db))
-                reports.append(report([out]))
-            else:
-                reports.append(measure(name, seeds, policy, args.duration))
+            for rule in rules:
+                if args.db is not None:
+                    out = asyncio.run(run(name, seeds[0], policy, args.duration, args.db, rule))
+                    reports.append(report([out]))
+                else:
+                    reports.append(measure(name, seeds, policy, args.duration, rule))
     if args.json:
         sys.stdout.write(msgspec.json.encode(reports).decode() + "\n")
     else:
         text: list[str] = []
         for rep in reports:
             text += [*render(rep), ""]
-        if args.compare:
+        if args.compare == "policy":
             text += render_comparison(list(zip(reports[::2], reports[1::2], strict=True)))
+        elif args.compare == "make-room":
+            n = len(rules)
+            text += render_make_room([reports[i : i + n] for i in range(0, len(reports), n)])
         sys.stdout.write("\n".join(text).rstrip() + "\n")
     return 1 if any(rep.violations for rep in reports) else 0
 

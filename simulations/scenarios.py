@@ -11,6 +11,9 @@ same arrivals and engines.
 `simulate()` runs one on a fresh `Harness` (real controller, queue, broker and deployment
 actors; simulated engines; a real SQLite log) and returns what happened.  A simulated hour
 takes well under a second of real time; `python -m simulations.scenarios` measures it.
+
+Over 600 lines because the named scenarios are data that belongs together: the traffic
+generators, the seven scenarios and the engines they draw are one vocabulary.
 """
 
 from __future__ import annotations
@@ -303,6 +306,60 @@ def flaky_engines(seed: int, duration_s: float) -> Scenario:
     )
 
 
+def three_two_fit(seed: int, duration_s: float) -> Scenario:
+    """Three models of which two fit, asked in turn: every third request must swap one out."""
+    rng = random.Random(f"three-two-fit/{seed}")
+    models = tuple(ModelSpec(name=n, gib=40, startup_s=_startup(40)) for n in ("x", "y", "z"))
+    agents = (
+        Agent(name="rotate-1", models=("x", "y", "z"), start_s=0.0),
+        Agent(name="rotate-2", models=("z", "y", "x"), start_s=rng.uniform(0, 300)),
+    )
+    return Scenario(
+        name="three-two-fit",
+        description="3 on-demand 40 GiB models on 96 GiB (two fit), 2 closed-loop clients "
+        "asking them in turn (default 5 min idle timeout)",
+        usable_gib=96,
+        models=models,
+        duration_s=duration_s,
+        agents=agents,
+    )
+
+
+def agent_tools(seed: int, duration_s: float) -> Scenario:
+    """An agent on one big model that calls small tool models in bursts between its turns."""
+    rng = random.Random(f"agent-tools/{seed}")
+    models = (
+        ModelSpec(name="agent-64g", gib=64, startup_s=(90.0, 135.0)),
+        ModelSpec(name="tool-16g", gib=16, startup_s=_startup(16)),
+        ModelSpec(name="tool-24g", gib=24, startup_s=_startup(24)),
+    )
+    agents = (
+        Agent(
+            name="agent",
+            models=("agent-64g", "tool-16g", "tool-24g", "tool-16g"),
+            think_s=(1.0, 5.0),
+            hold_s=(3.0, 40.0),
+        ),
+    )
+    arrivals: list[Arrival] = []
+    t = rng.uniform(60.0, 300.0)
+    while t < duration_s:  # other clients' bursts of small tool calls
+        arrivals += burst(
+            rng, ["tool-16g", "tool-24g"], at_s=t, size=rng.randint(3, 8), hold_s=(1.0, 5.0)
+        )
+        t += rng.uniform(180.0, 420.0)
+    return Scenario(
+        name="agent-tools",
+        description="a closed-loop agent on a 64 GiB model calling 16 and 24 GiB tool models "
+        "(all three do not fit in 96 GiB), plus bursts of 3-8 tool calls every 3-7 min",
+        usable_gib=96,
+        models=models,
+        duration_s=duration_s,
+        arrivals=_sorted(arrivals),
+        agents=agents,
+    )
+
+
 def _sorted(arrivals: Iterable[Arrival]) -> tuple[Arrival, ...]:
     return tuple(sorted(arrivals, key=lambda a: a.at_s))
 
@@ -313,6 +370,8 @@ SCENARIOS: dict[str, Callable[[int, float], Scenario]] = {
     "agent-alternation": agent_alternation,
     "bursts": bursts,
     "flaky-engines": flaky_engines,
+    "three-two-fit": three_two_fit,
+    "agent-tools": agent_tools,
 }
 
 

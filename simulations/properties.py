@@ -9,7 +9,8 @@
   the queue makes (the head, or a later request going ahead of it) from the queue's own
   waiting list, and checks that a go-ahead stopped nothing and fitted in the memory free at
   that moment (memory held or being freed for the head is not free), and that making room
-  stopped idle candidates only, least recently used first and only as many as needed;
+  stopped idle candidates only, least recently used first and only as many as needed, and
+  that a re-plan after a refused victim does the same for the memory still missing;
 - every put-to-sleep: no simulated client holds a request on the model, the actor counts
   none in flight, no direct call has kept the engine busy for a full metrics interval, and
   the deployment is on demand and not the decision model;
@@ -20,8 +21,9 @@
 After the run, `check_run` reads the event log and the clients' results: requests served
 in arrival order except flagged go-aheads (and the flag only when someone earlier waited),
 every request answered or refused with one of the seed's errors, none past its deadline,
-queue-full only when full, put-to-sleep only after a full idle timeout and never while a
-request was in flight, and `check_replay` folds the log and compares it with what the
+queue-full only when full, put-to-sleep only after a full idle timeout (to make room:
+after `ondemand_make_room_after_s`, or the deployment's own) and never while a request was
+in flight, and `check_replay` folds the log and compares it with what the
 actors hold.
 
 `Program` is a list of steps (requests, bursts, time, direct calls, crashes, failing
@@ -206,6 +208,36 @@ class CheckedBroker(MemoryBroker):
                 f"{victims} put to sleep for {name} ({_g(need)}): {victims[-1]} was not needed, "
                 f"{_g(eventual + before_last)} are free once the stops under way complete"
             )
+
+    def replan(self, deployment_id: str, candidates: Iterable[Candidate]) -> list[str] | None:
+        """The real replan; a re-plan too stops idle candidates only, LRU, only as needed."""
+        cands = list(candidates)
+        missing = sum(v for k, v in self.ledger.items() if k not in self.releasing_ids)
+        missing -= self.usable_bytes
+        plan = super().replan(deployment_id, cands)
+        if not plan:
+            return plan
+        name = self._name(deployment_id)
+        victims = [self._name(v) for v in plan]
+        eligible = sorted(
+            (
+                c
+                for c in cands
+                if c.deployment_id in self.ledger
+                and c.deployment_id not in self.releasing_ids
+                and c.deployment_id != deployment_id
+            ),
+            key=lambda c: (c.last_used, c.deployment_id),
+        )
+        size = {c.deployment_id: c.memory_bytes for c in eligible}
+        if any(v not in size for v in plan):
+            self._problem(f"re-plan for {name} put {victims} to sleep, not all idle candidates")
+        elif [c.deployment_id for c in eligible[: len(plan)]] != plan:
+            self._problem(f"re-plan for {name} put {victims} to sleep: not the least recently used")
+        elif sum(size[v] for v in plan[:-1]) >= missing:
+            self._problem(f"re-plan for {name} put {victims} to sleep: {victims[-1]} not needed")
+        self.releasing_ids.update(plan)
+        return plan
 
     def adopt(self, deployment_id: str, need: int, *, always_on: bool) -> None:
         """The real adopt, in the ledger too."""
@@ -437,6 +469,7 @@ class RunFacts(msgspec.Struct, kw_only=True):
     queue_timeout_s: float
     max_queued: int
     direct_calls: list[tuple[str, float, float]]  # (engine's runtime id, start, end)
+    default_make_room_s: int | None = None  # the configured ondemand_make_room_after_s
 
 
 def facts_of(h: Harness, records: list[m.Recorded]) -> RunFacts:
@@ -455,6 +488,7 @@ def facts_of(h: Harness, records: list[m.Recorded]) -> RunFacts:
         queue_timeout_s=float(c.setting("ondemand_queue_timeout_s")),
         max_queued=int(c.setting("ondemand_max_queued")),
         direct_calls=[(d.runtime_id, d.start, d.end) for d in h.direct_calls],
+        default_make_room_s=c._defaults.get("ondemand_make_room_after_s"),
     )
 
 
@@ -572,7 +606,8 @@ def check_queue_cap(facts: RunFacts) -> list[str]:
 
 
 def check_sleeps(facts: RunFacts) -> list[str]:
-    """Put to sleep only on demand, after a full idle timeout, with nothing in flight."""
+    """Put to sleep only on demand, after a full idle timeout (to make room: after
+    `ondemand_make_room_after_s`), with nothing in flight."""
     problems: list[str] = []
     state = fold([])
     activity: dict[str, float] = {}  # deployment -> last ready/awake/adopted/mode change
@@ -594,6 +629,11 @@ def check_sleeps(facts: RunFacts) -> list[str]:
                 f"t={t:.1f}: {name} ({before.mode}, {before.role}) put to sleep by {rec.actor}"
             )
         timeout = before.effective_idle_timeout_s(_default_idle(state, facts))
+        if ev.reason == "make_room":
+            default_room = state.settings.get(
+                "ondemand_make_room_after_s", facts.default_make_room_s
+            )
+            timeout = before.effective_make_room_after_s(_default_idle(state, facts), default_room)
         last = activity.get(dep_id, -math.inf)
         for r in facts.results:
             if r.deployment_id != dep_id or r.admitted_at is None or r.admitted_at > t + EPS:
@@ -605,7 +645,7 @@ def check_sleeps(facts: RunFacts) -> list[str]:
         if t - last < timeout - EPS:
             problems.append(
                 f"t={t:.1f}: {name} put to sleep ({ev.reason}) {t - last:.1f} s after its last "
-                f"use; its idle timeout is {timeout} s"
+                f"use; it must be quiet for {timeout} s"
             )
         for engine, start, end in facts.direct_calls:
             if engine == before.runtime_id and start <= t - SCRAPE_WINDOW_S and end > t:

@@ -281,8 +281,7 @@ def test_the_checker_catches_a_go_ahead_that_uses_memory_freed_for_the_head(
             # Caught either as a go-ahead over free memory or by the books (the broker granted
             # more than the budget once the memory being freed counted twice).
             assert any(
-                "memory held or being freed for others" in p or "but granted" in p
-                for p in problems
+                "memory held or being freed for others" in p or "but granted" in p for p in problems
             ), problems
         finally:
             await h.close()
@@ -440,6 +439,73 @@ def test_the_checker_catches_a_model_put_to_sleep_with_a_request_in_flight(
     run(main())
 
 
+def test_the_checker_catches_a_model_stopped_for_room_sooner_than_the_setting_allows(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import actors.deployment
+
+    real = actors.deployment.may_make_room
+
+    def hasty(dep: Any, act: Any, now: float, idle_s: int, room_s: int | None) -> tuple[bool, str]:
+        # the planted bug: any make-room setting counts as 0 s
+        return real(dep, act, now, idle_s, None if room_s is None else 0)
+
+    monkeypatch.setattr(actors.deployment, "may_make_room", hasty)
+
+    async def main() -> None:
+        h = await Harness.create(
+            tmp_path / "log.db",
+            usable_gib=100,
+            behaviour=lambda spec: EngineBehaviour(startup_s=10),
+            broker_cls=CheckedBroker,
+            settings={"ondemand_make_room_after_s": 120},
+        )
+        checker = Checker(h)
+        try:
+            a = await h.deploy("a", 60, idle_timeout_s=600)
+            b = await h.deploy("b", 60)  # does not fit beside a: stays stopped
+            await h.advance(20)
+            h.request(a, hold_s=5)
+            await h.advance(25)  # a was used 20 s ago: not a candidate for 100 s more
+            h.request(b)
+            await h.advance(60)
+            problems = [*checker.problems, *check_run(facts_of(h, await h.events()))]
+            assert any("must be quiet for 120 s" in p for p in problems), problems
+        finally:
+            await h.close()
+
+    run(main())
+
+
+def test_the_same_run_without_the_planted_bug_waits_for_the_setting(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = await Harness.create(
+            tmp_path / "log.db",
+            usable_gib=100,
+            behaviour=lambda spec: EngineBehaviour(startup_s=10),
+            broker_cls=CheckedBroker,
+            settings={"ondemand_make_room_after_s": 120},
+        )
+        checker = Checker(h)
+        try:
+            a = await h.deploy("a", 60, idle_timeout_s=600)
+            b = await h.deploy("b", 60)
+            await h.advance(20)
+            h.request(a, hold_s=5)
+            await h.advance(25)
+            r = h.request(b)
+            await h.advance(60)
+            assert r.admitted_at is None and h.state(a) == "ready"
+            await h.advance(60)  # a quiet for 120 s at t=145: it makes room then
+            assert r.admitted_at is not None
+            problems = [*checker.problems, *check_run(facts_of(h, await h.events()))]
+            assert problems == [], problems
+        finally:
+            await h.close()
+
+    run(main())
+
+
 # --- generated programs (stateful: every step checked as it happens) ------------------------
 
 GIBS = (8, 16, 24, 24, 32, 32, 40, 48, 64)  # mostly models of which 2 or 3 fit at once
@@ -520,6 +586,12 @@ def programs(draw: st.DrawFn, contended: bool = False) -> Program:
             "ondemand_max_queued": draw(st.sampled_from((2, 4, 8, 64))),
             "ondemand_queue_timeout_s": draw(st.sampled_from((60, 240, 900))),
             "ondemand_idle_timeout_s": draw(st.sampled_from((60, 300))),
+            # absent: the seed's rule; else a model quiet this long may make room
+            **draw(
+                st.sampled_from(
+                    ({}, {}, *({"ondemand_make_room_after_s": v} for v in (0, 30, 120)))
+                )
+            ),
         },
         steps=draw(st.lists(steps(len(specs), contended), min_size=10, max_size=60)),
         cold=draw(st.booleans()),

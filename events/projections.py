@@ -248,9 +248,17 @@ def _title(rec: m.Recorded, names: dict[str, str]) -> str | None:
 
 
 def deployment_events(
-    records: Iterable[m.Recorded], deployment_id: str, names: dict[str, str] | None = None
+    records: Iterable[m.Recorded],
+    deployment_id: str,
+    names: dict[str, str] | None = None,
+    *,
+    made_room: bool = False,
 ) -> list[EventRow]:
-    """The Events tab of one deployment, oldest first."""
+    """The Events tab of one deployment, oldest first.
+
+    With `made_room`, the models put to sleep to make room for it are rows of its own tab
+    too ("Made room: X put to sleep"), as the admin API shows it.
+    """
     names = dict(names or {})
     stream = m.deployment_stream(deployment_id)
     rows: list[EventRow] = []
@@ -276,7 +284,8 @@ def deployment_events(
             )
             continue
         if (
-            isinstance(ev, m.PutToSleep)
+            made_room
+            and isinstance(ev, m.PutToSleep)
             and ev.reason == "make_room"
             and ev.for_deployment == deployment_id
             and rec.stream != stream

@@ -321,9 +321,9 @@ def test_the_events_tab_of_the_head_names_the_models_stopped_for_it(tmp_path: Pa
             await served(h, b)
             records = await h.events()
             names = {d: x.state.name for d, x in h.controller.actors.items()}
-            b_titles = [row.title for row in deployment_events(records, b, names)]
+            b_titles = [row.title for row in deployment_events(records, b, names, made_room=True)]
             assert "Made room: a put to sleep" in b_titles
-            a_titles = [row.title for row in deployment_events(records, a, names)]
+            a_titles = [row.title for row in deployment_events(records, a, names, made_room=True)]
             assert "Put to sleep to make room for b" in a_titles
             assert not any(t.startswith("Made room") for t in a_titles)
             actions = [

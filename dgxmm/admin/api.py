@@ -559,7 +559,7 @@ class AdminApi:
         merged = sorted([*own, *timeouts, *made_room], key=lambda r: r.seq)
         rows = [
             r
-            for r in deployment_events(merged, dep_id, self._names())
+            for r in deployment_events(merged, dep_id, self._names(), made_room=True)
             if before is None or r.seq < before
         ]
         page = rows[-limit:][::-1]

@@ -84,6 +84,8 @@ const FIELD_LABELS = {
   ondemand_idle_timeout_s: "Idle minutes before sleeping",
   ondemand_queue_timeout_s: "Queue timeout",
   ondemand_max_queued: "Most requests waiting",
+  make_room_after_s: "Make room after (seconds)",
+  ondemand_make_room_after_s: "Make room after (seconds)",
 };
 
 function sentence(text) {

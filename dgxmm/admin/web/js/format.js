@@ -165,3 +165,10 @@ export const ENGINE_NAMES = {
 export function engineName(engine) {
   return ENGINE_NAMES[engine] || engine;
 }
+
+/** When an idle on-demand model may sleep to make room (ondemand_make_room_after_s). */
+export function makeRoomText(seconds) {
+  if (seconds === null || seconds === undefined) return "after its full idle timeout";
+  if (seconds === 0) return "as soon as nothing is in flight";
+  return `after ${seconds} s without a request`;
+}

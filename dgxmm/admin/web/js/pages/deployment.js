@@ -7,6 +7,7 @@ import {
   dateTime,
   engineName,
   gib,
+  makeRoomText,
   minutes,
   modeLabel,
   modeSummary,
@@ -15,7 +16,7 @@ import {
 } from "../format.js";
 import * as live from "../live.js";
 import { busy, dialog, loggedChange, throttle } from "./common.js";
-import { idleSeconds } from "./wizard.js";
+import { idleSeconds, makeRoomSeconds } from "./wizard.js";
 
 const STATE_WORDS = {
   stopped: "Stopped",
@@ -226,6 +227,10 @@ export function render({ params, isAdmin, navigate, notify }) {
                 ? `${minutes(rec.effective_idle_timeout_s)} (the default)`
                 : minutes(rec.idle_timeout_s),
             ]);
+            rows.push([
+              "Makes room for queued models",
+              `${makeRoomText(rec.effective_make_room_after_s)}${rec.make_room_after_s === null ? " (the default)" : ""}`,
+            ]);
           }
           replace(facts, rows.map(([k, v]) => h("div", [h("dt", k), h("dd", v)])));
         },
@@ -238,6 +243,10 @@ export function render({ params, isAdmin, navigate, notify }) {
     const idleHint = h("p.hint", { id: "mode-idle-hint" });
     idle.setAttribute("aria-describedby", idleHint.id);
     const idleWrap = h("div.field", [h("label", { for: idle.id }, "Idle minutes before sleeping"), idle, idleHint]);
+    const room = h("input", { type: "number", id: "mode-make-room", min: "0", max: "86400", step: "1", inputmode: "numeric" });
+    const roomHint = h("p.hint", { id: "mode-make-room-hint" });
+    room.setAttribute("aria-describedby", roomHint.id);
+    const roomWrap = h("div.field", [h("label", { for: room.id }, "Make room after (seconds)"), room, roomHint]);
     const error = h("p.error", { role: "alert", hidden: true });
     const save = h("button.primary", { type: "submit", id: "mode-save" }, "Save mode");
     const form = h("form", { novalidate: true }, [
@@ -247,6 +256,7 @@ export function render({ params, isAdmin, navigate, notify }) {
         h("div.radio", [alwaysOn, h("label", { for: alwaysOn.id }, "Always on")]),
       ]),
       idleWrap,
+      roomWrap,
       error,
       h("div.actions", save),
     ]);
@@ -267,11 +277,17 @@ export function render({ params, isAdmin, navigate, notify }) {
       idle.placeholder = def ? `default: ${def}` : "default";
       idleHint.textContent = `1 to 1440. Leave it empty for the default${def ? ` (${def} min)` : ""}, which follows later changes in Settings.`;
       idleWrap.hidden = !onDemand.checked;
+      const settings = live.state.settings;
+      const roomDefault = settings ? ` (${makeRoomText(settings.ondemand_make_room_after_s ?? null)})` : "";
+      room.placeholder = "default";
+      roomHint.textContent = `0 to 86400: how long without a request before it may sleep so a queued model can start. Empty: the DGXMM default${roomDefault}, set in Settings.`;
+      roomWrap.hidden = !onDemand.checked;
     }
     function fill() {
       onDemand.checked = rec.mode === "on_demand";
       alwaysOn.checked = rec.mode !== "on_demand";
       idle.value = rec.idle_timeout_s === null ? "" : minutes(rec.idle_timeout_s);
+      room.value = rec.make_room_after_s === null || rec.make_room_after_s === undefined ? "" : String(rec.make_room_after_s);
       dirty = false;
     }
     const markDirty = () => {
@@ -280,6 +296,7 @@ export function render({ params, isAdmin, navigate, notify }) {
     };
     for (const el of [onDemand, alwaysOn]) el.addEventListener("change", markDirty);
     idle.addEventListener("input", markDirty);
+    room.addEventListener("input", markDirty);
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
       error.hidden = true;
@@ -298,7 +315,16 @@ export function render({ params, isAdmin, navigate, notify }) {
           }
           seconds = parsed.seconds;
         }
-        body = { mode: "on_demand", idle_timeout_s: seconds };
+        const parsedRoom = makeRoomSeconds(room.value);
+        if (parsedRoom.error) {
+          error.textContent = parsedRoom.error;
+          error.hidden = false;
+          room.setAttribute("aria-invalid", "true");
+          room.focus();
+          return;
+        }
+        room.removeAttribute("aria-invalid");
+        body = { mode: "on_demand", idle_timeout_s: seconds, make_room_after_s: parsedRoom.seconds };
       } else {
         body = { mode: "always_on" };
       }

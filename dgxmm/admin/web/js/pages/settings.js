@@ -2,7 +2,7 @@
 
 import { api, describeError } from "../api.js";
 import { field, h, replace } from "../dom.js";
-import { dateTime, minutes, relativeTime } from "../format.js";
+import { dateTime, makeRoomText, minutes, relativeTime } from "../format.js";
 import * as live from "../live.js";
 import { busy } from "./common.js";
 
@@ -11,6 +11,12 @@ function numberIn(text, lo, hi, label) {
   if (!String(text).trim() || !Number.isFinite(value) || value < lo || value > hi) {
     throw new Error(`${label}: a number from ${lo} to ${hi}`);
   }
+  return value;
+}
+
+function wholeIn(text, lo, hi, label) {
+  const value = numberIn(text, lo, hi, label);
+  if (!Number.isInteger(value)) throw new Error(`${label}: a whole number from ${lo} to ${hi}`);
   return value;
 }
 
@@ -34,6 +40,7 @@ export function render({ isAdmin, notify }) {
           h("div", [h("dt", "Idle minutes before sleeping"), h("dd", minutes(s.ondemand_idle_timeout_s))]),
           h("div", [h("dt", "Longest wait for a request (minutes)"), h("dd", minutes(s.ondemand_queue_timeout_s))]),
           h("div", [h("dt", "Most requests waiting at a time"), h("dd", String(s.ondemand_max_queued))]),
+          h("div", [h("dt", "Idle models make room"), h("dd", makeRoomText(s.ondemand_make_room_after_s))]),
         ]),
         h("p.hint", "Only an administrator can change these."),
       );
@@ -54,9 +61,15 @@ export function render({ isAdmin, notify }) {
       h("input", { type: "number", min: "1", max: "10000", step: "1", value: String(s.ondemand_max_queued), id: "set-maxq" }),
       "All on-demand models together; one more is refused at once.",
     );
+    const room = s.ondemand_make_room_after_s;
+    const makeRoom = field(
+      "Make room after (seconds)",
+      h("input", { type: "number", min: "0", max: "86400", step: "1", value: room === null || room === undefined ? "" : String(room), placeholder: "full idle timeout", id: "set-make-room" }),
+      "An idle on-demand model with no request for this long may be put to sleep so the request at the head of the queue can start. Empty: only after its full idle timeout (protects recently used models). 0: as soon as nothing is in flight (fast swaps, more cold starts).",
+    );
     const error = h("p.error", { role: "alert", hidden: true });
     const save = h("button.primary", { type: "submit" }, "Save defaults");
-    const form = h("form", { novalidate: true, id: "defaults-form" }, [idle.wrap, queue.wrap, maxQueued.wrap, error, h("div.actions", save)]);
+    const form = h("form", { novalidate: true, id: "defaults-form" }, [idle.wrap, queue.wrap, maxQueued.wrap, makeRoom.wrap, error, h("div.actions", save)]);
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
       error.hidden = true;
@@ -66,13 +79,16 @@ export function render({ isAdmin, notify }) {
           ondemand_idle_timeout_s: Math.round(numberIn(idle.control.value, 1, 1440, "Idle minutes before sleeping") * 60),
           ondemand_queue_timeout_s: Math.max(1, Math.round(numberIn(queue.control.value, 0.1, 1440, "Longest wait for a request") * 60)),
           ondemand_max_queued: Math.round(numberIn(maxQueued.control.value, 1, 10000, "Most requests waiting")),
+          ondemand_make_room_after_s: makeRoom.control.value.trim()
+            ? wholeIn(makeRoom.control.value, 0, 86400, "Make room after (seconds)")
+            : null,
         };
       } catch (err) {
         error.textContent = `${err.message}.`;
         error.hidden = false;
         return;
       }
-      const changes = Object.fromEntries(Object.entries(wanted).filter(([k, v]) => s[k] !== v));
+      const changes = Object.fromEntries(Object.entries(wanted).filter(([k, v]) => (s[k] ?? null) !== v));
       if (Object.keys(changes).length === 0) {
         notify("Nothing changed.");
         return;

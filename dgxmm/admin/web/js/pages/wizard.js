@@ -40,6 +40,17 @@ export function splitArgs(text) {
   return args;
 }
 
+/** "Make room after" seconds as typed -> seconds (null when empty: the default), or an error. */
+export function makeRoomSeconds(text) {
+  const trimmed = String(text ?? "").trim();
+  if (!trimmed) return { seconds: null };
+  const value = Number(trimmed);
+  if (!Number.isInteger(value) || value < 0 || value > 86400) {
+    return { error: "Make room after (seconds): a whole number from 0 to 86400, or empty for the default." };
+  }
+  return { seconds: value };
+}
+
 /** Idle minutes as typed -> seconds, or an error message. */
 export function idleSeconds(text) {
   const value = Number(String(text).trim().replace(",", "."));
@@ -116,6 +127,11 @@ export function render({ navigate, notify }) {
   const idleHint = h("p.hint", { id: "wiz-idle-hint" });
   idle.control.setAttribute("aria-describedby", idleHint.id);
   idle.wrap.append(idleHint);
+  const makeRoom = field(
+    "Make room after (seconds)",
+    h("input", { type: "number", name: "make_room_after_s", id: "wiz-make-room", min: "0", max: "86400", step: "1", inputmode: "numeric", placeholder: "default" }),
+    "How long without a request before it may sleep so a queued model can start. Empty: the DGXMM default (Settings); 0: as soon as nothing is in flight.",
+  );
   const summary = h("dl.summary", { id: "wizard-summary" });
   const step2 = h("fieldset.step", { id: "wizard-step-2", hidden: true }, [
     h("legend", "Step 2 of 2: mode"),
@@ -127,6 +143,7 @@ export function render({ navigate, notify }) {
       decisionNote,
     ]),
     idle.wrap,
+    makeRoom.wrap,
     h("h3", "Summary"),
     summary,
   ]);
@@ -154,6 +171,7 @@ export function render({ navigate, notify }) {
     if (isDecision) alwaysOn.checked = true;
     decisionNote.hidden = !isDecision;
     idle.wrap.hidden = !onDemand.checked;
+    makeRoom.wrap.hidden = !onDemand.checked;
     modeHint.hidden = !(hint && defaultMode !== "on_demand") || isDecision;
     modeHint.textContent = hint || "";
     const parsed = idleSeconds(idle.control.value);
@@ -210,6 +228,12 @@ export function render({ navigate, notify }) {
       // Left at the default: send null, so it follows later changes of the default.
       idleTimeout = parsed.seconds === defaultIdleS ? null : parsed.seconds;
     }
+    let makeRoomAfter = null;
+    if (mode === "on_demand") {
+      const room = makeRoomSeconds(makeRoom.control.value);
+      if (room.error) throw Object.assign(new Error(room.error), { control: makeRoom.control });
+      makeRoomAfter = room.seconds;
+    }
     return {
       name: name.control.value.trim(),
       engine: engine.control.value,
@@ -217,6 +241,7 @@ export function render({ navigate, notify }) {
       memory_gib: Number(memory.control.value),
       mode,
       idle_timeout_s: idleTimeout,
+      make_room_after_s: makeRoomAfter,
       role: decision.checked ? "decision" : "model",
       args: splitArgs(args.control.value),
     };

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures imported from tests/test_browser.py are test parameters here)
 """`ondemand_make_room_after_s` in the web UI: the Settings field, the wizard's Mode step and
 the Mode card, in Debian's Chromium driven by Playwright against a real `dgxmm serve`
 (the fixtures of tests/test_browser.py)."""

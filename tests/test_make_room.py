@@ -335,3 +335,21 @@ def test_the_events_tab_of_the_head_names_the_models_stopped_for_it(tmp_path: Pa
             await h.close()
 
     run(main())
+
+
+def test_the_fairness_cli_compares_the_seeds_rule_with_0_30_and_120_s() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "simulations.fairness", "--scenario", "three-two-fit",
+         "--seed", "1", "--duration", "900", "--compare", "make-room"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| three-two-fit |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["seed's rule", "0 s", "30 s", "120 s"]
+    mean = {row.split("|")[2].strip(): float(row.split("|")[3]) for row in rows}
+    cold = {row.split("|")[2].strip(): float(row.split("|")[6]) for row in rows}
+    # swapping at once waits less than waiting out the 5 min idle timer, and starts more
+    assert mean["0 s"] < mean["seed's rule"] and cold["0 s"] > cold["seed's rule"]

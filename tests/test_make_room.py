@@ -165,6 +165,14 @@ async def served(h: Harness, deployment_id: str, hold_s: float = 1.0, limit_s: f
     return r
 
 
+async def two_models(h: Harness) -> tuple[str, str]:
+    """a and b, 60 GiB each on 100 GiB (they do not fit together), 5 min idle timeout; a ready."""
+    a = await h.deploy("a", 60, idle_timeout_s=300)
+    b = await h.deploy("b", 60, idle_timeout_s=300)
+    await h.advance(20)
+    return a, b
+
+
 def sleeps(records: list[m.Recorded], h: Harness) -> list[tuple[str, str, str | None]]:
     names = {d: a.state.name for d, a in h.controller.actors.items()}
     return [
@@ -243,9 +251,7 @@ def test_with_zero_alternating_requests_each_cost_one_stop_and_one_cold_start(
     async def main() -> None:
         h = await box(tmp_path, ondemand_make_room_after_s=0)
         try:
-            a = await h.deploy("a", 60, idle_timeout_s=300)
-            b = await h.deploy("b", 60, idle_timeout_s=300)  # does not fit beside a
-            await h.advance(20)
+            a, b = await two_models(h)
             for target in (b, a, b, a):
                 r = await served(h, target)
                 assert r.waited <= STARTUP_S + 1.0, r.waited  # not 300 s of idle timer
@@ -266,9 +272,7 @@ def test_with_30_s_a_model_used_20_s_ago_is_not_stopped_but_is_at_30_s(tmp_path:
     async def main() -> None:
         h = await box(tmp_path, ondemand_make_room_after_s=30)
         try:
-            a = await h.deploy("a", 60, idle_timeout_s=300)
-            b = await h.deploy("b", 60, idle_timeout_s=300)
-            await h.advance(20)
+            a, b = await two_models(h)
             await served(h, a)
             used = h.clock.now()
             await h.advance(20)

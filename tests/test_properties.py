@@ -439,6 +439,26 @@ def test_the_checker_catches_a_model_put_to_sleep_with_a_request_in_flight(
     run(main())
 
 
+async def _head_behind_a_model_used_20_s_ago(tmp_path: Path) -> tuple[Harness, Checker, Any]:
+    """With 120 s to make room: a (60 GiB) is used at t=20, b (60 GiB) asks at t=45."""
+    h = await Harness.create(
+        tmp_path / "log.db",
+        usable_gib=100,
+        behaviour=lambda spec: EngineBehaviour(startup_s=10),
+        broker_cls=CheckedBroker,
+        settings={"ondemand_make_room_after_s": 120},
+    )
+    checker = Checker(h)
+    a = await h.deploy("a", 60, idle_timeout_s=600)
+    b = await h.deploy("b", 60)  # does not fit beside a: stays stopped
+    await h.advance(20)
+    h.request(a, hold_s=5)
+    await h.advance(25)  # a was used 20 s ago: not a candidate for 100 s more
+    head = h.request(b)
+    await h.advance(60)
+    return h, checker, head
+
+
 def test_the_checker_catches_a_model_stopped_for_room_sooner_than_the_setting_allows(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -453,22 +473,8 @@ def test_the_checker_catches_a_model_stopped_for_room_sooner_than_the_setting_al
     monkeypatch.setattr(actors.deployment, "may_make_room", hasty)
 
     async def main() -> None:
-        h = await Harness.create(
-            tmp_path / "log.db",
-            usable_gib=100,
-            behaviour=lambda spec: EngineBehaviour(startup_s=10),
-            broker_cls=CheckedBroker,
-            settings={"ondemand_make_room_after_s": 120},
-        )
-        checker = Checker(h)
+        h, checker, _ = await _head_behind_a_model_used_20_s_ago(tmp_path)
         try:
-            a = await h.deploy("a", 60, idle_timeout_s=600)
-            b = await h.deploy("b", 60)  # does not fit beside a: stays stopped
-            await h.advance(20)
-            h.request(a, hold_s=5)
-            await h.advance(25)  # a was used 20 s ago: not a candidate for 100 s more
-            h.request(b)
-            await h.advance(60)
             problems = [*checker.problems, *check_run(facts_of(h, await h.events()))]
             assert any("must be quiet for 120 s" in p for p in problems), problems
         finally:
@@ -479,25 +485,11 @@ def test_the_checker_catches_a_model_stopped_for_room_sooner_than_the_setting_al
 
 def test_the_same_run_without_the_planted_bug_waits_for_the_setting(tmp_path: Path) -> None:
     async def main() -> None:
-        h = await Harness.create(
-            tmp_path / "log.db",
-            usable_gib=100,
-            behaviour=lambda spec: EngineBehaviour(startup_s=10),
-            broker_cls=CheckedBroker,
-            settings={"ondemand_make_room_after_s": 120},
-        )
-        checker = Checker(h)
+        h, checker, head = await _head_behind_a_model_used_20_s_ago(tmp_path)
         try:
-            a = await h.deploy("a", 60, idle_timeout_s=600)
-            b = await h.deploy("b", 60)
-            await h.advance(20)
-            h.request(a, hold_s=5)
-            await h.advance(25)
-            r = h.request(b)
-            await h.advance(60)
-            assert r.admitted_at is None and h.state(a) == "ready"
+            assert head.admitted_at is None and head.queued
             await h.advance(60)  # a quiet for 120 s at t=145: it makes room then
-            assert r.admitted_at is not None
+            assert head.admitted_at is not None
             problems = [*checker.problems, *check_run(facts_of(h, await h.events()))]
             assert problems == [], problems
         finally:

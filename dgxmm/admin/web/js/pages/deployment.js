@@ -304,25 +304,19 @@ export function render({ params, isAdmin, navigate, notify }) {
       let body;
       if (onDemand.checked) {
         let seconds = null;
+        const refuse = (control, message) => {
+          error.textContent = message;
+          error.hidden = false;
+          control.setAttribute("aria-invalid", "true");
+          control.focus();
+        };
         if (idle.value.trim()) {
           const parsed = idleSeconds(idle.value);
-          if (parsed.error) {
-            error.textContent = parsed.error;
-            error.hidden = false;
-            idle.setAttribute("aria-invalid", "true");
-            idle.focus();
-            return;
-          }
+          if (parsed.error) return refuse(idle, parsed.error);
           seconds = parsed.seconds;
         }
         const parsedRoom = makeRoomSeconds(room.value);
-        if (parsedRoom.error) {
-          error.textContent = parsedRoom.error;
-          error.hidden = false;
-          room.setAttribute("aria-invalid", "true");
-          room.focus();
-          return;
-        }
+        if (parsedRoom.error) return refuse(room, parsedRoom.error);
         room.removeAttribute("aria-invalid");
         body = { mode: "on_demand", idle_timeout_s: seconds, make_room_after_s: parsedRoom.seconds };
       } else {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.browser_support import ApiClient, Dgxmm
+from tests.browser_support import ApiClient, Dgxmm, wait_for
 from tests.test_browser import (  # noqa: F401  (fixtures)
     admin_page,
     browser,
@@ -51,8 +51,12 @@ def test_the_settings_page_sets_and_clears_the_make_room_default(
         expect(page.get_by_label(LABEL)).to_have_value("0")
         page.get_by_label(LABEL).fill("")
         page.get_by_role("button", name="Save defaults").click()
+        wait_for(
+            "the setting to be unset",
+            lambda: admin_api.call("GET", "settings")["ondemand_make_room_after_s"] is None or None,
+            10,
+        )
         expect(page.get_by_label(LABEL)).to_have_value("")
-        assert admin_api.call("GET", "settings")["ondemand_make_room_after_s"] is None
     finally:
         admin_api.call("PATCH", "settings", {"ondemand_make_room_after_s": None})
 
@@ -91,8 +95,11 @@ def test_the_wizard_and_the_mode_card_set_a_deployments_own_make_room_time(
     assert saved["make_room_after_s"] == 0 and saved["idle_timeout_s"] is None  # idle kept
     card_room.fill("")
     card.get_by_role("button", name="Save mode").click()
+    wait_for(
+        "the deployment to follow the default again",
+        lambda: admin_api.deployment(name)["make_room_after_s"] is None or None,
+        10,
+    )
     expect(card_room).to_have_value("")
-    wait = admin_api.deployment(name)
-    assert wait["make_room_after_s"] is None  # the default again
     open_hash(page, dgxmm, f"/deployments/{rec['id']}/events")
     expect(page.locator("#events-table tbody")).to_contain_text("Mode changed to on demand")

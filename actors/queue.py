@@ -117,6 +117,7 @@ class QueueActor(Actor):
         self._due_timer: TimerHandle | None = None
         self._waiting: dict[str, WaiterImpl] = {}  # insertion order is arrival order
         self._starting: set[str] = set()  # deployments started for requests, not yet settled
+        self._made_room: dict[str, None] = {}  # of those, the heads that put models to sleep
         self._writes: set[asyncio.Task[Any]] = set()
         self._stats = {"served": 0, "refused": 0, "timeouts": 0, "client_gone": 0, "admitted": 0}
         self.on_change: Callable[[str], None] = lambda deployment_id: None
@@ -314,6 +315,7 @@ class QueueActor(Actor):
         if victims is None:
             return False
         if victims:
+            self._made_room[dep_id] = None
             self._sleep_victims(victims, dep_id, dep.name)
         self._starting.add(dep_id)
         first = next((w for w in self._waiting.values() if w.deployment_id == dep_id), None)
@@ -356,8 +358,8 @@ class QueueActor(Actor):
 
     def recheck(self) -> None:
         """Walk the queue in arrival order; the head may make room, later ones may go ahead."""
-        for dep_id in list(self._starting):
-            self._replan(dep_id)
+        for dep_id in [d for d in self._made_room if d in self._starting]:
+            self._replan(dep_id)  # a victim refused and no candidate was left then
         head_seen = False
         done: set[str] = set()
         for w in list(self._waiting.values()):
@@ -448,6 +450,8 @@ class QueueActor(Actor):
     def deployment_changed(self, deployment_id: str, outcome: str | None, detail: str) -> None:
         """A deployment actor reports a change (called synchronously from its handler)."""
         actor = self._lookup(deployment_id)
+        if outcome is not None:
+            self._made_room.pop(deployment_id, None)
         if outcome == "ready" and actor is not None:
             self._starting.discard(deployment_id)
             self._serve(actor)

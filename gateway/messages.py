@@ -62,6 +62,11 @@ class ResponseHead(msgspec.Struct, frozen=True, gc=False):
     http_version: bytes
 
 
+def comma_tokens(value: bytes) -> list[bytes]:
+    """The lower-case elements of a comma-separated header value (RFC 9110 5.6.1)."""
+    return [t.strip().lower() for t in value.split(b",")]
+
+
 def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     """The lower-case tokens of every Connection header."""
     tokens: set[bytes] = set()

@@ -23,6 +23,7 @@ from gateway.messages import (
     Headers,
     ResponseHead,
     Signal,
+    comma_tokens,
 )
 
 # A whole response head: status line, header lines, the empty line.  Inside a line anything
@@ -248,7 +249,7 @@ class ClientSession:
                     if chunked or value.lower() != b"chunked":
                         raise self._error("only one Transfer-Encoding: chunked is supported")
                     chunked = True
-                elif name == b"connection" and b"close" in _tokens(value):
+                elif name == b"connection" and b"close" in comma_tokens(value):
                     keep_alive = False
         if chunked and length is not None:
             raise self._error("both Content-Length and Transfer-Encoding")
@@ -388,10 +389,6 @@ def _may_become_head(partial: bytes) -> bool:
     return partial[:7] == b"HTTP/1."[: len(partial)] and partial.count(b"\n") == partial.count(
         b"\r\n"
     )
-
-
-def _tokens(value: bytes) -> list[bytes]:
-    return [t.strip().lower() for t in value.split(b",")]
 
 
 def _validate_request(method: bytes, target: bytes, headers: Headers, body: bytes) -> None:

@@ -12,12 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.errors import ClientError
 from gateway.protocol import RequestHead, ServerSession, Signal
 from gateway.request_head import may_complete, parse_head
 from tests.test_gateway_app import _HEADERS as GATEWAY_HEADERS
 from tests.test_gateway_server import _REQUEST_PARTS as SERVER_PARTS
-from tests.test_gateway_server_session import _REQUESTS, _cut, _merged
+from tests.test_gateway_server_session import _REQUESTS, _cut, _merged, _ours
 
 
 def events(parts: list[bytes], eof: bool, *, fast: bool, max_head: int = 16 * 1024) -> list[object]:
@@ -25,32 +24,7 @@ def events(parts: list[bytes], eof: bool, *, fast: bool, max_head: int = 16 * 10
 
     Each complete request gets a 204 and the next cycle starts, as the server does.
     """
-    s = ServerSession(max_header_bytes=max_head, max_body_bytes=1000, fast_path=fast)
-    seen: list[object] = []
-    for part in [*parts, b""] if eof else parts:
-        s.receive(part)
-        while True:
-            try:
-                event = s.next_event()
-            except ClientError as exc:
-                return [*seen, ("error", exc.status)]
-            if isinstance(event, RequestHead):
-                seen.append(event)
-                if s.waiting_for_continue:
-                    seen.append(s.continue_bytes())
-            elif isinstance(event, bytes):
-                seen.append(event)
-            elif event is Signal.BODY_END:
-                seen.append("end")
-                seen.append(s.response_head(204, []) + s.end())
-                if not s.reusable:
-                    return [*seen, "close"]
-                s.start_next_cycle()
-            else:
-                if event is Signal.CLOSED:
-                    return [*seen, "closed"]
-                break
-    return seen
+    return _ours(parts, eof, fast_path=fast, max_head=max_head, statuses=True)
 
 
 def same_outcome(raw: bytes, cuts: list[int], eof: bool, max_head: int = 16 * 1024) -> None:
@@ -122,7 +96,7 @@ def test_heads_that_are_not_plainly_valid_go_to_h11(raw: bytes) -> None:
         b" GET / HTTP/1.1\r\n",
         b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
         b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: +2\r\n\r\nab",
-        b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 1001\r\n\r\n",
+        b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 2000000\r\n\r\n",  # over the cap
         b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 99999999999999999999\r\n\r\n",
         b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
     ],
@@ -260,3 +234,10 @@ def test_the_gateways_smuggling_corpus_reads_the_same_with_and_without_the_fast_
 ) -> None:
     raw = method + b" /d/a/v1/chat/completions " + version + b"\r\n" + b"".join(headers)
     same_outcome(raw + b"\r\n" + body, [], eof)
+
+
+def test_without_the_fast_path_every_head_goes_to_h11() -> None:
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=1000, fast_path=False)
+    s.receive(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
+    assert isinstance(s.next_event(), RequestHead)
+    assert not s.fast_head

@@ -14,8 +14,11 @@ import time
 from pathlib import Path
 
 import h11
+import pytest
 import structlog
 
+from dgxmm.app import _http_config
+from dgxmm.config import ConfigError, load_config
 from gateway import limits
 from gateway.app import Gateway
 from gateway.server import HTTPServer, Request, Responder, ServerConfig
@@ -137,29 +140,34 @@ def test_head_on_the_admin_listener_gets_the_pages_and_the_metrics_heads(tmp_pat
 # --- a body trickled in ----------------------------------------------------------------------
 
 
+async def trickle(port: int, pieces: list[bytes], every_s: float) -> tuple[bytes, float]:
+    """Send `pieces` one every `every_s` until an answer comes: the answer and when it came."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    start = time.monotonic()
+    try:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            try:
+                async with asyncio.timeout(every_s):
+                    return await reader.read(65536), time.monotonic() - start
+            except TimeoutError:
+                continue
+        return b"", time.monotonic() - start
+    finally:
+        writer.transport.abort()
+
+
 def test_a_body_trickled_in_gets_408_at_the_overall_deadline() -> None:
     async def main() -> None:
         server = await serve(ServerConfig(body_timeout_s=0.5))
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         try:
-            start = time.monotonic()
-            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n")
-            got = b""
+            head = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n"
             # One byte every 50 ms: each pause is far below the deadline; the whole is not.
-            for _ in range(100):
-                writer.write(b"x")
-                await writer.drain()
-                try:
-                    async with asyncio.timeout(0.05):
-                        got = await reader.read(65536)
-                except TimeoutError:
-                    continue
-                break
-            elapsed = time.monotonic() - start
+            got, elapsed = await trickle(server.port, [head] + [b"x"] * 99, 0.05)
             assert got.startswith(b"HTTP/1.1 408 "), got
             assert 0.45 <= elapsed < 2.0, elapsed
         finally:
-            writer.transport.abort()
             await server.shutdown(1.0)
 
     run(main())
@@ -168,22 +176,12 @@ def test_a_body_trickled_in_gets_408_at_the_overall_deadline() -> None:
 def test_a_head_trickled_in_gets_408_at_the_overall_deadline() -> None:
     async def main() -> None:
         server = await serve(ServerConfig(header_timeout_s=30, body_timeout_s=0.5))
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         try:
             head = b"POST /echo HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * 200
-            got = b""
-            for byte in head:
-                writer.write(bytes([byte]))
-                await writer.drain()
-                try:
-                    async with asyncio.timeout(0.05):
-                        got = await reader.read(65536)
-                except TimeoutError:
-                    continue
-                break
+            got, elapsed = await trickle(server.port, [bytes([b]) for b in head], 0.05)
             assert got.startswith(b"HTTP/1.1 408 "), got
+            assert elapsed < 2.0, elapsed
         finally:
-            writer.transport.abort()
             await server.shutdown(1.0)
 
     run(main())
@@ -327,3 +325,18 @@ def test_a_low_hard_limit_lowers_the_cap_and_running_out_is_logged() -> None:
     assert any(e["event"] == "connection_cap_lowered" for e in logs)
     exhausted = [e for e in logs if e["event"] == "file_descriptors_exhausted"]
     assert len(exhausted) == 1 and exhausted[0]["level"] == "error"
+
+
+# --- the settings ----------------------------------------------------------------------------
+
+
+def test_the_server_settings_come_from_the_server_section(tmp_path: Path) -> None:
+    path = tmp_path / "dgxmm.toml"
+    path.write_text("[server]\nbody_timeout_s = 30\ngateway_fast_path = false\n")
+    http = _http_config(load_config(path), 1234)
+    assert (http.body_timeout_s, http.fast_path, http.max_body_bytes) == (30.0, False, 1234)
+    defaults = _http_config(load_config(None), 1)
+    assert (defaults.body_timeout_s, defaults.fast_path) == (120.0, True)
+    path.write_text("[server]\nbody_timeout_s = 0\n")
+    with pytest.raises(ConfigError, match="body_timeout_s"):
+        load_config(path)

@@ -267,16 +267,24 @@ def _cut(raw: bytes, cuts: list[int]) -> list[bytes]:
     return [raw[a:b] for a, b in zip([0, *points], [*points, len(raw)], strict=True) if b > a]
 
 
-def _ours(parts: list[bytes], eof: bool) -> list[object]:
-    s = ServerSession(max_header_bytes=16 * 1024, max_body_bytes=1 << 20)
+def _ours(
+    parts: list[bytes],
+    eof: bool,
+    *,
+    fast_path: bool = True,
+    max_head: int = 16 * 1024,
+    statuses: bool = False,
+) -> list[object]:
+    """What a session makes of `parts` (with the refusal's status when `statuses`)."""
+    s = ServerSession(max_header_bytes=max_head, max_body_bytes=1 << 20, fast_path=fast_path)
     seen: list[object] = []
     for part in [*parts, b""] if eof else parts:
         s.receive(part)
         while True:
             try:
                 event = s.next_event()
-            except ClientError:
-                return [*seen, "error"]
+            except ClientError as exc:
+                return [*seen, ("error", exc.status) if statuses else "error"]
             if isinstance(event, RequestHead):
                 seen.append((event.method, event.target, event.headers))
                 if s.waiting_for_continue:

@@ -72,7 +72,8 @@ def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     tokens: set[bytes] = set()
     for name, value in headers:
         if name == b"connection":
-            tokens.update(t for t in (p.strip().lower() for p in value.split(b",")) if t)
+            tokens.update(comma_tokens(value))
+    tokens.discard(b"")
     return tokens
 
 

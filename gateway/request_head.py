@@ -28,6 +28,10 @@ _HEAD = re.compile(
 )
 _LENGTH_DIGITS = 19  # fits in 63 bits; more (or a list) is h11's to judge
 _SIZE = 12  # per request line in the head-size estimate `ServerSession` applies (see below)
+# The headers this parser looks at; any other is passed on as it is.
+_FRAMING = frozenset(
+    {b"content-length", b"host", b"transfer-encoding", b"upgrade", b"connection", b"expect"}
+)
 
 
 class FastHead(NamedTuple):
@@ -75,14 +79,14 @@ def parse_head(buf: bytes, end: int, max_head: int) -> FastHead | None:
     hosts = 0
     expect = False
     close = False
-    size = len(method) + len(target) + _SIZE
     if end - line_end > 4:
         for line in buf[line_end + 2 : end - 4].split(b"\r\n"):
             raw_name, _, raw_value = line.partition(b":")
             name = raw_name.lower()
             value = raw_value.strip(b" \t")
-            size += len(name) + len(value) + 4
             headers.append((name, value))
+            if name not in _FRAMING:
+                continue
             if name == b"content-length":
                 if length is not None or not (value.isdigit() and len(value) <= _LENGTH_DIGITS):
                     return None  # repeated, a list or not a plain number: h11's rules
@@ -95,8 +99,14 @@ def parse_head(buf: bytes, end: int, max_head: int) -> FastHead | None:
                 close = close or b"close" in connection_tokens(((name, value),))
             elif name == b"expect":
                 expect = expect or b"100-continue" in comma_tokens(value)
-    # The same estimate of the head's size as for heads from h11: a head near the bound is
-    # refused or not by the same arithmetic, so it goes to h11 and that arithmetic.
-    if hosts != 1 or size > max_head:
+    if hosts != 1:
         return None
+    # The same estimate of the head's size as for heads from h11: a head near the bound is
+    # refused or not by the same arithmetic, so it goes to h11 and that arithmetic.  The
+    # estimate is at most `end - 2` plus one per header line, so most heads need no sum.
+    if end - 2 + len(headers) > max_head:
+        size = len(method) + len(target) + _SIZE
+        size += sum(len(name) + len(value) + 4 for name, value in headers)
+        if size > max_head:
+            return None
     return FastHead(method, target, headers, length, not close, expect, end)

@@ -121,6 +121,14 @@ def test_a_head_near_the_size_bound_goes_to_h11() -> None:
     assert parse_head(raw, len(raw), 4 * len(raw)) is not None
 
 
+def test_the_size_bound_is_the_estimate_to_the_byte() -> None:
+    raw = b"GET /a HTTP/1.1\r\nhost:a\r\nx-y:zz\r\n\r\n"
+    estimate = len(b"GET") + len(b"/a") + 12 + (4 + 1 + 4) + (3 + 2 + 4)
+    assert estimate == len(raw) - 2 + 2  # no OWS: the raw length less 2, plus 1 per header
+    assert parse_head(raw, len(raw), estimate) is not None
+    assert parse_head(raw, len(raw), estimate - 1) is None
+
+
 # --- generated ---------------------------------------------------------------------------
 
 _METHODS = [b"GET", b"POST", b"HEAD", b"PUT", b"OPTIONS", b"CONNECT", b"get", b"P\x00ST", b""]

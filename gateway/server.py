@@ -5,7 +5,9 @@ stream protocol reports EOF and resets as they happen (no read pending), and a h
 the handler waits cancels it.  Timeouts come from one sweeper task per server
 (`gateway.deadlines`), not from a timer per read.  Protocol decisions live in
 `gateway.protocol.ServerSession`; this module only moves bytes, keeps time and decides when
-a connection ends.
+a connection ends.  (It is longer than our usual bound: the handler's `Request` and
+`Responder`, the connection task and the accept loop share one connection's state; split,
+that state would have to be public.  Descriptor limits are decided in `gateway.limits`.)
 
 Handler contract:
 

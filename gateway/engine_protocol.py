@@ -24,6 +24,7 @@ from gateway.messages import (
     ResponseHead,
     Signal,
     comma_tokens,
+    field_lines,
 )
 
 # A whole response head: status line, header lines, the empty line.  Inside a line anything
@@ -235,11 +236,8 @@ class ClientSession:
         chunked = False
         keep_alive = version == b"1.1"
         if end - line_end > 4:
-            for line in buf[line_end + 2 : end - 4].split(b"\r\n"):
-                raw_name, _, raw_value = line.partition(b":")
-                name = raw_name.lower()
-                value = raw_value.strip(b" \t")
-                headers.append((name, value))
+            headers = field_lines(buf[line_end + 2 : end - 4])
+            for name, value in headers:
                 if name == b"content-length":
                     if length is None and value.isdigit() and len(value) < 20:
                         length = int(value)  # the usual case: one plain value

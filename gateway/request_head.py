@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from gateway.messages import Headers, comma_tokens, connection_tokens
+from gateway.messages import Headers, comma_tokens, field_lines
 
 # A whole head of an HTTP/1.1 request: request line, header lines, the empty line.  A line
 # holds anything but NUL, CR, LF, VT and FF (what h11 accepts: OWS, field-content, OWS);
@@ -80,25 +80,22 @@ def parse_head(buf: bytes, end: int, max_head: int) -> FastHead | None:
     expect = False
     close = False
     if end - line_end > 4:
-        for line in buf[line_end + 2 : end - 4].split(b"\r\n"):
-            raw_name, _, raw_value = line.partition(b":")
-            name = raw_name.lower()
-            value = raw_value.strip(b" \t")
-            headers.append((name, value))
-            if name not in _FRAMING:
-                continue
-            if name == b"content-length":
-                if length is not None or not (value.isdigit() and len(value) <= _LENGTH_DIGITS):
-                    return None  # repeated, a list or not a plain number: h11's rules
-                length = value
-            elif name == b"host":
-                hosts += 1
-            elif name == b"transfer-encoding" or name == b"upgrade":
-                return None  # chunked bodies and protocol switches go through h11
-            elif name == b"connection":
-                close = close or b"close" in connection_tokens(((name, value),))
-            elif name == b"expect":
-                expect = expect or b"100-continue" in comma_tokens(value)
+        headers = field_lines(buf[line_end + 2 : end - 4])
+    for name, value in headers:
+        if name not in _FRAMING:
+            continue
+        if name == b"content-length":
+            if length is not None or not (value.isdigit() and len(value) <= _LENGTH_DIGITS):
+                return None  # repeated, a list or not a plain number: h11's rules
+            length = value
+        elif name == b"host":
+            hosts += 1
+        elif name == b"transfer-encoding" or name == b"upgrade":
+            return None  # chunked bodies and protocol switches go through h11
+        elif name == b"connection":
+            close = close or b"close" in comma_tokens(value)
+        elif name == b"expect":
+            expect = expect or b"100-continue" in comma_tokens(value)
     if hosts != 1:
         return None
     # The same estimate of the head's size as for heads from h11: a head near the bound is

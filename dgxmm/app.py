@@ -30,6 +30,7 @@ from dgxmm.engines.memory import detect_source, detect_total_bytes
 from events.state import DeploymentState
 from gateway.app import Gateway
 from gateway.server import HTTPServer
+from gateway.server import ServerConfig as HTTPConfig
 from storage.errors import StorageError
 from storage.eventlog import EventStore
 
@@ -162,7 +163,11 @@ class App:
         )
         await controller.load()
         self.gateway = Gateway(controller)
-        server = await self.gateway.serve(cfg.server.gateway_host, cfg.server.gateway_port)
+        server = await self.gateway.serve(
+            cfg.server.gateway_host,
+            cfg.server.gateway_port,
+            _http_config(cfg, self.gateway.config.max_body_bytes),
+        )
         if cfg.server.gateway_port == 0:  # an ephemeral port (tests): LiteLLM needs the real one
             self.config = cfg = msgspec.structs.replace(
                 cfg, server=msgspec.structs.replace(cfg.server, gateway_port=server.port)
@@ -217,7 +222,9 @@ class App:
             gateway_statistics=(gateway.statistics if gateway else None),
         )
         self.api = api
-        self.admin = await api.serve(cfg.server.admin_host, cfg.server.admin_port)
+        self.admin = await api.serve(
+            cfg.server.admin_host, cfg.server.admin_port, _http_config(cfg, api.max_body_bytes)
+        )
 
     def _demo_password(self, created: str | None) -> str | None:
         """The demo keeps its generated admin password in a private file, to print it again."""
@@ -294,6 +301,15 @@ class App:
             await _step("runtime", self.runtime.close())
         if self.store is not None:
             await _step("store", self.store.close())
+
+
+def _http_config(cfg: Config, max_body_bytes: int) -> HTTPConfig:
+    """The HTTP server settings of one listener, from `[server]`."""
+    return HTTPConfig(
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=cfg.server.body_timeout_s,
+        fast_path=cfg.server.gateway_fast_path,
+    )
 
 
 async def _step(what: str, work: Awaitable[Any]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -41,6 +41,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     gateway_port: int = 8401
     gateway_url: str | None = None  # how LiteLLM reaches the gateway; default from host/port
     box_id: str = "box"  # prefix of LiteLLM model_info.id when several boxes share a LiteLLM
+    # Both listeners: a request's head and body must be in this long after its first byte.
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    gateway_fast_path: bool = True  # plainly valid request heads skip h11 (both listeners)
 
     @property
     def db_path(self) -> Path:

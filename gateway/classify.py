@@ -132,7 +132,7 @@ def classify_route(method: bytes, path: str, headers: Sequence[tuple[bytes, byte
         if routes is None:
             return _NOT_FOUND
         return routes[is_health_check(headers)]
-    if method == b"GET":
+    if method == b"GET" or method == b"HEAD":  # HEAD: the GET answer's head (RFC 9110 9.3.2)
         if path == _MODELS:
             return _MODELS_LIST[is_health_check(headers)]
         if path.startswith(_MODEL_PREFIX) and len(path) > len(_MODEL_PREFIX):

@@ -23,6 +23,8 @@ from gateway.messages import (
     Headers,
     ResponseHead,
     Signal,
+    comma_tokens,
+    field_lines,
 )
 
 # A whole response head: status line, header lines, the empty line.  Inside a line anything
@@ -234,11 +236,8 @@ class ClientSession:
         chunked = False
         keep_alive = version == b"1.1"
         if end - line_end > 4:
-            for line in buf[line_end + 2 : end - 4].split(b"\r\n"):
-                raw_name, _, raw_value = line.partition(b":")
-                name = raw_name.lower()
-                value = raw_value.strip(b" \t")
-                headers.append((name, value))
+            headers = field_lines(buf[line_end + 2 : end - 4])
+            for name, value in headers:
                 if name == b"content-length":
                     if length is None and value.isdigit() and len(value) < 20:
                         length = int(value)  # the usual case: one plain value
@@ -248,7 +247,7 @@ class ClientSession:
                     if chunked or value.lower() != b"chunked":
                         raise self._error("only one Transfer-Encoding: chunked is supported")
                     chunked = True
-                elif name == b"connection" and b"close" in _tokens(value):
+                elif name == b"connection" and b"close" in comma_tokens(value):
                     keep_alive = False
         if chunked and length is not None:
             raise self._error("both Content-Length and Transfer-Encoding")
@@ -388,10 +387,6 @@ def _may_become_head(partial: bytes) -> bool:
     return partial[:7] == b"HTTP/1."[: len(partial)] and partial.count(b"\n") == partial.count(
         b"\r\n"
     )
-
-
-def _tokens(value: bytes) -> list[bytes]:
-    return [t.strip().lower() for t in value.split(b",")]
 
 
 def _validate_request(method: bytes, target: bytes, headers: Headers, body: bytes) -> None:

@@ -62,12 +62,27 @@ class ResponseHead(msgspec.Struct, frozen=True, gc=False):
     http_version: bytes
 
 
+def field_lines(block: bytes) -> Headers:
+    """(lower-case name, value without OWS) of CRLF-separated header lines already validated."""
+    fields: Headers = []
+    for line in block.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        fields.append((name.lower(), value.strip(b" \t")))
+    return fields
+
+
+def comma_tokens(value: bytes) -> list[bytes]:
+    """The lower-case elements of a comma-separated header value (RFC 9110 5.6.1)."""
+    return [t.strip().lower() for t in value.split(b",")]
+
+
 def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     """The lower-case tokens of every Connection header."""
     tokens: set[bytes] = set()
     for name, value in headers:
         if name == b"connection":
-            tokens.update(t for t in (p.strip().lower() for p in value.split(b",")) if t)
+            tokens.update(comma_tokens(value))
+    tokens.discard(b"")
     return tokens
 
 

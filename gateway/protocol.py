@@ -4,7 +4,10 @@ Nothing here touches a socket or awaits; `server.py` and `upstream.py` do the I/
 these classes what the bytes mean and what to write.  h11 exceptions end here and come out
 as the errors of `gateway.errors`.
 
-Requests from clients are parsed by h11 (bounded, strict, smuggling refused).  Responses to
+Request heads from clients go first to the strict fast path of `gateway.request_head`, which
+takes plainly valid ones; everything else is parsed by h11 (bounded, strict, smuggling
+refused), as are chunked bodies.  With the fast path, a cycle that needs no h11 creates no
+h11 connection.  Responses to
 them are written here: h11's event machinery cost more than the rest of a relayed request,
 and a response needs only its framing decided (RFC 9112 6.3, 9.6, the choices h11 makes, to
 the byte) and its headers validated.  Each request cycle gets a fresh h11 connection that
@@ -30,10 +33,12 @@ from gateway.messages import (
     RequestHead,
     ResponseHead,
     Signal,
+    comma_tokens,
     connection_tokens,
     header_value,
     strip_hop_by_hop,
 )
+from gateway.request_head import may_complete, parse_head
 
 __all__ = [
     "HOP_BY_HOP",
@@ -82,6 +87,7 @@ class ServerSession:
         "_conn",
         "_eof",
         "_expect_continue",
+        "_fast",
         "_fed",
         "_keep_alive",
         "_max_body",
@@ -89,15 +95,21 @@ class ServerSession:
         "_method",
         "_out",
         "_own_body",
+        "_pending_head",
         "_remaining",
         "_version",
         "body_bytes",
         "cycle_bytes",
     )
 
-    def __init__(self, *, max_header_bytes: int, max_body_bytes: int) -> None:
-        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+    def __init__(
+        self, *, max_header_bytes: int, max_body_bytes: int, fast_path: bool = True
+    ) -> None:
         self._max_head = max_header_bytes
+        self._fast = fast_path
+        # With the fast path, h11 gets a connection only for a cycle the fast path leaves it.
+        self._conn: h11.Connection | None = None if fast_path else self._new_h11()
+        self._pending_head = fast_path  # bytes wait in `_buf` for `_fast_head`
         self._max_body = max_body_bytes
         self.body_bytes = 0
         self.cycle_bytes = 0
@@ -109,7 +121,7 @@ class ServerSession:
         self._keep_alive = True
         # A Content-Length body (or none) is read here, not by h11: see `_take_body`.
         self._own_body = False
-        self._buf = b""  # bytes after the head, while `_own_body`
+        self._buf = b""  # bytes after the head, while `_own_body`; the head's, while pending
         self._eof = False
         self._body_left = 0
         self._body_ended = False
@@ -121,7 +133,7 @@ class ServerSession:
     def receive(self, data: bytes) -> None:
         """Feed bytes read from the socket; b"" means the peer closed its side."""
         self.cycle_bytes += len(data)
-        if self._own_body:
+        if self._own_body or self._pending_head:
             if not data:
                 self._eof = True
             elif self._eof:
@@ -130,6 +142,7 @@ class ServerSession:
                 self._buf = self._buf + data if self._buf else data
             return
         self._fed = True
+        assert self._conn is not None  # only the fast path's cycles go without h11
         try:
             self._conn.receive_data(data)
         except RuntimeError as exc:  # data after EOF: cannot happen with a real socket
@@ -139,8 +152,14 @@ class ServerSession:
         """The next thing the peer said; raises `MalformedRequest` or `BodyTooLarge`."""
         if self._own_body:
             return self._body_event()
+        if self._pending_head:
+            return self._fast_head()
+        return self._h11_event()
+
+    def _h11_event(self) -> RequestHead | bytes | Signal:
         if not self._fed:
             return Signal.NEED_DATA  # what h11 says with nothing to read, for less
+        assert self._conn is not None
         try:
             event = self._conn.next_event()
         except h11.RemoteProtocolError as exc:
@@ -162,6 +181,60 @@ class ServerSession:
             return Signal.PAUSED
         return Signal.CLOSED
 
+    def _fast_head(self) -> RequestHead | bytes | Signal:
+        """The head from the fast path, or what h11 makes of the bytes it leaves."""
+        buf = self._buf
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if not self._eof and may_complete(buf, self._max_head):
+                return Signal.NEED_DATA
+            return self._to_h11()
+        head = parse_head(buf, end + 4, self._max_head)
+        if head is None:
+            return self._to_h11()
+        method, length = head.method, head.content_length
+        # As on the h11 path: the response is framed for this request even when refused.
+        self._method, self._version, self._keep_alive = method, b"1.1", head.keep_alive
+        if length is not None and int(length) > self._max_body:
+            raise BodyTooLarge(f"request body over {self._max_body} bytes")
+        self.body_bytes = 0
+        self._pending_head = False
+        self._own_body = True
+        self._buf = buf[head.end :]
+        self._body_left = int(length) if length else 0
+        self._body_ended = False
+        self._expect_continue = head.expect_continue
+        return RequestHead(
+            method=method,
+            target=head.target,
+            headers=head.headers,
+            http_version=b"1.1",
+            has_body=length is not None and length != b"0",
+        )
+
+    def _to_h11(self) -> RequestHead | bytes | Signal:
+        """Leave this cycle to h11, with every byte buffered so far (and the EOF)."""
+        conn = self._conn = self._new_h11()
+        data, eof = self._buf, self._eof
+        self._buf, self._eof, self._pending_head = b"", False, False
+        try:
+            if data:
+                conn.receive_data(data)
+            if eof:
+                conn.receive_data(b"")
+        except RuntimeError as exc:  # pragma: no cover - `receive` refuses data after EOF
+            raise MalformedRequest(f"data after end of stream: {exc}") from exc
+        self._fed = bool(data) or eof
+        return self._h11_event()
+
+    def _new_h11(self) -> h11.Connection:
+        return h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
+
+    @property
+    def fast_head(self) -> bool:
+        """The current request's head came through the fast path (h11 never saw it)."""
+        return self._conn is None and not self._pending_head
+
     def _head(self, event: h11.Request) -> RequestHead:
         method = bytes(event.method)
         version = bytes(event.http_version)
@@ -181,7 +254,7 @@ class ServerSession:
             elif name == b"connection" and keep_alive:
                 keep_alive = b"close" not in connection_tokens(((name, value),))
             elif name == b"expect":
-                expect = expect or b"100-continue" in _tokens(value)
+                expect = expect or b"100-continue" in comma_tokens(value)
         # As h11 does: the response is framed for this request even when it is refused below.
         self._method, self._version, self._keep_alive = method, version, keep_alive
         if size > self._max_head:
@@ -212,6 +285,7 @@ class ServerSession:
         what is left is counting bytes, which h11's event machinery made expensive.  The
         next cycle starts a new h11 connection anyway (see `start_next_cycle`).
         """
+        assert self._conn is not None
         self._buf, self._eof = self._conn.trailing_data
         self._own_body = True
         self._body_left = length
@@ -253,13 +327,15 @@ class ServerSession:
             return False
         if self._own_body:
             return self._expect_continue
-        return self._conn.they_are_waiting_for_100_continue
+        return self._conn is not None and self._conn.they_are_waiting_for_100_continue
 
     def continue_bytes(self) -> bytes:
         """The `100 Continue` interim response."""
         if self._own_body:
             self._expect_continue = False
             return b"HTTP/1.1 100 \r\n\r\n"  # h11's bytes for it
+        if self._conn is None:
+            raise ResponseStateError("no request is waiting for 100 Continue")
         try:  # a chunked body: through h11, so that it stops waiting too
             out = self._conn.send(h11.InformationalResponse(status_code=100, headers=[]))
         except h11.LocalProtocolError as exc:
@@ -271,6 +347,8 @@ class ServerSession:
         """The client's request (head and body) has been fully received."""
         if self._own_body:
             return self._body_ended
+        if self._conn is None:
+            return False  # no head yet
         return self._conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
 
     # --- the response (ours) ------------------------------------------------------------
@@ -396,6 +474,8 @@ class ServerSession:
         out = self._out
         if out is _LENGTH:
             if len(data) > self._remaining:
+                if self._method == b"HEAD":
+                    return b""  # RFC 9110 9.3.2: the GET answer's head, without its body
                 raise self._error("Too much data for declared Content-Length")
             self._remaining -= len(data)
             return data
@@ -447,14 +527,16 @@ class ServerSession:
             return False
         if self._own_body:
             return self._body_ended
+        if self._conn is None:
+            return False  # no head yet
         # A client that proposed an Upgrade (or CONNECT) got a plain answer: that denies it.
         return self._conn.their_state in _CLIENT_DONE
 
     def start_next_cycle(self) -> None:
         """Reset for the next request on this connection (only when `reusable`).
 
-        A new h11 connection, given the bytes not processed yet: h11 itself can start a
-        new cycle only after it has sent the response.
+        The bytes not processed yet go to the fast path, or to a new h11 connection: h11
+        itself can start a new cycle only after it has sent the response.
         """
         if not self.reusable:
             raise ResponseStateError("connection is not reusable")
@@ -462,23 +544,24 @@ class ServerSession:
             data, closed = self._buf, self._eof
             self._own_body, self._buf, self._eof = False, b"", False
         else:
+            assert self._conn is not None
             data, closed = self._conn.trailing_data
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head)
-        if data:
-            conn.receive_data(data)
-        if closed:
-            conn.receive_data(b"")
-        self._conn = conn
-        self._fed = bool(data) or closed
+        if self._fast:
+            self._conn = None
+            self._pending_head, self._buf, self._eof = True, data, closed
+        else:
+            conn = self._new_h11()
+            if data:
+                conn.receive_data(data)
+            if closed:
+                conn.receive_data(b"")
+            self._conn = conn
+            self._fed = bool(data) or closed
         self._out = _IDLE
         self._method = self._version = None
         self._keep_alive = True
         self.cycle_bytes = 0
         self.body_bytes = 0
-
-
-def _tokens(value: bytes) -> list[bytes]:
-    return [t.strip().lower() for t in value.split(b",")]
 
 
 def _without(items: list[_Item], name: bytes) -> list[_Item]:

@@ -5,7 +5,9 @@ stream protocol reports EOF and resets as they happen (no read pending), and a h
 the handler waits cancels it.  Timeouts come from one sweeper task per server
 (`gateway.deadlines`), not from a timer per read.  Protocol decisions live in
 `gateway.protocol.ServerSession`; this module only moves bytes, keeps time and decides when
-a connection ends.
+a connection ends.  (It is longer than our usual bound: the handler's `Request` and
+`Responder`, the connection task and the accept loop share one connection's state; split,
+that state would have to be public.  Descriptor limits are decided in `gateway.limits`.)
 
 Handler contract:
 
@@ -13,7 +15,8 @@ Handler contract:
 
 * `await request.receive()` returns the next body chunk (b"" at the end) and
   `await request.read_body()` all of it; both raise `BodyTooLarge` (the server answers 413),
-  `BodyTimeout` (408) or `ClientDisconnected`.  Read it from the handler itself, not from
+  `BodyTimeout` (408: the body was not in by `body_timeout_s` after the request's first byte,
+  however it trickled in) or `ClientDisconnected`.  Read it from the handler itself, not from
   tasks it spawns; hang-ups are noticed at once only after the body was read to its end.
 * `await responder.start(status, headers)`, then `send(data)` any number of times, then
   `end()`; or `respond(status, headers, body)` for the whole answer in one write.  Headers are
@@ -26,6 +29,11 @@ Handler contract:
   writes to a gone client raise `ClientDisconnected`.
 * Exceptions other than `ClientError` become a 500 when nothing was sent yet (logged), else
   the connection is closed.  A handler that returns without `end()` closes the connection.
+* A HEAD request is answered with the head of the GET answer: the handler may answer it as
+  a GET, the body is dropped (RFC 9110 9.3.2).
+
+Connections beyond the cap (`max_connections`, lowered to fit the descriptor limit, see
+`gateway.limits`) get a 503 with Retry-After and are closed; a warning per minute says so.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from gateway import limits
 from gateway.deadlines import Sweeper, sweep_interval
 from gateway.errors import (
     BodyTimeout,
@@ -68,13 +77,14 @@ class ServerConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     header_timeout_s: float = 10.0  # from the first byte of a request to its complete head
     keepalive_timeout_s: float = 75.0  # idle time between requests (above clients' pools)
-    body_timeout_s: float = 60.0  # longest pause while the client sends its body
+    body_timeout_s: float = 120.0  # from a request's first byte until its whole body is read
     write_timeout_s: float = 120.0  # longest time a client may leave our writes unread
     linger_s: float = 2.0  # after an error reply, how long we read and discard before closing
     linger_max_bytes: int = 32 * 1024 * 1024  # ...and how much (an over-cap upload's rest)
     read_chunk_bytes: int = 64 * 1024
-    max_connections: int = 8192  # connections beyond this are closed at once
+    max_connections: int = 8192  # beyond this a 503; lowered to fit the descriptor limit
     backlog: int = 1024
+    fast_path: bool = True  # plainly valid request heads skip h11 (`gateway.request_head`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +259,7 @@ class _Connection:
 
     __slots__ = (
         "_responder",
+        "body_deadline",
         "broken",
         "cancelled_for_gone",
         "config",
@@ -277,6 +288,7 @@ class _Connection:
         self.session = ServerSession(
             max_header_bytes=self.config.max_header_bytes,
             max_body_bytes=self.config.max_body_bytes,
+            fast_path=self.config.fast_path,
         )
         self.task: asyncio.Task[None] | None = None
         self.idle = True
@@ -286,6 +298,7 @@ class _Connection:
         self.in_handler = False
         self.cancelled_for_gone = False
         self.deadline = 0.0  # loop time by which the pending read or write must finish
+        self.body_deadline = 0.0  # loop time by which the current request's body must be in
         self.writing = False
         stream.on_closed = self._peer_closed
 
@@ -311,6 +324,8 @@ class _Connection:
 
     async def _read(self, timeout: float) -> bytes | None:
         """Bytes from the socket; b"" at EOF or on a reset; None on timeout."""
+        if timeout <= 0:
+            return None
         self.deadline = self.server.loop_time() + timeout
         try:
             return await self.stream.read(self.config.read_chunk_bytes)
@@ -331,7 +346,7 @@ class _Connection:
     async def _receive_head(self) -> RequestHead | None:
         """The next request head, or None when the connection should end."""
         session = self.session
-        header_deadline = 0.0
+        started = 0.0  # when the first bytes of the head were seen (0: all came in one read)
         while True:
             try:
                 event = session.next_event()
@@ -340,6 +355,9 @@ class _Connection:
                 return None
             if isinstance(event, RequestHead):
                 self.idle = False
+                if event.has_body:  # one deadline for head and body, however they trickle
+                    start = started or self.server.loop_time()
+                    self.body_deadline = start + self.config.body_timeout_s
                 return event
             if event is not Signal.NEED_DATA:
                 return None  # CLOSED (clean EOF between requests) or nothing more to do
@@ -351,9 +369,10 @@ class _Connection:
             else:
                 self.idle = False
                 now = self.server.loop_time()
-                if not header_deadline:
-                    header_deadline = now + self.config.header_timeout_s
-                timeout = header_deadline - now
+                if not started:
+                    started = now
+                config = self.config
+                timeout = started + min(config.header_timeout_s, config.body_timeout_s) - now
             data = await self._read(timeout)
             if data is None:
                 if session.cycle_bytes:
@@ -455,7 +474,7 @@ class _Connection:
             if event is Signal.BODY_END:
                 return True
             if event is Signal.NEED_DATA:
-                data = await self._read(self.config.body_timeout_s)
+                data = await self._read(self.body_deadline - self.server.loop_time())
                 if not data:
                     return False
                 self.session.receive(data)
@@ -501,7 +520,7 @@ class _Connection:
                 return b""
             if event is not Signal.NEED_DATA:  # pragma: no cover - h11 state forbids it
                 raise MalformedRequest("unexpected end of request body")
-            data = await self._read(self.config.body_timeout_s)
+            data = await self._read(self.body_deadline - self.server.loop_time())
             if data is None:
                 raise BodyTimeout("request body not received in time")
             if not data:
@@ -613,6 +632,12 @@ class _Connection:
             budget -= len(data)
 
 
+_BUSY_MESSAGE = "too many connections; retry shortly"
+_BUSY_RETRY_AFTER_S = 1
+_MAX_REFUSING = 64  # over-cap connections answered at once; more are dropped unanswered
+_REFUSE_LINGER_S = 1.0  # how long an over-cap connection may take to read our 503
+
+
 class HTTPServer:
     """Accepts connections and serves them with `handler`; see the module docstring."""
 
@@ -637,6 +662,12 @@ class HTTPServer:
         self._connections: dict[asyncio.Task[None], _Connection] = {}
         self._connections_total = 0
         self._connections_refused = 0
+        self.max_connections = self.config.max_connections  # see `start`
+        self._refusing = 0
+        self._busy_reply = b""
+        self._cap_warning = limits.Every(limits.WARN_EVERY_S)
+        self._fd_check = limits.Every(limits.FD_CHECK_EVERY_S)
+        self._fd_warning = limits.Every(limits.WARN_EVERY_S)
         self._server: asyncio.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         c = self.config
@@ -644,6 +675,7 @@ class HTTPServer:
             sweep_interval(c.header_timeout_s, c.keepalive_timeout_s, c.body_timeout_s,
                            c.write_timeout_s, c.linger_s),
             self._connections.values,
+            self._check_fds,
         )  # fmt: skip
 
     def loop_time(self) -> float:
@@ -652,9 +684,25 @@ class HTTPServer:
         return self._loop.time()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        """Listen on host:port (0 picks a free port; see `port`)."""
+        """Listen on host:port (0 picks a free port; see `port`).
+
+        Raises the process's soft limit on open files to the hard one first, and lowers the
+        connection cap to what the descriptors allow (`gateway.limits`).
+        """
         loop = self._loop = asyncio.get_running_loop()
         limit = self.config.read_chunk_bytes
+        fd_limit = limits.raise_fd_limit()
+        self.max_connections = limits.connection_cap(self.config.max_connections, fd_limit)
+        if self.max_connections < self.config.max_connections:
+            lowered = log.warning if self.max_connections < 1024 else log.info
+            lowered(
+                "connection_cap_lowered", cap=self.max_connections, fd_limit=fd_limit,
+                configured=self.config.max_connections,
+            )  # fmt: skip
+        headers, body = self.render_error(503, _BUSY_MESSAGE)
+        headers = [*headers, (b"retry-after", b"%d" % _BUSY_RETRY_AFTER_S)]
+        session = ServerSession(max_header_bytes=1024, max_body_bytes=0)
+        self._busy_reply = session.error_reply(503, headers, body)
 
         def protocol() -> ByteStream:
             return ByteStream(limit, self._accept)
@@ -675,9 +723,12 @@ class HTTPServer:
         task = asyncio.current_task()
         transport = stream.transport
         assert transport is not None  # the task starts once connected
-        if self.closing or task is None or len(self._connections) >= self.config.max_connections:
+        if self.closing or task is None:
             self._connections_refused += 1
             transport.abort()
+            return
+        if len(self._connections) >= self.max_connections:
+            await self._refuse(stream, transport)
             return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -692,6 +743,44 @@ class HTTPServer:
             pass  # the connection task ends here either way
         finally:
             del self._connections[task]
+
+    async def _refuse(self, stream: ByteStream, transport: asyncio.Transport) -> None:
+        """Over the cap: a 503 with Retry-After, then close once the client read it."""
+        self._connections_refused += 1
+        if self._cap_warning.due(self.loop_time()):
+            log.warning(
+                "connection_cap_reached", cap=self.max_connections,
+                refused_total=self._connections_refused,
+            )  # fmt: skip
+        if self._refusing >= _MAX_REFUSING:
+            transport.abort()  # a flood: answering would hold descriptors longer
+            return
+        self._refusing += 1
+        try:
+            transport.write(self._busy_reply)
+            transport.write_eof()
+            # Read and drop until the client closes, so that it sees the 503 and not a reset.
+            async with asyncio.timeout(_REFUSE_LINGER_S):
+                while await stream.read(self.config.read_chunk_bytes):
+                    pass
+        except (OSError, RuntimeError, TimeoutError):
+            pass  # policy: the client just loses the connection, as it would without the 503
+        finally:
+            self._refusing -= 1
+            transport.close()
+
+    def _check_fds(self, now: float) -> None:
+        """Now and then, count open descriptors: running out must never be silent."""
+        if not self._fd_check.due(now):
+            return
+        limit = limits.fd_limit()
+        count = limits.open_fds()
+        pressure = limits.fd_pressure(count, limit)
+        if pressure is not None and self._fd_warning.due(now):
+            log.error(
+                "file_descriptors_" + pressure, open=count, limit=limit,
+                connections=len(self._connections),
+            )  # fmt: skip
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop accepting, close idle connections, let in-flight responses finish, then cut."""

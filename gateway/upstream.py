@@ -389,11 +389,11 @@ class UpstreamPool:
         engine.slots_free += 1
 
     def _checkout(self, engine: _EnginePool) -> tuple[_Connection | None, bool]:
-        now = asyncio.get_running_loop().time()
         idle = engine.idle
         while idle:
             conn = idle.pop()
-            if conn.alive and now - conn.last_used < self.config.idle_expiry_s:
+            # The connection's loop: `asyncio.get_running_loop()` costs a getpid() syscall.
+            if conn.alive and conn.loop.time() - conn.last_used < self.config.idle_expiry_s:
                 engine.reused += 1
                 return conn, True
             conn.abort()
@@ -430,7 +430,7 @@ class UpstreamPool:
             and len(engine.idle) < self.config.max_idle_per_engine
         ):
             conn.session.start_next_cycle()
-            conn.last_used = asyncio.get_running_loop().time()
+            conn.last_used = conn.loop.time()
             engine.idle.append(conn)
             return
         if reuse and conn.session.reusable:

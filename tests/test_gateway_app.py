@@ -891,7 +891,7 @@ def test_adversarial_requests_get_an_answer_or_a_close_and_the_gateway_keeps_ser
                     assert got.startswith(b"HTTP/1.1 "), got[:80]
                     status = int(got[9:12])
                     assert status in (200, 400, 404, 408, 413, 431, 501), got[:200]
-                    if status >= 400 and status != 404:
+                    if status >= 400 and status != 404 and method != b"HEAD":  # no body
                         assert b'"type":"server_error"' in got
                 reply = await request_once(server.port, "POST", CHAT, {"messages": []})
                 assert reply.status == 200

@@ -65,7 +65,7 @@ def test_every_seed_inference_endpoint_is_inference_when_posted(endpoint: str) -
         (b"POST", "/v1/chat/completions/"),
         (b"DELETE", "/v1/models/x"),
         (b"POST", "/chat/completions"),
-        (b"HEAD", "/v1/models"),
+        (b"HEAD", "/v1/chat/completions"),
     ],
 )
 def test_everything_else_is_not_found(method: bytes, path: str) -> None:
@@ -77,6 +77,11 @@ def test_models_list_and_model_get_are_routed_by_method_and_path() -> None:
     route = classify_route(b"GET", "/v1/models/meta-llama/Llama-3-8B", [])
     assert route.kind is RouteKind.MODEL_GET
     assert route.model_id == "meta-llama/Llama-3-8B"
+
+
+def test_head_is_routed_as_get() -> None:
+    assert classify_route(b"HEAD", "/v1/models", []).kind is RouteKind.MODELS_LIST
+    assert classify_route(b"HEAD", "/v1/models/m", []).kind is RouteKind.MODEL_GET
 
 
 def test_health_check_header_marks_the_route() -> None:

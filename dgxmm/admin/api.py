@@ -115,7 +115,7 @@ def match_route(method: str, parts: list[str]) -> tuple[Route, dict[str, str]]:
             elif want != got:
                 break
         else:
-            if route.method == method:
+            if route.method == method or (method == "HEAD" and route.method == "GET"):
                 return route, params
             allowed.append(route.method)
     if allowed:
@@ -750,7 +750,7 @@ class AdminApi:
         return metrics.litellm_families(status) if isinstance(status, Mapping) else []
 
     async def _metrics(self, request: Request, responder: Responder) -> None:
-        if request.method != b"GET":
+        if request.method not in (b"GET", b"HEAD"):
             raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
         if not self.metrics_public:
             try:
@@ -772,7 +772,7 @@ class AdminApi:
     # --- static files --------------------------------------------------------------------
 
     async def _static(self, request: Request, responder: Responder, rel: str) -> None:
-        if request.method != b"GET":
+        if request.method not in (b"GET", b"HEAD"):
             raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
         if self.web_root is None:
             raise ApiError(404, "not_found", "the web UI is not installed")

@@ -1,25 +1,32 @@
-"""Gateway benchmark: direct vs nginx vs the gateway, against the same simulated engines.
+"""Gateway benchmark: direct vs a bare relay vs nginx vs the gateway, on the same upstreams.
 
-    python -m tests.perf.bench_gateway [--quick] [--baseline DIR]
+    python -m tests.perf.bench_gateway [--quick] [--rounds N] [--h11] [--baseline DIR]
 
-Starts (all on loopback, all ended at exit): two simulated vLLM engines (one answering at
-once for latency, one pacing tokens for streams), nginx as a keep-alive reverse proxy with a
-minimal config of ours, and the gateway with a scripted ready controller, each in its own
-process on uvloop (the gateway checks that it is).  The load generator is this process.
-Everything is bounded: fixed request counts, deadlines on every wait.
+Starts (all on loopback, all ended at exit): a static upstream (nginx answering every request
+with a fixed small JSON body, in its own process: so that concurrency 64 measures the proxy,
+not a saturated engine), a simulated vLLM engine pacing tokens for streams, the bare uvloop
+byte relay (the Python floor: 30 lines that only forward bytes), nginx as a keep-alive
+reverse proxy with a minimal config of ours, and the gateway with a scripted ready
+controller, each in its own process on uvloop (the gateway checks that it is).  The load
+generator is this process.  Everything is bounded: fixed request counts, deadlines on every
+wait.
 
-Fairness: every target is asked through the same client code, after a warm-up.  At
-concurrency 1 the targets take turns request by request (rotating who goes first), so that
-drifts of the shared machine hit them alike; at 64 and for streams they take turns by
-rounds.  CPU is each proxy process's on-CPU time (user and system, ns, from schedstat) over
-the requests it served.  `--baseline DIR` adds a second gateway built from the `gateway`
-package in DIR (e.g. `git archive <rev> gateway | tar -x -C DIR`), measured in the same
-turns: a before / after comparison on the same machine at the same time.
+Fairness: every target is asked through the same client code, after a warm-up, in rounds;
+each round rotates who goes first.  At concurrency 1 the targets take turns request by
+request, so that drifts of the shared machine hit them alike; at 64 and for streams they
+take turns target by target.  CPU is each proxy process's on-CPU time (user and system, ns,
+from schedstat) over the requests or events it relayed.  Every figure is the median over the
+rounds.  `--h11` adds the gateway with its fast path off (`[server] gateway_fast_path =
+false`); `--baseline DIR` adds a gateway built from the `gateway` package in DIR (e.g.
+`git archive <rev> gateway | tar -x -C DIR`): before / after on the same machine at the
+same time.
 
-Measured: added latency p50/p99 of small non-streaming requests at concurrency 1 and 64, TTFB
-and relayed tokens/s of 256 concurrent streams, and the extra RSS of 1,000 idle keep-alive
-connections.  Targets: added p50 <= 2x nginx's; streaming >= 90% of direct; < 50 MB per 1,000
-idle connections.
+Measured: added latency p50/p99 of small requests at concurrency 1 (and 64), requests/s at
+concurrency 64, CPU per relayed request and per stream event, TTFB and relayed tokens/s of
+256 concurrent streams, the extra RSS of 1,000 idle keep-alive connections; with the ratios
+gateway/relay and gateway/nginx.  Targets (issue 19): CPU per request <= 3x the relay's;
+>= 20,000 req/s at c=64; added p50 at c=1 <= 0.08 ms; CPU per stream event <= 1.5x nginx's;
+256 streams >= 95 % of direct tokens/s; < 50 MB per 1,000 idle connections.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -38,6 +47,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 MODEL = "bench"
 SMALL = b'{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":8}'
@@ -45,15 +55,19 @@ STREAM = (
     b'{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":%d,"stream":true}'
 )
 DEADLINE_S = 120.0
-STREAM_ROUNDS = 3
-ROUNDS_C64 = 4
+ROUNDS = 5
 WARMUP = 100  # requests per connection (a tenth of it at concurrency 64) before measuring
+STATIC_BODY = (
+    '{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench",'
+    '"choices":[{"index":0,"message":{"role":"assistant","content":"hi there"},'
+    '"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}'
+)
 
 
 # --- the gateway process -----------------------------------------------------------------------
 
 
-def serve_gateway(engines: list[int], port: int, package_dir: str) -> None:
+def serve_gateway(engines: list[int], port: int, package_dir: str, fast_path: bool) -> None:
     """Run the gateway with deployments d0.. ready on the given engine ports (child process).
 
     `package_dir`: where to import the `gateway` package from ("" for this checkout's).
@@ -65,6 +79,7 @@ def serve_gateway(engines: list[int], port: int, package_dir: str) -> None:
     import gateway
     from actors.ports import EngineHandle
     from gateway.app import Gateway
+    from gateway.server import ServerConfig
     from tests.gateway_support import ScriptedController
 
     if package_dir and not str(gateway.__file__).startswith(package_dir):
@@ -81,12 +96,80 @@ def serve_gateway(engines: list[int], port: int, package_dir: str) -> None:
         if not isinstance(loop, uvloop.Loop):  # production runs on uvloop; so must this
             raise SystemExit(f"gateway loop is {type(loop)!r}, not uvloop")
         gateway = Gateway(controller)
-        await gateway.serve("127.0.0.1", port)
+        config = None if fast_path else ServerConfig(fast_path=False)  # a baseline may lack it
+        await gateway.serve("127.0.0.1", port, config)
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         print("ready", flush=True)
         await stop.wait()
         await gateway.shutdown(1.0)
+
+    # BENCH_PROFILE=FILE: the gateway runs under cProfile and writes its stats to FILE at exit.
+    profile_to = os.environ.get("BENCH_PROFILE")
+    if not profile_to:
+        uvloop.run(main())
+        return
+    import cProfile
+
+    with cProfile.Profile() as profile:
+        uvloop.run(main())
+    profile.dump_stats(profile_to)
+
+
+# --- the bare relay: the Python floor ---------------------------------------------------------
+
+
+def serve_relay(routes: list[tuple[int, int]]) -> None:
+    """Forward bytes from each listening port to its upstream port, nothing else (child)."""
+    import uvloop
+
+    class Pipe(asyncio.Protocol):
+        def __init__(self, peer: asyncio.Transport) -> None:
+            self.peer = peer
+
+        def data_received(self, data: bytes) -> None:
+            self.peer.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.peer.close()
+
+    class Client(asyncio.Protocol):
+        def __init__(self, upstream_port: int) -> None:
+            self.port = upstream_port
+            self.upstream: asyncio.Transport | None = None
+            self.early: list[bytes] = []  # what came before the upstream connection was up
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)
+            asyncio.get_running_loop().create_task(self.connect())
+
+        async def connect(self) -> None:
+            loop = asyncio.get_running_loop()
+            up, _ = await loop.create_connection(
+                lambda: Pipe(self.transport), "127.0.0.1", self.port
+            )
+            self.upstream = up
+            up.write(b"".join(self.early))
+
+        def data_received(self, data: bytes) -> None:
+            if self.upstream is None:
+                self.early.append(data)
+            else:
+                self.upstream.write(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.upstream is not None:
+                self.upstream.close()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for port, upstream in routes:
+            await loop.create_server(
+                functools.partial(Client, upstream), "127.0.0.1", port, backlog=4096
+            )
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
 
     uvloop.run(main())
 
@@ -129,7 +212,7 @@ http {{
     scgi_temp_path {dir}/scgi;
     keepalive_timeout 75s;
     keepalive_requests 100000;
-    upstream engine_fast {{ server 127.0.0.1:{fast}; keepalive 256; }}
+    upstream engine_fast {{ server 127.0.0.1:{static}; keepalive 256; }}
     upstream engine_paced {{ server 127.0.0.1:{paced}; keepalive 256; }}
     server {{
         listen 127.0.0.1:{port} backlog=4096;
@@ -144,59 +227,95 @@ http {{
 }}
 """
 
+STATIC_CONF = """
+worker_processes 1;
+daemon off;
+pid {dir}/static.pid;
+error_log {dir}/static-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/static-body;
+    keepalive_timeout 75s;
+    keepalive_requests 1000000;
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        client_max_body_size 16m;
+        location / {{ default_type application/json; return 200 '{body}'; }}
+    }}
+}}
+"""
+
 
 @dataclass
 class Rig:
     """The processes of one benchmark run."""
 
-    fast: int
+    static: int
     paced: int
+    relay: int  # to the static upstream
+    relay_paced: int  # the same relay process, to the paced engine
     nginx: int
     gateway: int
     baseline: int = 0  # a second gateway from --baseline, 0 when none
+    h11: int = 0  # the gateway without its fast path (--h11), 0 when none
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
-def processes(stream_tokens: int, token_delay: float, baseline: str | None) -> Iterator[Rig]:
-    """Start engines, nginx and the gateway(s); stop exactly those at exit."""
+def processes(
+    stream_tokens: int, token_delay: float, baseline: str | None, h11: bool
+) -> Iterator[Rig]:
+    """Start upstreams, the relay, nginx and the gateway(s); stop exactly those at exit."""
     nginx_bin = shutil.which("nginx") or "/usr/sbin/nginx"
-    rig = Rig(fast=free_port(), paced=free_port(), nginx=free_port(), gateway=free_port())
+    rig = Rig(
+        static=free_port(), paced=free_port(), relay=free_port(), relay_paced=free_port(),
+        nginx=free_port(), gateway=free_port(),
+    )  # fmt: skip
     if baseline:
         rig.baseline = free_port()
+    if h11:
+        rig.h11 = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     python = sys.executable
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
-        for name, port, extra in (
-            ("engine-fast", rig.fast, []),
-            ("engine-paced", rig.paced, ["--token-delay", str(token_delay)]),
-        ):
+        rig.procs["engine-paced"] = subprocess.Popen(
+            [python, "-m", "simulations.engine", "--host", "127.0.0.1", "--port", str(rig.paced),
+             "--flavour", "vllm", "--model", MODEL, "--tokens", str(stream_tokens),
+             "--max-running", "1024", "--token-delay", str(token_delay)],
+            env=env, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for name, conf_text in (
+            ("static", STATIC_CONF.format(dir=workdir, port=rig.static, body=STATIC_BODY)),
+            ("nginx", NGINX_CONF.format(dir=workdir, static=rig.static, paced=rig.paced,
+                                        port=rig.nginx)),
+        ):  # fmt: skip
+            conf = workdir / f"{name}.conf"
+            conf.write_text(conf_text)
             rig.procs[name] = subprocess.Popen(
-                [python, "-m", "simulations.engine", "--host", "127.0.0.1", "--port", str(port),
-                 "--flavour", "vllm", "--model", MODEL, "--tokens", str(stream_tokens),
-                 "--max-running", "1024", *extra],
-                env=env, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-        conf = workdir / "nginx.conf"
-        conf.write_text(
-            NGINX_CONF.format(dir=workdir, fast=rig.fast, paced=rig.paced, port=rig.nginx)
-        )
-        rig.procs["nginx"] = subprocess.Popen(
-            [nginx_bin, "-c", str(conf), "-p", str(workdir)], stderr=subprocess.DEVNULL
-        )
-        gateways = [("gateway", rig.gateway, "")]
+                [nginx_bin, "-c", str(conf), "-p", str(workdir)], stderr=subprocess.DEVNULL
+            )
+        rig.procs["relay"] = subprocess.Popen(
+            [python, "-m", "tests.perf.bench_gateway", "--serve-relay",
+             "--routes", f"{rig.relay}:{rig.static},{rig.relay_paced}:{rig.paced}"],
+            env=env,
+        )  # fmt: skip
+        gateways = [("gateway", rig.gateway, "", True)]
         if baseline:
-            gateways.append(("base", rig.baseline, os.path.abspath(baseline)))
-        for name, port, package_dir in gateways:
+            gateways.append(("base", rig.baseline, os.path.abspath(baseline), True))
+        if h11:
+            gateways.append(("h11", rig.h11, "", False))
+        for name, port, package_dir, fast_path in gateways:
             rig.procs[name] = subprocess.Popen(
                 [python, "-m", "tests.perf.bench_gateway", "--serve-gateway",
-                 "--engines", f"{rig.fast},{rig.paced}", "--port", str(port),
-                 "--package-dir", package_dir],
+                 "--engines", f"{rig.static},{rig.paced}", "--port", str(port),
+                 "--package-dir", package_dir, *([] if fast_path else ["--no-fast-path"])],
                 env=env, stdout=subprocess.DEVNULL,
             )  # fmt: skip
-        ports = [("engine-fast", rig.fast), ("engine-paced", rig.paced), ("nginx", rig.nginx)]
-        for name, port in ports + [(name, port) for name, port, _ in gateways]:
+        ports = [("static", rig.static), ("engine-paced", rig.paced), ("nginx", rig.nginx),
+                 ("relay", rig.relay), ("relay", rig.relay_paced)]  # fmt: skip
+        for name, port in ports + [(name, port) for name, port, _, _ in gateways]:
             wait_port(port, rig.procs[name])
         yield rig
     finally:
@@ -331,9 +450,9 @@ async def turns_run(
 
 async def latency_run(
     port: int, path: str, pid: int | None, concurrency: int, per_conn: int
-) -> tuple[list[float], float]:
-    """Latencies of `concurrency` connections each sending `per_conn` small requests, and the
-    proxy's CPU seconds over them (warm-up excluded)."""
+) -> tuple[list[float], float, float]:
+    """Latencies of `concurrency` connections each sending `per_conn` small requests, the
+    wall time they took and the proxy's CPU seconds over them (warm-up excluded)."""
     request = request_bytes(path, SMALL)
     conns = [await Conn.open(port) for _ in range(concurrency)]
     async with asyncio.timeout(DEADLINE_S):  # warm-up
@@ -346,12 +465,14 @@ async def latency_run(
             latencies.append((await conn.exchange(request)).latency)
 
     before = cpu_seconds(pid) if pid else 0.0
+    start = time.perf_counter()
     async with asyncio.timeout(DEADLINE_S):
         await asyncio.gather(*(worker(c) for c in conns))
+    wall = time.perf_counter() - start
     used = cpu_seconds(pid) - before if pid else 0.0
     for conn in conns:
         conn.close()
-    return latencies, used
+    return latencies, wall, used
 
 
 async def stream_run(port: int, path: str, streams: int, tokens: int) -> tuple[list[float], float]:
@@ -397,108 +518,132 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(rig: Rig, quick: bool, tokens: int) -> None:
-    """Run every measurement and print the table."""
-    n1, n64, streams = (300, 12, 64) if quick else (3000, 40, 256)
+def median(values: list[float]) -> float:
+    """The median (the upper one of an even count)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+async def measure(rig: Rig, quick: bool, tokens: int, rounds: int) -> None:
+    """Run every measurement in `rounds` rounds and print the medians and ratios."""
+    n1, per_conn64, streams = (200, 10, 64) if quick else (1000, 60, 256)
+    path = "/v1/chat/completions"
     targets = {
-        "direct": (rig.fast, "/v1/chat/completions", rig.paced, "/v1/chat/completions"),
-        "nginx": (rig.nginx, "/fast/v1/chat/completions", rig.nginx, "/paced/v1/chat/completions"),
-        "gateway": (rig.gateway, "/d/d0/v1/chat/completions", rig.gateway,
-                    "/d/d1/v1/chat/completions"),
-    }  # fmt: skip
-    pids = {"nginx": children(rig.procs["nginx"].pid)[0], "gateway": rig.procs["gateway"].pid}
-    if rig.baseline:
-        targets["base"] = (rig.baseline, "/d/d0/v1/chat/completions", rig.baseline,
-                           "/d/d1/v1/chat/completions")  # fmt: skip
-        pids["base"] = rig.procs["base"].pid
+        "direct": (rig.static, path, rig.paced, path),
+        "relay": (rig.relay, path, rig.relay_paced, path),
+        "nginx": (rig.nginx, "/fast" + path, rig.nginx, "/paced" + path),
+        "gateway": (rig.gateway, "/d/d0" + path, rig.gateway, "/d/d1" + path),
+    }
+    pids = {
+        "relay": rig.procs["relay"].pid,
+        "nginx": children(rig.procs["nginx"].pid)[0],
+        "gateway": rig.procs["gateway"].pid,
+    }
+    for name, port in (("base", rig.baseline), ("h11", rig.h11)):
+        if port:
+            targets[name] = (port, "/d/d0" + path, port, "/d/d1" + path)
+            pids[name] = rig.procs[name].pid
     names = list(targets)
     proxies = names[1:]
-    cpu: dict[tuple[str, str], float] = {}  # CPU seconds used
-    count: dict[tuple[str, str], int] = {}  # ... for this many requests or events
+    got: dict[tuple[str, str], list[float]] = {}  # one value per round per (figure, target)
 
-    def spent(name: str, what: str, seconds: float, items: int) -> None:
-        cpu[(name, what)] = cpu.get((name, what), 0.0) + seconds
-        count[(name, what)] = count.get((name, what), 0) + items
+    def record(figure: str, name: str, value: float) -> None:
+        got.setdefault((figure, name), []).append(value)
 
     # Memory first, on fresh processes: later phases leave freed memory behind that idle
     # connections would reuse, in amounts that differ between proxies.
     rss = {name: await idle_rss(targets[name][0], targets[name][1], pids[name], 1000)
            for name in proxies}  # fmt: skip
-    lat: dict[tuple[str, int], list[float]] = {}
-    got1, used1 = await turns_run({n: (t[0], t[1]) for n, t in targets.items()}, pids, n1)
-    for name in names:
-        lat[(name, 1)] = got1[name]
-        if name in pids:
-            spent(name, "c1", used1[name], n1)
-    for turn in range(ROUNDS_C64):  # rounds, rotating who goes first
-        for name in names[turn % len(names) :] + names[: turn % len(names)]:
-            port, path, _, _ = targets[name]
-            got, used = await latency_run(port, path, pids.get(name), 64, n64 // ROUNDS_C64)
-            lat.setdefault((name, 64), []).extend(got)
+    for turn in range(rounds):
+        order = names[turn % len(names) :] + names[: turn % len(names)]
+        lat1, used1 = await turns_run({n: (targets[n][0], targets[n][1]) for n in order}, pids, n1)
+        for name in names:
+            record("c1 p50", name, pct(lat1[name], 0.5))
+            record("c1 p99", name, pct(lat1[name], 0.99))
             if name in pids:
-                spent(name, "c64", used, len(got))
-    ttfb: dict[str, list[float]] = {}
-    rates: dict[str, list[float]] = {}
-    for _ in range(STREAM_ROUNDS):  # interleaved rounds; the median rate is reported
-        for name, (_, _, port, path) in targets.items():
+                record("cpu c1", name, used1[name] / n1)
+                paired = [a - b for a, b in zip(lat1[name], lat1["direct"], strict=True)]
+                record("c1 paired", name, pct(paired, 0.5))
+        for name in order:
+            port, target, _, _ = targets[name]
+            lat, wall, used = await latency_run(port, target, pids.get(name), 64, per_conn64)
+            record("c64 rps", name, len(lat) / wall)
+            record("c64 p50", name, pct(lat, 0.5))
+            if name in pids:
+                record("cpu c64", name, used / len(lat))
+        for name in order:
+            _, _, port, target = targets[name]
             before = cpu_seconds(pids[name]) if name in pids else 0.0
-            got_ttfb, got_rate = await stream_run(port, path, streams, tokens)
-            ttfb.setdefault(name, []).extend(got_ttfb)
-            rates.setdefault(name, []).append(got_rate)
+            ttfb, rate = await stream_run(port, target, streams, tokens)
+            record("ttfb p50", name, pct(ttfb, 0.5))
+            record("tokens/s", name, rate)
             if name in pids:
                 # per relayed event (tokens and the closing events), warm-up included
-                spent(name, "event", cpu_seconds(pids[name]) - before, streams * (tokens + 4))
-    rate = {name: sorted(values)[len(values) // 2] for name, values in rates.items()}
+                used = cpu_seconds(pids[name]) - before
+                record("cpu event", name, used / (streams * (tokens + 4)))
+        print(f"round {turn + 1}/{rounds} done", file=sys.stderr, flush=True)
+
+    def med(figure: str, name: str) -> float:
+        return median(got[(figure, name)])
+
+    def added(figure: str, name: str) -> float:  # per round proxy - direct, then the median
+        pairs = zip(got[(figure, name)], got[(figure, "direct")], strict=True)
+        return median([a - b for a, b in pairs])
 
     ms, us = 1000.0, 1e6
-    rows: list[tuple[str, list[str], str]] = []
+    rows: list[tuple[str, dict[str, float], str]] = []
 
-    def row(label: str, values: dict[str, float], note: str = "") -> None:
-        rows.append((label, [f"{values[n]:.3f}" if n in values else "-" for n in names], note))
+    def ratios(values: dict[str, float]) -> str:
+        gw = values["gateway"]
+        parts = []
+        for other in ("relay", "nginx", "base", "h11"):
+            ref = values.get(other)
+            if ref is not None:
+                parts.append(f"gw/{other} " + (f"{gw / ref:.2f}x" if ref > 0 < gw else "n/a"))
+        return ", ".join(parts)
 
-    def vs_nginx(values: dict[str, float], target: str = "") -> str:
-        if values["nginx"] <= 0:
-            return "gw/nginx n/a (nginx added <= 0)"
-        return f"gw/nginx {values['gateway'] / values['nginx']:.2f}x{target}"
-
-    for c in (1, 64):
-        p50 = {name: pct(lat[(name, c)], 0.5) * ms for name in names}
-        p99 = {name: pct(lat[(name, c)], 0.99) * ms for name in names}
-        row(f"c={c} latency p50 (ms)", p50)
-        row(f"c={c} latency p99 (ms)", p99)
-        added50 = {name: p50[name] - p50["direct"] for name in proxies}
-        added99 = {name: p99[name] - p99["direct"] for name in proxies}
-        row(f"c={c} added p50 (ms)", added50, vs_nginx(added50, " (target <= 2x)"))
-        row(f"c={c} added p99 (ms)", added99, vs_nginx(added99))
-        if c == 1:  # the same turn's direct request as the reference: drift cancels out
-            paired = {
-                name: pct([a - b for a, b in zip(lat[(name, 1)], lat[("direct", 1)], strict=True)],
-                          0.5) * ms
-                for name in proxies
-            }  # fmt: skip
-            row("c=1 added, paired p50 (ms)", paired, vs_nginx(paired))
-    row(f"{streams} streams TTFB p50 (ms)", {n: pct(v, 0.5) * ms for n, v in ttfb.items()})
-    row(f"{streams} streams TTFB p99 (ms)", {n: pct(v, 0.99) * ms for n, v in ttfb.items()})
-    row(f"{streams} streams tokens/s", rate,
-        f"gw/direct {rate['gateway'] / rate['direct']:.1%} (target >= 90%)")  # fmt: skip
-    row("RSS per 1,000 idle conns (MB)", {n: v / 1e6 for n, v in rss.items()}, "target < 50 MB")
-    for what, label in (("c1", "request, c=1"), ("c64", "request, c=64"), ("event", "event")):
-        per = {name: cpu[(name, what)] / count[(name, what)] * us for name in proxies}
-        note = f"gw/nginx {per['gateway'] / per['nginx']:.1f}x"
-        if "base" in per:
-            note += f", gw/base {per['gateway'] / per['base']:.2f}x"
-        row(f"proxy CPU per {label} (us)", per, note)
+    for figure, label in (("c1 p50", "c=1 latency p50"), ("c1 p99", "c=1 latency p99"),
+                          ("c64 p50", "c=64 latency p50")):  # fmt: skip
+        rows.append((f"{label} (ms)", {n: med(figure, n) * ms for n in names}, ""))
+    for figure, label, goal in (
+        ("c1 p50", "c=1 added p50", " [target: gw <= 0.08 ms]"),
+        ("c1 p99", "c=1 added p99", ""),
+    ):
+        values = {n: added(figure, n) * ms for n in proxies}
+        rows.append((f"{label} (ms)", values, ratios(values) + goal))
+    paired = {n: med("c1 paired", n) * ms for n in proxies}
+    rows.append(("c=1 added, paired p50 (ms)", paired, ratios(paired)))
+    rps = {n: med("c64 rps", n) for n in names}
+    rows.append(("c=64 requests/s", rps, ratios(rps) + " [target: gw >= 20,000]"))
+    for figure, label, goal in (
+        ("cpu c1", "proxy CPU per request, c=1 (us)", ""),
+        ("cpu c64", "proxy CPU per request, c=64 (us)", " [target: gw/relay <= 3x]"),
+        ("cpu event", "proxy CPU per stream event (us)", " [target: gw/nginx <= 1.5x]"),
+    ):
+        values = {n: med(figure, n) * us for n in proxies}
+        rows.append((label, values, ratios(values) + goal))
+    rows.append(
+        (f"{streams} streams TTFB p50 (ms)", {n: med("ttfb p50", n) * ms for n in names}, "")
+    )
+    rate = {n: med("tokens/s", n) for n in names}
+    share = f"gw/direct {rate['gateway'] / rate['direct']:.1%} [target: >= 95%]"
+    rows.append((f"{streams} streams tokens/s", rate, share))
+    rows.append(
+        ("RSS per 1,000 idle conns (MB)", {n: v / 1e6 for n, v in rss.items()}, "target < 50 MB")
+    )
 
     width = max(len(label) for label, _, _ in rows)
     print(f"{'':{width}}  " + "  ".join(f"{n:>10}" for n in names) + "  notes")
-    for label, cells, note in rows:
+    for label, values, note in rows:
+        cells = [f"{values[n]:.3f}" if n in values else "-" for n in names]
         print(f"{label:{width}}  " + "  ".join(f"{cell:>10}" for cell in cells) + f"  {note}")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"\n(samples: c=1 {n1}/target in turns, c=64 {len(lat[('direct', 64)])}/target in"
-        f" {ROUNDS_C64} rounds; {STREAM_ROUNDS} rounds of {streams} streams of {tokens} tokens"
-        " paced by the engine, median rate; added latency is p50(proxy) - p50(direct), paired:"
-        " the median of proxy - direct within a turn; CPU is"
-        " the proxy process's on-CPU time (user+system); the machine is shared: run it twice)"
+        f"\n(medians of {rounds} rounds, each: c=1 {n1} requests/target in turns, c=64"
+        f" {64 * per_conn64} requests/target, {streams} streams of {tokens} tokens paced by the"
+        " engine; added latency: the round's p(proxy) - p(direct); paired: the median of"
+        " proxy - direct within a turn; CPU: the proxy process's on-CPU time (user+system);"
+        f" load average at the end: {load}; the machine is shared: run it twice)"
     )
 
 
@@ -506,10 +651,15 @@ def main() -> None:
     """CLI entry point."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds (medians over them)")
+    parser.add_argument("--h11", action="store_true", help="also the gateway without fast path")
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-relay", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engines", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--routes", default="", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--package-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--no-fast-path", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--stream-tokens", type=int, default=64)
     parser.add_argument("--token-delay", type=float, default=0.02)
     parser.add_argument(
@@ -517,12 +667,22 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.serve_gateway:
-        serve_gateway([int(p) for p in args.engines.split(",")], args.port, args.package_dir)
+        engines = [int(p) for p in args.engines.split(",")]
+        serve_gateway(engines, args.port, args.package_dir, not args.no_fast_path)
+        return
+    if args.serve_relay:
+        pairs = [route.split(":") for route in args.routes.split(",")]
+        serve_relay([(int(a), int(b)) for a, b in pairs])
         return
     import uvloop
 
-    with processes(args.stream_tokens, args.token_delay, args.baseline) as rig:
-        uvloop.run(measure(rig, args.quick, args.stream_tokens))
+    # 1,000 idle connections and their engine connections: every process needs more than
+    # the usual soft limit of 1,024 descriptors (the children inherit it).
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    print(f"load average at the start: {os.getloadavg()}", file=sys.stderr, flush=True)
+    with processes(args.stream_tokens, args.token_delay, args.baseline, args.h11) as rig:
+        uvloop.run(measure(rig, args.quick, args.stream_tokens, args.rounds))
 
 
 if __name__ == "__main__":

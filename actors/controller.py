@@ -39,6 +39,7 @@ from events import model as m
 from events.projections import badge
 from events.state import EMPTY, DeploymentState, Lifecycle, SystemState, evolve, new_deployment
 from storage.eventlog import EventStore
+from storage.snapshots import load_state
 
 log = structlog.get_logger("dgxmm.controller")
 
@@ -181,9 +182,7 @@ class Controller:
 
     async def load(self) -> None:
         """Fold the log, spawn the actors, reconcile with the runtime."""
-        state = EMPTY
-        async for rec in self.store.iterate():
-            state = evolve(state, rec)
+        state = await load_state(self.store)  # the newest snapshot plus the tail
         self.system = state
         self.store.add_listener(self._fold)
         self.queue.start()

@@ -33,6 +33,7 @@ from gateway.server import HTTPServer
 from gateway.server import ServerConfig as HTTPConfig
 from storage.errors import StorageError
 from storage.eventlog import EventStore
+from storage.snapshots import Snapshotter
 
 log = structlog.get_logger("dgxmm.app")
 
@@ -84,6 +85,7 @@ class App:
         self.api: Any = None
         self.watchdog: WatchdogActor | None = None
         self.litellm: Any = None
+        self.snapshotter: Snapshotter | None = None
         self.admin_password: str | None = None
         self.runtime_kind = ""
 
@@ -162,6 +164,7 @@ class App:
             stop_timeout_s=cfg.runtime.stop_timeout_s,
         )
         await controller.load()
+        self.snapshotter = Snapshotter(store, lambda: controller.system)
         self.gateway = Gateway(controller)
         server = await self.gateway.serve(
             cfg.server.gateway_host,
@@ -291,6 +294,8 @@ class App:
             await _step("litellm", self.litellm.stop())
         if self.controller is not None:
             await _step("controller", self.controller.close())
+        if self.snapshotter is not None:  # orderly shutdown: the next start folds no tail
+            await _step("snapshot", self.snapshotter.close())
         if self.demo and self.controller is not None and self.runtime is not None:
             # The demo's simulated engines are children of this process: stop them too.
             for actor in list(self.controller.actors.values()):

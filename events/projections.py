@@ -139,41 +139,6 @@ AUDITED_TYPES = frozenset(
 )
 
 
-def audit_rows(records: Iterable[m.Recorded]) -> Iterator[AuditRow]:
-    """The audit trail: one row per audited event, queue timeouts at most once a minute."""
-    last_timeout_audit: dict[str, float] = {}
-    for rec in records:
-        ev = rec.event
-        if isinstance(ev, m.RequestLeftQueue):
-            if ev.reason != "timeout":
-                continue
-            last = last_timeout_audit.get(ev.deployment_id)
-            if last is not None and rec.ts - last < QUEUE_TIMEOUT_AUDIT_EVERY_S:
-                continue
-            last_timeout_audit[ev.deployment_id] = rec.ts
-            yield AuditRow(
-                seq=rec.seq,
-                ts=rec.ts,
-                actor=rec.actor,
-                action="ondemand_queue_timeout",
-                target=_target(rec),
-                details={"request_id": ev.request_id, "waited_s": round(ev.waited_s, 3)},
-            )
-            continue
-        found = _action(rec)
-        if found is None:
-            continue
-        action, details = found
-        yield AuditRow(
-            seq=rec.seq,
-            ts=rec.ts,
-            actor=rec.actor,
-            action=action,
-            target=_target(rec),
-            details=details,
-        )
-
-
 class EventRow(msgspec.Struct, frozen=True, kw_only=True):
     """One line of a deployment's Events tab."""
 
@@ -247,6 +212,108 @@ def _title(rec: m.Recorded, names: dict[str, str]) -> str | None:
     return None
 
 
+class TimelineRow(msgspec.Struct, frozen=True, kw_only=True):
+    """An Events-tab row and the deployment whose tab shows it (the read model's row)."""
+
+    deployment_id: str
+    row: EventRow
+    made_room: bool = False  # on the tab of the model it was put to sleep for
+
+
+class Projector:
+    """Folds records one at a time into audit rows and Events-tab rows.
+
+    The one implementation behind `audit_rows`, `deployment_events` and the read models the
+    store keeps up to date: each record yields at most one audit row, at most one row of its
+    own deployment's Events tab, and, when it put a model to sleep to make room, one row
+    ("Made room: X put to sleep") of the tab of the model it made room for.  Its memory is
+    the deployments' names and each deployment's last audited queue timeout (the
+    once-a-minute rule), nothing that grows with the log.
+    """
+
+    def __init__(
+        self,
+        names: dict[str, str] | None = None,
+        last_timeouts: dict[str, float] | None = None,
+    ) -> None:
+        self.names: dict[str, str] = dict(names or {})
+        self.last_timeouts: dict[str, float] = dict(last_timeouts or {})
+
+    def copy(self) -> Projector:
+        """An independent copy (to roll back what a failed transaction applied)."""
+        return Projector(self.names, self.last_timeouts)
+
+    def apply(self, rec: m.Recorded) -> tuple[AuditRow | None, list[TimelineRow]]:
+        """The audit row (or None) and the Events-tab rows of one record."""
+        ev = rec.event
+        if isinstance(ev, m.DeploymentCreated):
+            self.names[ev.deployment_id] = ev.name
+        if isinstance(ev, m.RequestLeftQueue):
+            if ev.reason != "timeout":
+                return None, []
+            last = self.last_timeouts.get(ev.deployment_id)
+            if last is not None and rec.ts - last < QUEUE_TIMEOUT_AUDIT_EVERY_S:
+                return None, []
+            self.last_timeouts[ev.deployment_id] = rec.ts
+            timeout = AuditRow(
+                seq=rec.seq,
+                ts=rec.ts,
+                actor=rec.actor,
+                action="ondemand_queue_timeout",
+                target=_target(rec),
+                details={"request_id": ev.request_id, "waited_s": round(ev.waited_s, 3)},
+            )
+            tab = EventRow(
+                seq=rec.seq,
+                ts=rec.ts,
+                actor=rec.actor,
+                title="Queued request timed out",
+                type=rec.type,
+            )
+            return timeout, [TimelineRow(deployment_id=ev.deployment_id, row=tab)]
+        if isinstance(ev, m.RequestQueued | m.RequestAdmitted):
+            return None, []
+        audit: AuditRow | None = None
+        found = _action(rec)
+        if found is not None:
+            action, details = found
+            audit = AuditRow(
+                seq=rec.seq,
+                ts=rec.ts,
+                actor=rec.actor,
+                action=action,
+                target=_target(rec),
+                details=details,
+            )
+        tabs: list[TimelineRow] = []
+        if rec.stream.startswith("deployment:"):
+            dep_id = rec.stream.partition(":")[2]
+            title = _title(rec, self.names)
+            if title is not None:
+                row = EventRow(seq=rec.seq, ts=rec.ts, actor=rec.actor, title=title, type=rec.type)
+                tabs.append(TimelineRow(deployment_id=dep_id, row=row))
+            if (
+                isinstance(ev, m.PutToSleep)
+                and ev.reason == "make_room"
+                and ev.for_deployment is not None
+                and ev.for_deployment != dep_id
+            ):
+                # The head's own tab names the models stopped for it.
+                made = f"Made room: {self.names.get(dep_id, dep_id)} put to sleep"
+                row = EventRow(seq=rec.seq, ts=rec.ts, actor=rec.actor, title=made, type=rec.type)
+                tabs.append(TimelineRow(deployment_id=ev.for_deployment, row=row, made_room=True))
+        return audit, tabs
+
+
+def audit_rows(records: Iterable[m.Recorded]) -> Iterator[AuditRow]:
+    """The audit trail: one row per audited event, queue timeouts at most once a minute."""
+    projector = Projector()
+    for rec in records:
+        audit, _ = projector.apply(rec)
+        if audit is not None:
+            yield audit
+
+
 def deployment_events(
     records: Iterable[m.Recorded],
     deployment_id: str,
@@ -259,49 +326,13 @@ def deployment_events(
     With `made_room`, the models put to sleep to make room for it are rows of its own tab
     too ("Made room: X put to sleep"), as the admin API shows it.
     """
-    names = dict(names or {})
-    stream = m.deployment_stream(deployment_id)
+    projector = Projector(names)
     rows: list[EventRow] = []
-    last_timeout: float | None = None
     for rec in records:
-        ev = rec.event
-        if isinstance(ev, m.DeploymentCreated):
-            names[ev.deployment_id] = ev.name
-        if isinstance(ev, m.RequestLeftQueue):
-            if ev.deployment_id != deployment_id or ev.reason != "timeout":
-                continue
-            if last_timeout is not None and rec.ts - last_timeout < QUEUE_TIMEOUT_AUDIT_EVERY_S:
-                continue
-            last_timeout = rec.ts
-            rows.append(
-                EventRow(
-                    seq=rec.seq,
-                    ts=rec.ts,
-                    actor=rec.actor,
-                    title="Queued request timed out",
-                    type=rec.type,
-                )
-            )
-            continue
-        if (
-            made_room
-            and isinstance(ev, m.PutToSleep)
-            and ev.reason == "make_room"
-            and ev.for_deployment == deployment_id
-            and rec.stream != stream
-        ):
-            # The head's own tab names the models stopped for it.
-            victim = names.get(rec.stream.partition(":")[2], rec.stream.partition(":")[2])
-            made = f"Made room: {victim} put to sleep"
-            rows.append(
-                EventRow(seq=rec.seq, ts=rec.ts, actor=rec.actor, title=made, type=rec.type)
-            )
-            continue
-        if rec.stream != stream:
-            continue
-        title = _title(rec, names)
-        if title is not None:
-            rows.append(
-                EventRow(seq=rec.seq, ts=rec.ts, actor=rec.actor, title=title, type=rec.type)
-            )
+        _, tabs = projector.apply(rec)
+        rows += [
+            t.row
+            for t in tabs
+            if t.deployment_id == deployment_id and (made_room or not t.made_room)
+        ]
     return rows

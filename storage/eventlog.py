@@ -24,7 +24,9 @@ import msgspec
 import structlog
 
 from events import model as m
+from events.projections import AuditRow, EventRow, Projector
 from events.state import SystemState
+from storage import readmodels
 from storage.errors import (
     ConcurrencyError,
     LogCorrupt,
@@ -34,6 +36,7 @@ from storage.errors import (
     StorageError,
     StoreClosed,
 )
+from storage.snapshots import decode_snapshot, encode_snapshot
 
 log = structlog.get_logger("dgxmm.storage")
 
@@ -98,6 +101,27 @@ class _Append:
     expected_version: int | None
     future: asyncio.Future[list[m.Recorded]]
     rows: list[tuple[int, float, str, int, str, str, bytes]] = field(default_factory=list)
+    _records: list[m.Recorded] | None = None
+
+    def records(self) -> list[m.Recorded]:
+        """The staged rows as records."""
+        if self._records is None or len(self._records) != len(self.rows):
+            self._records = self._make_records()
+        return self._records
+
+    def _make_records(self) -> list[m.Recorded]:
+        return [
+            m.Recorded(seq=seq, ts=ts, stream=stream, version=version, actor=actor, event=event)
+            for (seq, ts, stream, version, _t, actor, _d), event in zip(
+                self.rows, self.events, strict=True
+            )
+        ]
+
+
+@dataclass
+class _Snapshot:
+    state: SystemState
+    future: asyncio.Future[None]
 
 
 class EventStore:
@@ -110,7 +134,7 @@ class EventStore:
         self.path = path
         self._wall = wall
         self._readonly = readonly
-        self._inbox: asyncio.Queue[_Append | None] = asyncio.Queue(MAX_PENDING_APPENDS)
+        self._inbox: asyncio.Queue[_Append | _Snapshot | None] = asyncio.Queue(MAX_PENDING_APPENDS)
         self._versions: dict[str, int] = {}
         self._last_seq = 0
         self._writer: asyncio.Task[None] | None = None
@@ -119,6 +143,8 @@ class EventStore:
         self._listeners: list[Callable[[list[m.Recorded]], None]] = []
         self._stats = {"appends": 0, "events": 0, "transactions": 0}
         self._writing = False
+        self._projector = Projector()
+        self._readmodel_seq: int | None = None  # None: no read models usable in this file
 
     @classmethod
     async def open(
@@ -173,8 +199,41 @@ class EventStore:
         async with conn.execute("SELECT COALESCE(MAX(seq), 0) FROM events") as cur:
             row = await cur.fetchone()
         self._last_seq = int(row[0]) if row else 0
+        if self._readonly:
+            self._readmodel_seq = await readmodels.applied_seq(conn)
+        else:
+            self._readmodel_seq = await readmodels.prepare(conn)
+            self._projector = await readmodels.load_projector(conn)
+            await self._catch_up_readmodels()
         if not self._readonly:
             self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+
+    async def _catch_up_readmodels(self) -> None:
+        """Project what the read models miss (new tables, or a log written by older code)."""
+        assert self._readmodel_seq is not None
+        if self._readmodel_seq >= self._last_seq:
+            return
+        log.info("readmodels_catching_up", since_seq=self._readmodel_seq, last_seq=self._last_seq)
+        wanted = readmodels.PROJECTED_TYPES
+        while self._readmodel_seq < self._last_seq:
+            chunk = await self.read(
+                since_seq=self._readmodel_seq, limit=readmodels.REBUILD_SLICE, types=wanted
+            )
+            # A slice ends at the last event it looked at, even if it yielded no rows.
+            end = chunk[-1].seq if len(chunk) == readmodels.REBUILD_SLICE else self._last_seq
+            saved = self._projector.copy()
+            audit, timeline = readmodels.sql_rows(self._projector, chunk)
+            conn = self._conn
+            await conn.execute("BEGIN IMMEDIATE")
+            try:
+                await readmodels.write_rows(conn, audit, timeline, end)
+                await conn.execute("COMMIT")
+            except BaseException:
+                self._projector = saved
+                with contextlib.suppress(sqlite3.Error):
+                    await conn.execute("ROLLBACK")
+                raise
+            self._readmodel_seq = end
 
     async def _tables(self) -> set[str]:
         async with self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'") as cur:
@@ -235,7 +294,11 @@ class EventStore:
             first = await self._inbox.get()
             if first is None:
                 return
+            if isinstance(first, _Snapshot):
+                await self._write_snapshot(first)
+                continue
             batch = [first]
+            snapshot: _Snapshot | None = None
             while len(batch) < MAX_BATCH:
                 try:
                     item = self._inbox.get_nowait()
@@ -243,6 +306,9 @@ class EventStore:
                     break
                 if item is None:
                     stopping = True
+                    break
+                if isinstance(item, _Snapshot):
+                    snapshot = item  # written after the appends queued before it
                     break
                 batch.append(item)
             self._writing = True
@@ -257,6 +323,8 @@ class EventStore:
                         item.future.set_exception(err)
             finally:
                 self._writing = False
+            if snapshot is not None:
+                await self._write_snapshot(snapshot)
 
     async def _write_batch(self, batch: list[_Append]) -> None:
         ts = self._wall()
@@ -273,7 +341,7 @@ class EventStore:
             return
         rows = [row for item in accepted for row in item.rows]
         try:
-            await self._insert(rows)
+            await self._insert(rows, [rec for item in accepted for rec in item.records()])
         except sqlite3.IntegrityError:
             # Someone else wrote to this file: forget the caches and retry one by one.
             self._versions = {}
@@ -332,7 +400,7 @@ class EventStore:
             return
         current = self._stage(item, current, ts)
         try:
-            await self._insert(item.rows)
+            await self._insert(item.rows, item.records())
         except sqlite3.IntegrityError:
             self._versions.pop(item.stream, None)
             await self._reload_seq()
@@ -345,8 +413,13 @@ class EventStore:
         self._versions[item.stream] = current
         self._publish([item])
 
-    async def _insert(self, rows: list[tuple[int, float, str, int, str, str, bytes]]) -> None:
+    async def _insert(
+        self, rows: list[tuple[int, float, str, int, str, str, bytes]], recs: list[m.Recorded]
+    ) -> None:
+        """Events and their read-model rows in one transaction: both or neither."""
         conn = self._conn
+        saved = self._projector.copy()
+        audit, timeline = readmodels.sql_rows(self._projector, recs)
         await conn.execute("BEGIN IMMEDIATE")
         try:
             await conn.executemany(
@@ -354,22 +427,20 @@ class EventStore:
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
+            await readmodels.write_rows(conn, audit, timeline, recs[-1].seq)
             await conn.execute("COMMIT")
         except BaseException:
+            self._projector = saved
             with contextlib.suppress(sqlite3.Error):
                 await conn.execute("ROLLBACK")
             raise
+        self._readmodel_seq = recs[-1].seq
         self._stats["transactions"] += 1
 
     def _publish(self, items: list[_Append]) -> None:
         published: list[m.Recorded] = []
         for item in items:
-            recs = [
-                m.Recorded(seq=seq, ts=ts, stream=stream, version=version, actor=actor, event=event)
-                for (seq, ts, stream, version, _t, actor, _d), event in zip(
-                    item.rows, item.events, strict=True
-                )
-            ]
+            recs = item.records()
             self._stats["appends"] += 1
             self._stats["events"] += len(recs)
             published.extend(recs)
@@ -410,8 +481,16 @@ class EventStore:
         until_ts: float | None = None,
         limit: int | None = None,
         types: Collection[str] | None = None,
+        request_id: str | None = None,
+        queue_of: str | None = None,
+        descending: bool = False,
+        until_seq: int | None = None,
     ) -> AsyncIterator[m.Recorded]:
-        """Like `read`, streaming in chunks (for replaying large logs)."""
+        """Like `read`, streaming in chunks (for replaying large logs).
+
+        `request_id`: only the events naming that request; `queue_of`: only the queue events
+        of that deployment (both through indexes); `descending`: newest first.
+        """
         sql = f"SELECT {_ROW_COLUMNS} FROM events WHERE seq > ?"
         params: list[object] = [since_seq]
         if stream is not None:
@@ -426,7 +505,18 @@ class EventStore:
         if until_ts is not None:
             sql += " AND ts <= ?"
             params.append(until_ts)
-        sql += " ORDER BY seq"
+        if until_seq is not None:
+            sql += " AND seq <= ?"
+            params.append(until_seq)
+        for extra, value in (
+            (readmodels.request_query, request_id),
+            (readmodels.queue_of_query, queue_of),
+        ):
+            if value is not None:
+                clause, more = extra(value)
+                sql += clause
+                params.extend(more)
+        sql += " ORDER BY seq DESC" if descending else " ORDER BY seq"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(limit)
@@ -483,23 +573,40 @@ class EventStore:
     # --- snapshots ----------------------------------------------------------------------
 
     async def save_snapshot(self, state: SystemState) -> None:
-        """Store the folded state as of `state.last_seq`."""
+        """Store the folded state as of `state.last_seq` (through the writer, between appends)."""
         if self._readonly:
             raise StorageError(f"{self.path}: opened read-only")
+        if self._closed or self._writer is None:
+            raise StoreClosed(f"{self.path}: the event log is closed")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._inbox.put(_Snapshot(state, fut))
+        await fut
+
+    async def _write_snapshot(self, item: _Snapshot) -> None:
+        state = item.state
         try:
             await self._conn.execute(
                 "INSERT OR REPLACE INTO snapshots (seq, ts, state) VALUES (?, ?, ?)",
-                (state.last_seq, state.last_ts, _state_encoder.encode(state)),
+                (state.last_seq, state.last_ts, encode_snapshot(state)),
             )
-        except sqlite3.Error as exc:
-            raise _map_error(exc, self.path) from exc
+        except Exception as exc:  # policy: the snapshot is lost, the log is not
+            err = exc if isinstance(exc, StorageError) else _map_error(exc, self.path)
+            if not item.future.done():
+                item.future.set_exception(err)
+            return
+        if not item.future.done():
+            item.future.set_result(None)
 
     async def latest_snapshot(self, *, until_ts: float | None = None) -> SystemState | None:
-        """The newest snapshot (taken at or before `until_ts`), or None."""
-        sql = "SELECT state FROM snapshots"
-        params: list[object] = []
+        """The newest usable snapshot (taken at or before `until_ts`), or None.
+
+        A snapshot that does not decode (written by code with another state schema, or
+        damaged) is skipped with a warning: snapshots are derived data, the log is the truth.
+        """
+        sql = "SELECT seq, state FROM snapshots WHERE seq <= ?"
+        params: list[object] = [self._last_seq]
         if until_ts is not None:
-            sql += " WHERE ts <= ?"
+            sql += " AND ts <= ?"
             params.append(until_ts)
         sql += " ORDER BY seq DESC LIMIT 1"
         try:
@@ -507,7 +614,66 @@ class EventStore:
                 row = await cur.fetchone()
         except sqlite3.Error as exc:
             raise _map_error(exc, self.path) from exc
-        return None if row is None else _state_decoder.decode(row[0])
+        if row is None:
+            return None
+        state = decode_snapshot(row[1])
+        if state is None or state.last_seq != row[0]:
+            log.warning("snapshot_ignored", path=self.path, seq=row[0], reason="does not decode")
+            return None
+        return state
+
+    # --- read models --------------------------------------------------------------------
+
+    def readmodels_current(self) -> bool:
+        """Whether the audit and Events-tab tables cover the whole log."""
+        return self._readmodel_seq is not None and self._readmodel_seq >= self._last_seq
+
+    async def audit_page(
+        self,
+        *,
+        before: int | None,
+        limit: int,
+        since_ts: float | None = None,
+        until_ts: float | None = None,
+        actor: str | None = None,
+        action: str | None = None,
+        target: str | None = None,
+    ) -> list[AuditRow]:
+        """A page of the audit trail, newest first (an indexed query: O(page))."""
+        try:
+            return await readmodels.audit_page(
+                self._conn,
+                before=before,
+                limit=limit,
+                since_ts=since_ts,
+                until_ts=until_ts,
+                actor=actor,
+                action=action,
+                target=target,
+            )
+        except sqlite3.Error as exc:
+            raise _map_error(exc, self.path) from exc
+
+    async def iterate_audit(
+        self, *, since_ts: float | None = None, target: str | None = None
+    ) -> AsyncIterator[AuditRow]:
+        """The audit trail oldest first, streamed from its table."""
+        try:
+            async for row in readmodels.iterate_audit(self._conn, since_ts=since_ts, target=target):
+                yield row
+        except sqlite3.Error as exc:
+            raise _map_error(exc, self.path) from exc
+
+    async def timeline_page(
+        self, deployment_id: str, *, before: int | None, limit: int, made_room: bool = False
+    ) -> list[EventRow]:
+        """A page of one deployment's Events tab, newest first (O(page))."""
+        try:
+            return await readmodels.timeline_page(
+                self._conn, deployment_id, before=before, limit=limit, made_room=made_room
+            )
+        except sqlite3.Error as exc:
+            raise _map_error(exc, self.path) from exc
 
     # --- lifecycle ----------------------------------------------------------------------
 

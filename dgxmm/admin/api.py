@@ -19,7 +19,7 @@ import datetime as dt
 import enum
 import math
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -38,7 +38,6 @@ from dgxmm.admin.errors import ApiError, error_body, from_refusal
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
 from dgxmm.litellm.sync import HINT
 from events import model as m
-from events.projections import AUDITED_TYPES, AuditRow, audit_rows, deployment_events
 from gateway.errors import BodyTooLarge
 from gateway.protocol import Headers
 from gateway.server import HTTPServer, Request, Responder, ServerConfig
@@ -48,7 +47,6 @@ from storage.eventlog import EventStore
 log = structlog.get_logger("dgxmm.admin.api")
 
 MAX_BODY_BYTES = 1024 * 1024
-AUDIT_CHUNK = 5000
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
@@ -543,26 +541,12 @@ class AdminApi:
         dep_id = self._deployment_id(call.params["id"])
         limit = _int_query(call.query, "limit", 200, 1, 5000)
         before = _int_query(call.query, "before", None, 1, 2**62)
-        own = await self.store.read(stream=m.deployment_stream(dep_id))
-        timeouts = [
-            rec
-            async for rec in self.store.iterate(stream=m.STREAM_QUEUE, types=("RequestLeftQueue",))
-            if isinstance(rec.event, m.RequestLeftQueue)
-            and rec.event.deployment_id == dep_id
-            and rec.event.reason == "timeout"
-        ]
-        made_room = [  # the models put to sleep to make room for this one
-            rec
-            async for rec in self.store.iterate(types=("PutToSleep",))
-            if isinstance(rec.event, m.PutToSleep) and rec.event.for_deployment == dep_id
-        ]
-        merged = sorted([*own, *timeouts, *made_room], key=lambda r: r.seq)
-        rows = [
-            r
-            for r in deployment_events(merged, dep_id, self._names(), made_room=True)
-            if before is None or r.seq < before
-        ]
-        page = rows[-limit:][::-1]
+        # The Events tab's read model: an indexed page, never a scan of the log.  The API
+        # shows the models put to sleep to make room for this one on its tab too.
+        rows = await self.store.timeline_page(
+            dep_id, before=before, limit=limit + 1, made_room=True
+        )
+        page = rows[:limit]
         return 200, {
             "deployment_id": dep_id,
             "events": [
@@ -581,64 +565,29 @@ class AdminApi:
 
     # --- audit, memory, settings ---------------------------------------------------------
 
-    async def _audit_stream(
-        self, until_ts: float | None, before: int | None
-    ) -> AsyncIterator[AuditRow]:
-        """Every audit row, oldest first, reading the log in chunks."""
-        # The projection shows a queue timeout at most once a minute per deployment; the last
-        # audited timeout of each deployment is carried into the next chunk so that the rule
-        # holds across chunk borders exactly as over the whole log.
-        carry: dict[str, m.Recorded] = {}
-        since = 0
-        while True:
-            chunk = await self.store.read(
-                since_seq=since, until_ts=until_ts, limit=AUDIT_CHUNK, types=AUDITED_TYPES
-            )
-            if not chunk:
-                return
-            since = chunk[-1].seq
-            prefix = sorted(carry.values(), key=lambda r: r.seq)
-            skip = {r.seq for r in prefix}
-            by_seq = {r.seq: r for r in chunk}
-            for row in audit_rows([*prefix, *chunk]):
-                if row.seq in skip:
-                    continue
-                if before is not None and row.seq >= before:
-                    return
-                if row.action == "ondemand_queue_timeout":
-                    rec = by_seq[row.seq]
-                    assert isinstance(rec.event, m.RequestLeftQueue)
-                    carry[rec.event.deployment_id] = rec
-                yield row
-            if len(chunk) < AUDIT_CHUNK:
-                return
-
     async def _h_audit(self, call: _Call) -> Reply:
         q = call.query
         limit = _int_query(q, "limit", 100, 1, 1000)
         before = _int_query(q, "before", None, 1, 2**62)
         since = _parse_time(q["since"], "since") if q.get("since") else None
         until = _parse_time(q["until"], "until") if q.get("until") else None
-        actor, action = q.get("actor") or None, q.get("action") or None
         target = None
         if q.get("deployment"):
             target = m.deployment_stream(self._deployment_id(q["deployment"]))
-        page: collections.deque[AuditRow] = collections.deque(maxlen=limit)
-        matched = 0
-        async for row in self._audit_stream(until, before):
-            if since is not None and row.ts < since:
-                continue
-            if actor is not None and row.actor != actor:
-                continue
-            if action is not None and row.action != action:
-                continue
-            if target is not None and row.target != target:
-                continue
-            matched += 1
-            page.append(row)
+        # The audit trail's read model: an indexed page, never a scan of the log.
+        found = await self.store.audit_page(
+            before=before,
+            limit=limit + 1,
+            since_ts=since,
+            until_ts=until,
+            actor=q.get("actor") or None,
+            action=q.get("action") or None,
+            target=target,
+        )
+        page = found[:limit]
         names = self._names()
         rows = []
-        for row in reversed(page):
+        for row in page:
             dep_id = row.target.partition(":")[2] if row.target.startswith("deployment:") else None
             rows.append(
                 {
@@ -653,7 +602,7 @@ class AdminApi:
                     "details": row.details,
                 }
             )
-        next_before = page[0].seq if matched > len(page) else None
+        next_before = page[-1].seq if len(found) > limit else None
         return 200, {"rows": rows, "next_before": next_before}
 
     async def _h_memory(self, call: _Call) -> Reply:

@@ -1,0 +1,106 @@
+"""Snapshots of the folded system state: start-up folds the newest one plus the tail.
+
+A snapshot is derived data: deleting the `snapshots` table loses nothing, start-up then
+folds the whole log.  Its blob starts with the snapshot format, which changes by itself when
+`SystemState`'s schema changes (a hash of its JSON schema) and by hand (`STATE_SEMANTICS`)
+when `evolve` changes meaning; a snapshot of another format, or one that does not decode,
+is ignored with a warning, never a refusal to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+
+from events import model as m
+from events.state import EMPTY, SystemState, evolve
+
+if TYPE_CHECKING:
+    from storage.eventlog import EventStore
+
+log = structlog.get_logger("dgxmm.storage")
+
+# Bump when `evolve` folds the same events into a different state.
+STATE_SEMANTICS = 1
+SNAPSHOT_EVERY = 10_000  # events between two snapshots while serving
+
+_schema = msgspec.json.encode(msgspec.json.schema(SystemState), order="sorted")
+SNAPSHOT_FORMAT = f"dgxmm-state/{STATE_SEMANTICS}/{hashlib.sha256(_schema).hexdigest()[:16]}"
+_PREFIX = SNAPSHOT_FORMAT.encode() + b"\n"
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(SystemState)
+
+
+def encode_snapshot(state: SystemState) -> bytes:
+    """The blob stored for `state`: the format line, then the state's JSON."""
+    return _PREFIX + _encoder.encode(state)
+
+
+def decode_snapshot(blob: bytes) -> SystemState | None:
+    """The state in `blob`, or None when it is of another format or damaged."""
+    if not isinstance(blob, bytes) or not blob.startswith(_PREFIX):
+        return None
+    try:
+        return _decoder.decode(blob[len(_PREFIX) :])
+    except msgspec.DecodeError:
+        return None
+
+
+async def load_state(store: EventStore) -> SystemState:
+    """The state at the end of the log: the newest usable snapshot plus the events after it."""
+    state = await store.latest_snapshot() or EMPTY
+    async for rec in store.iterate(since_seq=state.last_seq):
+        state = evolve(state, rec)
+    return state
+
+
+class Snapshotter:
+    """Snapshots the running state every `every` events, and once more at shutdown.
+
+    `current` returns the state DGXMM folded so far (the controller's); the snapshot is
+    written by the store's writer between two transactions, one at a time.
+    """
+
+    def __init__(
+        self, store: EventStore, current: Callable[[], SystemState], every: int = SNAPSHOT_EVERY
+    ) -> None:
+        self._store = store
+        self._current = current
+        self._every = every
+        self._last_seq = current().last_seq
+        self._pending: set[asyncio.Task[None]] = set()
+        self.written = 0
+        store.add_listener(self._on_append)
+
+    def _on_append(self, recs: list[m.Recorded]) -> None:
+        if self._pending or not recs or recs[-1].seq - self._last_seq < self._every:
+            return
+        task = asyncio.get_running_loop().create_task(self._save())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _save(self) -> None:
+        state = self._current()
+        if state.last_seq <= self._last_seq:
+            return
+        try:
+            await self._store.save_snapshot(state)
+        except Exception as exc:  # policy: a lost snapshot costs start-up time, nothing else
+            log.warning("snapshot_failed", error=str(exc))
+            return
+        self._last_seq = state.last_seq
+        self.written += 1
+        log.info("snapshot_saved", seq=state.last_seq)
+
+    async def close(self) -> None:
+        """Wait for a snapshot being written, then write the final one."""
+        for task in list(self._pending):
+            with contextlib.suppress(Exception):
+                await task
+        await self._save()

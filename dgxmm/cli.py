@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--db", metavar="FILE", help="the event log (default: from the config)")
 
     when = "ISO 8601 (naive = local time) or epoch seconds"
+    relative = "show times as distances (from --until, or from now)"
     replay = sub.add_parser(
         "replay", help="each deployment's state at a moment, and the timeline that led there"
     )
@@ -58,18 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--last", metavar="N", type=int, help="show only the last N timeline lines per deployment"
     )
-    replay.add_argument("--json", action="store_true", help="one JSON document")
+    replay.add_argument("--json", action="store_true", help="JSON lines, streamed")
+    replay.add_argument("--relative", action="store_true", help=relative)
 
     events = sub.add_parser("events", help="the raw event log, one line per event")
     events.add_argument("--db", metavar="FILE", required=True, help="the event log")
-    events.add_argument("--follow", action="store_true", help="keep printing new events")
+    events.add_argument(
+        "--follow", action="store_true", help="print new events as they come (from now)"
+    )
+    events.add_argument("--since", metavar="TIME", type=_time, help=f"from this moment ({when})")
+    events.add_argument("--deployment", metavar="NAME", help="only this deployment (name or id)")
+    events.add_argument(
+        "--type", metavar="TYPE", action="append", help="only these event types (repeatable, a,b)"
+    )
     events.add_argument("--json", action="store_true", help="JSON lines")
+    events.add_argument("--relative", action="store_true", help=relative)
 
     audit = sub.add_parser("audit", help="the audit trail")
     audit.add_argument("--db", metavar="FILE", required=True, help="the event log")
     audit.add_argument("--deployment", metavar="NAME", help="only this deployment (name or id)")
     audit.add_argument("--since", metavar="TIME", type=_time, help=f"from this moment ({when})")
     audit.add_argument("--json", action="store_true", help="JSON lines")
+    audit.add_argument("--relative", action="store_true", help=relative)
+
     return parser
 
 

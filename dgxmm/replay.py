@@ -1,23 +1,30 @@
 """`dgxmm replay`, `dgxmm events` and `dgxmm audit`: the event log read after the fact.
 
 Everything here reads the log read-only and folds it with the same `evolve` the running
-DGXMM uses, so what an operator sees is what DGXMM believed at that moment.
+DGXMM uses, so what an operator sees is what DGXMM believed at that moment.  Nothing here
+holds the log in memory: the state comes from the newest snapshot before the moment asked
+for plus the events after it, timelines and audit rows are streamed from indexed queries,
+and `--json` writes JSON lines as it goes.  Memory does not grow with the log's length.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
+import heapq
 import math
+import re
 import sys
-from collections.abc import AsyncGenerator, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Literal
 
 import msgspec
 from msgspec.structs import replace
 
 from events import model as m
-from events.projections import EventRow, audit_rows, badge, deployment_events
+from events.projections import AUDITED_TYPES, AuditRow, Projector, badge
 from events.state import (
     EMPTY,
     DeploymentState,
@@ -30,8 +37,13 @@ from storage.eventlog import EventStore
 
 GIB = 1 << 30
 REDACTED = "<redacted>"
+MAX_WARNINGS = 100
+MAX_STORY = 5_000  # deployment events shown around one request
 QUEUE_EVENTS = (m.RequestQueued, m.RequestAdmitted, m.RequestLeftQueue)
 HOLDING_MEMORY = (Lifecycle.STARTING, Lifecycle.READY, Lifecycle.STOPPING, Lifecycle.ASLEEP)
+# The gateway numbers requests with decimal integers (`x-dgxmm-request-id`).
+GATEWAY_REQUEST_ID = re.compile(r"[0-9]{1,20}")
+SERVED_AT_ONCE = "served at once (a request to a ready model records nothing by design)"
 LEAVE_TEXT = {
     "served": "served",
     "client_gone": "the client hung up",
@@ -70,9 +82,51 @@ def parse_time(text: str) -> float:
     return parsed.timestamp()  # a naive time is taken as local time
 
 
+_second_cache: dict[int, tuple[str, str]] = {}
+
+
+def _slow_time(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts).astimezone().isoformat(sep=" ", timespec="milliseconds")
+
+
 def format_time(ts: float) -> str:
     """Local time with milliseconds and the zone offset."""
-    return dt.datetime.fromtimestamp(ts).astimezone().isoformat(sep=" ", timespec="milliseconds")
+    # Formatting dominates a long replay: the date, time and zone are computed once a second.
+    sec = math.floor(ts)
+    us = round((ts - sec) * 1e6)
+    if us >= 1_000_000:
+        return _slow_time(ts)
+    cached = _second_cache.get(sec)
+    if cached is None:
+        whole = _slow_time(float(sec))  # "YYYY-MM-DD HH:MM:SS.000+ZZ:ZZ"
+        cached = (whole[:19], whole[23:])
+        if len(_second_cache) >= 4096:
+            _second_cache.clear()
+        _second_cache[sec] = cached
+    return f"{cached[0]}.{us // 1000:03d}{cached[1]}"
+
+
+def relative_time(ts: float, reference: float) -> str:
+    """`ts` as a distance from `reference`: `2 h 05 min ago`, `12.0 s ago`, `in 3.0 s`."""
+    delta = reference - ts
+    span = abs(delta)
+    if span < 60:
+        text = f"{span:.1f} s"
+    elif span < 3600:
+        text = f"{int(span // 60)} min {int(span % 60):02d} s"
+    elif span < 86400:
+        text = f"{int(span // 3600)} h {int(span % 3600 // 60):02d} min"
+    else:
+        text = f"{int(span // 86400)} d {int(span % 86400 // 3600):02d} h"
+    return f"{text} ago" if delta >= 0 else f"in {text}"
+
+
+def time_formatter(relative: bool, reference: float | None = None) -> Callable[[float], str]:
+    """Absolute local times, or distances from `reference` (now when None)."""
+    if not relative:
+        return format_time
+    ref = time.time() if reference is None else reference
+    return lambda ts: relative_time(ts, ref)
 
 
 def gib(n: int) -> str:
@@ -99,7 +153,7 @@ class TimelineItem(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
-    """One deployment as replay shows it."""
+    """One deployment as replay shows it (its timeline follows as separate lines)."""
 
     deployment_id: str
     name: str
@@ -124,7 +178,6 @@ class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
     runtime_id: str | None
     queued: int
     waiting_start: int
-    timeline: list[TimelineItem]
 
 
 class QueueView(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,8 +192,8 @@ class QueueView(msgspec.Struct, frozen=True, kw_only=True):
     arrived_time: str
 
 
-class ReplayView(msgspec.Struct, frozen=True, kw_only=True):
-    """The answer of `dgxmm replay`."""
+class ReplayHead(msgspec.Struct, frozen=True, kw_only=True):
+    """The first part of `dgxmm replay`: the moment, memory, settings and the whole state."""
 
     db: str
     until: float | None
@@ -149,8 +202,6 @@ class ReplayView(msgspec.Struct, frozen=True, kw_only=True):
     last_time: str | None
     log_last_seq: int
     memory_held_bytes: int
-    deployments: list[DeploymentView]
-    queue: list[QueueView]
     settings: dict[str, Any]
     warnings: list[str]
     state: SystemState
@@ -172,33 +223,33 @@ class StoryView(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Folded(msgspec.Struct, kw_only=True):
-    """The state at the moment asked for, and the records timelines are made of."""
+    """The state at the moment asked for, and what went wrong on the way."""
 
     state: SystemState = EMPTY
-    # Per deployment id: its own stream and its queue events, oldest first.
-    by_deployment: dict[str, list[m.Recorded]] = {}
-    names: dict[str, str] = {}  # deployment id -> name (removed ones too)
     warnings: list[str] = []
+    more_warnings: int = 0
+
+    def names(self) -> dict[str, str]:
+        """Deployment id -> name, removed ones too."""
+        return {
+            **{k: d.name for k, d in self.state.removed.items()},
+            **{k: d.name for k, d in self.state.deployments.items()},
+        }
 
 
 async def fold_log(store: EventStore, until: float | None) -> Folded:
-    """Fold the log up to `until`, keeping what the timelines need."""
-    out = Folded()
-    async for rec in store.iterate(until_ts=until):
+    """The newest snapshot before `until` plus the events after it, folded (streamed)."""
+    out = Folded(state=await store.latest_snapshot(until_ts=until) or EMPTY)
+    async for rec in store.iterate(since_seq=out.state.last_seq, until_ts=until):
         try:
             out.state = evolve(out.state, rec)
         except IllegalTransition as exc:
             # Keep going: an operator replays a log to find out what went wrong.
-            out.warnings.append(f"event {rec.seq} ({rec.type}) skipped: {exc}")
+            if len(out.warnings) < MAX_WARNINGS:
+                out.warnings.append(f"event {rec.seq} ({rec.type}) skipped: {exc}")
+            else:
+                out.more_warnings += 1
             out.state = replace(out.state, last_seq=rec.seq, last_ts=rec.ts)
-            continue
-        ev = rec.event
-        if isinstance(ev, m.DeploymentCreated):
-            out.names[ev.deployment_id] = ev.name
-        if isinstance(ev, QUEUE_EVENTS):
-            out.by_deployment.setdefault(ev.deployment_id, []).append(rec)
-        elif rec.stream.startswith("deployment:"):
-            out.by_deployment.setdefault(rec.stream.partition(":")[2], []).append(rec)
     return out
 
 
@@ -242,14 +293,14 @@ def queue_title(ev: m.RequestQueued | m.RequestAdmitted | m.RequestLeftQueue) ->
             return f"Request {ev.request_id} left the queue: {why} after {ev.waited_s:.1f} s"
 
 
-def queue_item(rec: m.Recorded, names: dict[str, str]) -> TimelineItem:
+def queue_item(rec: m.Recorded, names: dict[str, str], fmt: Callable[[float], str]) -> TimelineItem:
     """A queue record as a timeline line."""
     ev = rec.event
     assert isinstance(ev, QUEUE_EVENTS)
     return TimelineItem(
         seq=rec.seq,
         ts=rec.ts,
-        time=format_time(rec.ts),
+        time=fmt(rec.ts),
         actor=rec.actor,
         kind="queue",
         type=rec.type,
@@ -260,46 +311,69 @@ def queue_item(rec: m.Recorded, names: dict[str, str]) -> TimelineItem:
     )
 
 
-def timeline(folded: Folded, dep_id: str, last: int | None = None) -> list[TimelineItem]:
-    """The Events tab of one deployment merged with its queue events (the last `last`)."""
-    name = folded.names.get(dep_id)
-    records = folded.by_deployment.get(dep_id, [])
-    entries: list[tuple[int, EventRow | m.Recorded]] = [
-        (row.seq, row) for row in deployment_events(records, dep_id, folded.names)
-    ]
-    entries += [(rec.seq, rec) for rec in records if isinstance(rec.event, QUEUE_EVENTS)]
-    entries.sort(key=lambda entry: (entry[0], isinstance(entry[1], m.Recorded)))
-    if last is not None:
-        entries = entries[-last:] if last > 0 else []
-    # Formatting is the slow part on a long log: only for the lines that are shown.
-    items: list[TimelineItem] = []
-    for _, entry in entries:
-        if isinstance(entry, m.Recorded):
-            items.append(queue_item(entry, folded.names))
-            continue
-        items.append(
-            TimelineItem(
-                seq=entry.seq,
-                ts=entry.ts,
-                time=format_time(entry.ts),
-                actor=entry.actor,
+async def _merged(*sources: AsyncIterator[m.Recorded]) -> AsyncIterator[m.Recorded]:
+    """Records of several seq-ordered streams, in seq order."""
+    heads: list[tuple[int, int, m.Recorded]] = []
+    for i, src in enumerate(sources):
+        first = await anext(src, None)
+        if first is not None:
+            heads.append((first.seq, i, first))
+    heapq.heapify(heads)
+    while heads:
+        _, i, rec = heads[0]
+        yield rec
+        following = await anext(sources[i], None)
+        if following is None:
+            heapq.heappop(heads)
+        else:
+            heapq.heapreplace(heads, (following.seq, i, following))
+
+
+async def timeline(
+    store: EventStore,
+    dep_id: str,
+    names: dict[str, str],
+    until_seq: int,
+    fmt: Callable[[float], str],
+) -> AsyncIterator[TimelineItem]:
+    """One deployment's Events tab merged with its queue events, oldest first (streamed)."""
+    own = store.iterate(stream=m.deployment_stream(dep_id), until_seq=until_seq)
+    queue = store.iterate(queue_of=dep_id, until_seq=until_seq)
+    projector = Projector(names)
+    name = names.get(dep_id)
+    async for rec in _merged(own, queue):
+        _, tab = projector.apply(rec)
+        if tab is not None and tab.deployment_id == dep_id:
+            row = tab.row
+            yield TimelineItem(
+                seq=row.seq,
+                ts=row.ts,
+                time=fmt(row.ts),
+                actor=row.actor,
                 kind="event",
-                type=entry.type,
-                title=entry.title,
+                type=row.type,
+                title=row.title,
                 deployment_id=dep_id,
                 deployment=name,
             )
-        )
-    return items
+        if isinstance(rec.event, QUEUE_EVENTS):
+            yield queue_item(rec, names, fmt)
+
+
+async def last_items(items: AsyncIterator[TimelineItem], last: int | None) -> list[TimelineItem]:
+    """The last `last` items (a bounded window over the stream)."""
+    window: collections.deque[TimelineItem] = collections.deque(maxlen=max(0, last or 0))
+    async for item in items:
+        window.append(item)
+    return list(window)
 
 
 def deployment_view(
-    folded: Folded, dep: DeploymentState, removed: bool, last: int | None
+    state: SystemState, dep: DeploymentState, removed: bool, fmt: Callable[[float], str]
 ) -> DeploymentView:
     """What replay shows of one deployment."""
-    waiting = [e for e in folded.state.queue.values() if e.deployment_id == dep.deployment_id]
+    waiting = [e for e in state.queue.values() if e.deployment_id == dep.deployment_id]
     queued = sum(1 for e in waiting if e.kind == "queued")
-    items = timeline(folded, dep.deployment_id, last)
     return DeploymentView(
         deployment_id=dep.deployment_id,
         name=dep.name,
@@ -307,7 +381,7 @@ def deployment_view(
         badge="Removed" if removed else badge(dep, queued),
         lifecycle=dep.lifecycle.value,
         since=dep.changed_at,
-        since_time=format_time(dep.changed_at),
+        since_time=fmt(dep.changed_at),
         mode=dep.mode,
         idle_timeout_s=dep.idle_timeout_s,
         pending_mode=dep.pending_mode,
@@ -318,13 +392,12 @@ def deployment_view(
         stop_reason=dep.stop_reason,
         failures=dep.failures,
         retry_at=dep.retry_at,
-        retry_at_time=None if dep.retry_at is None else format_time(dep.retry_at),
+        retry_at_time=None if dep.retry_at is None else fmt(dep.retry_at),
         last_error=dep.last_error,
         endpoint=None if dep.host is None else f"{dep.host}:{dep.port}",
         runtime_id=dep.runtime_id,
         queued=queued,
         waiting_start=len(waiting) - queued,
-        timeline=items,
     )
 
 
@@ -333,102 +406,133 @@ def matches(dep: DeploymentState, wanted: str | None) -> bool:
     return wanted is None or wanted in (dep.name, dep.deployment_id)
 
 
-def replay_view(
-    folded: Folded, db: str, until: float | None, log_last_seq: int, args: argparse.Namespace
-) -> ReplayView:
-    """The state at `until` and the timelines that led there."""
-    state = folded.state
-    wanted: str | None = args.deployment
-    views = [
-        deployment_view(folded, dep, False, args.last)
-        for dep in sorted(state.deployments.values(), key=lambda d: (d.name, d.deployment_id))
-        if matches(dep, wanted)
+def chosen(state: SystemState, wanted: str | None) -> list[tuple[DeploymentState, bool]]:
+    """The deployments replay shows, live ones first, each with whether it was removed."""
+    live = sorted(state.deployments.values(), key=lambda d: (d.name, d.deployment_id))
+    gone = sorted(state.removed.values(), key=lambda d: (d.name, d.deployment_id))
+    return [(d, False) for d in live if matches(d, wanted)] + [
+        (d, True) for d in gone if d.deployment_id not in state.deployments and matches(d, wanted)
     ]
-    views += [
-        deployment_view(folded, dep, True, args.last)
-        for dep in sorted(state.removed.values(), key=lambda d: (d.name, d.deployment_id))
-        if dep.deployment_id not in state.deployments and matches(dep, wanted)
-    ]
-    if wanted is not None and not views:
-        raise NotInLog(f"no deployment named {wanted!r} in the log{_until_text(until)}")
-    queue = [
+
+
+def queue_views(folded: Folded, wanted: str | None, fmt: Callable[[float], str]) -> list[QueueView]:
+    """The requests waiting at that moment (the queue is bounded by `ondemand_max_queued`)."""
+    names = folded.names()
+    return [
         QueueView(
             request_id=e.request_id,
             deployment_id=e.deployment_id,
-            deployment=folded.names.get(e.deployment_id, e.deployment_id),
+            deployment=names.get(e.deployment_id, e.deployment_id),
             kind=e.kind,
             position=e.position,
             arrived_at=e.arrived_at,
-            arrived_time=format_time(e.arrived_at),
+            arrived_time=fmt(e.arrived_at),
         )
-        for e in sorted(state.queue.values(), key=lambda e: (e.arrived_at, e.request_id))
-        if wanted is None or wanted in (e.deployment_id, folded.names.get(e.deployment_id))
+        for e in sorted(folded.state.queue.values(), key=lambda e: (e.arrived_at, e.request_id))
+        if wanted is None or wanted in (e.deployment_id, names.get(e.deployment_id))
     ]
+
+
+def replay_head(
+    folded: Folded, db: str, until: float | None, log_last_seq: int, fmt: Callable[[float], str]
+) -> ReplayHead:
+    """The moment, the memory held, settings, warnings and the (redacted) state."""
+    state = folded.state
     held = sum(d.memory_bytes for d in state.deployments.values() if d.lifecycle in HOLDING_MEMORY)
-    return ReplayView(
+    warnings = list(folded.warnings)
+    if folded.more_warnings:
+        warnings.append(f"{folded.more_warnings} more events skipped")
+    return ReplayHead(
         db=db,
         until=until,
-        until_time=None if until is None else format_time(until),
+        until_time=None if until is None else fmt(until),
         last_seq=state.last_seq,
-        last_time=format_time(state.last_ts) if state.last_seq else None,
+        last_time=fmt(state.last_ts) if state.last_seq else None,
         log_last_seq=log_last_seq,
         memory_held_bytes=held,
-        deployments=views,
-        queue=queue,
         settings=dict(state.settings),
-        warnings=list(folded.warnings),
+        warnings=warnings,
         state=redact(state),
     )
 
 
-def story_view(folded: Folded, db: str, until: float | None, request_id: str) -> StoryView:
+# --- one request's story ------------------------------------------------------------------------
+
+
+async def names_at(store: EventStore, until: float | None) -> dict[str, str]:
+    """Deployment names from the newest snapshot plus the deployments created after it."""
+    snap = await store.latest_snapshot(until_ts=until) or EMPTY
+    names = {**{k: d.name for k, d in snap.removed.items()}}
+    names.update({k: d.name for k, d in snap.deployments.items()})
+    async for rec in store.iterate(
+        since_seq=snap.last_seq, until_ts=until, types=("DeploymentCreated",)
+    ):
+        if isinstance(rec.event, m.DeploymentCreated):
+            names[rec.event.deployment_id] = rec.event.name
+    return names
+
+
+async def story_view(
+    store: EventStore, db: str, until: float | None, request_id: str, fmt: Callable[[float], str]
+) -> StoryView:
     """One request's story: its queue events and the starts and sleeps around it."""
-    own: list[m.Recorded] = []
-    started_for: list[m.Recorded] = []
-    for records in folded.by_deployment.values():
-        for rec in records:
-            ev = rec.event
-            if isinstance(ev, QUEUE_EVENTS) and ev.request_id == request_id:
-                own.append(rec)
-            elif isinstance(ev, m.StartRequested) and ev.request_id == request_id:
-                started_for.append(rec)
-    own.sort(key=lambda rec: rec.seq)
-    started_for.sort(key=lambda rec: rec.seq)
-    if not own and not started_for:
+    # Through the request index: the events that name this request, nothing else.
+    named = [rec async for rec in store.iterate(request_id=request_id, until_ts=until)]
+    own = [r for r in named if isinstance(r.event, QUEUE_EVENTS)]
+    started_for = [r for r in named if isinstance(r.event, m.StartRequested)]
+    if not named:
+        if GATEWAY_REQUEST_ID.fullmatch(request_id):
+            return StoryView(
+                db=db,
+                until=until,
+                request_id=request_id,
+                deployment_id=None,
+                deployment=None,
+                outcome=SERVED_AT_ONCE,
+                story=[],
+            )
         raise NotInLog(
             f"request {request_id!r} is not in the log{_until_text(until)}"
             " (only requests that waited are recorded)"
         )
-    first = min(r.seq for r in own + started_for)
+    names = await names_at(store, until)
+    first = named[0].seq
     left = [r for r in own if isinstance(r.event, m.RequestLeftQueue)]
-    last = max(r.seq for r in left) if left else folded.state.last_seq
-    dep_id: str | None = None
+    last = left[-1].seq if left else (await store.last_seq())
     if own:
         ev = own[0].event
         assert isinstance(ev, QUEUE_EVENTS)
         dep_id = ev.deployment_id
     else:
         dep_id = started_for[0].stream.partition(":")[2]
-    items = [queue_item(rec, folded.names) for rec in own]
+    items = [queue_item(rec, names, fmt) for rec in own]
     # Starts, sleeps and evictions of every deployment while the request waited.
-    started_seqs = {r.seq for r in started_for}
-    for other in sorted(folded.by_deployment):
-        name = folded.names.get(other)
-        for row in deployment_events(folded.by_deployment[other], other, folded.names):
-            if first <= row.seq <= last or row.seq in started_seqs:
-                items.append(
-                    TimelineItem(
-                        seq=row.seq,
-                        ts=row.ts,
-                        time=format_time(row.ts),
-                        actor=row.actor,
-                        kind="event",
-                        type=row.type,
-                        title=row.title,
-                        deployment_id=other,
-                        deployment=name,
-                    )
+    window = store.iterate(since_seq=first - 1, until_seq=last, until_ts=until, types=_DEP_TYPES)
+    extra = store.iterate(request_id=request_id, until_ts=until, types=("StartRequested",))
+    projector = Projector(names)
+    seen: set[int] = set()
+    async for rec in _merged(window, extra):
+        if rec.seq in seen or not rec.stream.startswith("deployment:"):
+            continue
+        if len(seen) >= MAX_STORY:  # a request that never left (a restart drops the queue)
+            break
+        seen.add(rec.seq)
+        _, tab = projector.apply(rec)
+        if tab is not None:
+            row = tab.row
+            items.append(
+                TimelineItem(
+                    seq=row.seq,
+                    ts=row.ts,
+                    time=fmt(row.ts),
+                    actor=row.actor,
+                    kind="event",
+                    type=row.type,
+                    title=row.title,
+                    deployment_id=tab.deployment_id,
+                    deployment=names.get(tab.deployment_id),
                 )
+            )
     items.sort(key=lambda item: item.seq)
     if left:
         ev = left[-1].event
@@ -443,10 +547,13 @@ def story_view(folded: Folded, db: str, until: float | None, request_id: str) ->
         until=until,
         request_id=request_id,
         deployment_id=dep_id,
-        deployment=None if dep_id is None else folded.names.get(dep_id),
+        deployment=names.get(dep_id),
         outcome=outcome,
         story=items,
     )
+
+
+_DEP_TYPES = tuple(t.__name__ for t in m.AnyEvent.__args__ if t not in QUEUE_EVENTS)  # type: ignore[attr-defined]
 
 
 def _until_text(until: float | None) -> str:
@@ -456,52 +563,44 @@ def _until_text(until: float | None) -> str:
 # --- text rendering ---------------------------------------------------------------------------
 
 
-def render_replay(view: ReplayView) -> Iterable[str]:
-    """The replay as text lines."""
-    at = view.until_time or "the end of the log"
-    last = f"event {view.last_seq} of {view.log_last_seq}"
-    if view.last_time is not None:
-        last += f", {view.last_time}"
-    yield f"{view.db}: state at {at} ({last})"
-    if not view.deployments:
-        yield "no deployments at that time"
-    for d in view.deployments:
-        yield ""
-        yield f"{d.name} ({d.deployment_id}): {d.badge}"
-        state = f"{d.lifecycle} since {d.since_time}"
-        if d.lifecycle in ("stopping", "stopped") and d.stop_reason:
-            state += f" (stop reason: {d.stop_reason})"
-        elif d.lifecycle in ("starting", "ready") and d.start_reason:
-            state += f" (start reason: {d.start_reason})"
-        yield f"  state      {state}"
-        mode = "on demand" if d.mode == "on_demand" else "always on"
-        if d.mode == "on_demand":
-            idle = "default" if d.idle_timeout_s is None else f"{d.idle_timeout_s} s"
-            mode += f", idle timeout {idle}"
-        if d.pending_mode is not None:
-            mode += f"; switching to {d.pending_mode.replace('_', ' ')} once ready"
-        yield f"  mode       {mode}"
-        yield f"  engine     {d.engine}, model {d.model}, memory {gib(d.memory_bytes)}"
-        if d.endpoint is not None:
-            yield f"  running    at {d.endpoint} ({d.runtime_id})"
-        if d.failures or d.last_error:
-            fail = f"{d.failures} failed start(s)"
-            if d.retry_at_time is not None:
-                fail += f", no new start before {d.retry_at_time}"
-            if d.last_error:
-                fail += f"; last error: {d.last_error}"
-            yield f"  failures   {fail}"
-        if d.queued or d.waiting_start:
-            yield f"  queue      {d.queued} queued for memory, {d.waiting_start} waiting for start"
-        if d.timeline:
-            yield "  timeline"
-            for item in d.timeline:
-                yield f"    {item.time}  {item.actor:<12} {item.title}"
+def render_deployment(d: DeploymentView) -> Iterable[str]:
+    """One deployment's state as text lines (its timeline follows)."""
     yield ""
-    yield f"memory held by engines: {gib(view.memory_held_bytes)}"
-    if view.queue:
-        yield f"queue: {len(view.queue)} waiting"
-        for q in view.queue:
+    yield f"{d.name} ({d.deployment_id}): {d.badge}"
+    state = f"{d.lifecycle} since {d.since_time}"
+    if d.lifecycle in ("stopping", "stopped") and d.stop_reason:
+        state += f" (stop reason: {d.stop_reason})"
+    elif d.lifecycle in ("starting", "ready") and d.start_reason:
+        state += f" (start reason: {d.start_reason})"
+    yield f"  state      {state}"
+    mode = "on demand" if d.mode == "on_demand" else "always on"
+    if d.mode == "on_demand":
+        idle = "default" if d.idle_timeout_s is None else f"{d.idle_timeout_s} s"
+        mode += f", idle timeout {idle}"
+    if d.pending_mode is not None:
+        mode += f"; switching to {d.pending_mode.replace('_', ' ')} once ready"
+    yield f"  mode       {mode}"
+    yield f"  engine     {d.engine}, model {d.model}, memory {gib(d.memory_bytes)}"
+    if d.endpoint is not None:
+        yield f"  running    at {d.endpoint} ({d.runtime_id})"
+    if d.failures or d.last_error:
+        fail = f"{d.failures} failed start(s)"
+        if d.retry_at_time is not None:
+            fail += f", no new start before {d.retry_at_time}"
+        if d.last_error:
+            fail += f"; last error: {d.last_error}"
+        yield f"  failures   {fail}"
+    if d.queued or d.waiting_start:
+        yield f"  queue      {d.queued} queued for memory, {d.waiting_start} waiting for start"
+
+
+def render_tail(head: ReplayHead, queue: list[QueueView]) -> Iterable[str]:
+    """Memory, queue, settings and warnings as text lines."""
+    yield ""
+    yield f"memory held by engines: {gib(head.memory_held_bytes)}"
+    if queue:
+        yield f"queue: {len(queue)} waiting"
+        for q in queue:
             waits = "queued for memory" if q.kind == "queued" else "waiting for start"
             yield (
                 f"  {q.request_id} for {q.deployment}: {waits}, position {q.position},"
@@ -509,15 +608,18 @@ def render_replay(view: ReplayView) -> Iterable[str]:
             )
     else:
         yield "queue: empty"
-    if view.settings:
-        changed = ", ".join(f"{k}={v}" for k, v in sorted(view.settings.items()))
+    if head.settings:
+        changed = ", ".join(f"{k}={v}" for k, v in sorted(head.settings.items()))
         yield f"settings changed from the defaults: {changed}"
-    for warning in view.warnings:
+    for warning in head.warnings:
         yield f"warning: {warning}"
 
 
 def render_story(view: StoryView) -> Iterable[str]:
     """A request's story as text lines."""
+    if not view.story and view.outcome == SERVED_AT_ONCE:
+        yield f"request {view.request_id}: {view.outcome}"
+        return
     target = view.deployment or view.deployment_id or "?"
     yield f"request {view.request_id} for {target}: {view.outcome}"
     for item in view.story:
@@ -525,18 +627,26 @@ def render_story(view: StoryView) -> Iterable[str]:
         yield f"  {item.time}  {item.actor:<12} {who:<16} {item.title}"
 
 
-def event_line(rec: m.Recorded) -> str:
-    """One event as a line of text."""
+def _human(key: str, value: Any, names: dict[str, str]) -> tuple[str, Any]:
+    """An event field for people: sizes in GiB, deployments by name."""
+    if key.endswith("_bytes") and isinstance(value, int):
+        return key.removesuffix("_bytes"), gib(value)
+    if key in ("deployment_id", "for_deployment") and isinstance(value, str):
+        return key.removesuffix("_id"), names.get(value, value)
+    return key, value
+
+
+def event_line(rec: m.Recorded, names: dict[str, str], fmt: Callable[[float], str]) -> str:
+    """One event as a line of text, with names and human sizes."""
     data = msgspec.to_builtins(rec.event)
     data.pop("type", None)
-    body = msgspec.json.encode(data).decode()
-    return (
-        f"{rec.seq:>7} {format_time(rec.ts)} {rec.stream} v{rec.version} {rec.actor}"
-        f" {rec.type} {body}"
-    )
-
-
-# --- the commands -----------------------------------------------------------------------------
+    body = dict(_human(k, v, names) for k, v in data.items())
+    where = rec.stream
+    if where.startswith("deployment:"):
+        dep_id = where.partition(":")[2]
+        where = f"{names[dep_id]} ({dep_id})" if dep_id in names else where
+    text = msgspec.json.encode(body).decode()
+    return f"{rec.seq:>7} {fmt(rec.ts)} {where} v{rec.version} {rec.actor} {rec.type} {text}"
 
 
 def write_lines(lines: Iterable[str]) -> None:
@@ -547,109 +657,242 @@ def write_lines(lines: Iterable[str]) -> None:
         out.write("\n")
 
 
+def _json_line(kind: str, obj: msgspec.Struct) -> str:
+    data = msgspec.to_builtins(obj)
+    return msgspec.json.encode({"line": kind, **data}).decode()
+
+
+# --- the commands -----------------------------------------------------------------------------
+
+
 async def replay_command(args: argparse.Namespace) -> int:
-    """`dgxmm replay`."""
+    """`dgxmm replay`: the state at a moment and the timelines that led there, streamed."""
     until: float | None = args.until
+    fmt = time_formatter(bool(getattr(args, "relative", False)), until)
     store = await EventStore.open(args.db, create=False, readonly=True)
     try:
+        if args.request is not None:
+            story = await story_view(store, args.db, until, args.request, fmt)
+            if args.json:
+                write_lines([msgspec.json.format(msgspec.json.encode(story), indent=2).decode()])
+            else:
+                write_lines(render_story(story))
+            return 0
         folded = await fold_log(store, until)
-        log_last_seq = await store.last_seq()
+        wanted: str | None = args.deployment
+        deployments = chosen(folded.state, wanted)
+        if wanted is not None and not deployments:
+            raise NotInLog(f"no deployment named {wanted!r} in the log{_until_text(until)}")
+        head = replay_head(folded, args.db, until, await store.last_seq(), fmt)
+        names = folded.names()
+        queue = queue_views(folded, wanted, fmt)
+        await _write_replay(store, args, head, deployments, names, queue, fmt)
     finally:
         await store.close()
-    if args.request is not None:
-        story = story_view(folded, args.db, until, args.request)
-        if args.json:
-            write_lines([msgspec.json.format(msgspec.json.encode(story), indent=2).decode()])
-        else:
-            write_lines(render_story(story))
-        return 0
-    view = replay_view(folded, args.db, until, log_last_seq, args)
-    if args.json:
-        write_lines([msgspec.json.format(msgspec.json.encode(view), indent=2).decode()])
-    else:
-        write_lines(render_replay(view))
     return 0
 
 
+async def _write_replay(
+    store: EventStore,
+    args: argparse.Namespace,
+    head: ReplayHead,
+    deployments: list[tuple[DeploymentState, bool]],
+    names: dict[str, str],
+    queue: list[QueueView],
+    fmt: Callable[[float], str],
+) -> None:
+    out = sys.stdout
+    if args.json:
+        out.write(_json_line("replay", head) + "\n")
+    else:
+        at = head.until_time or "the end of the log"
+        last = f"event {head.last_seq} of {head.log_last_seq}"
+        if head.last_time is not None:
+            last += f", {head.last_time}"
+        out.write(f"{head.db}: state at {at} ({last})\n")
+        if not deployments:
+            out.write("no deployments at that time\n")
+    for dep, removed in deployments:
+        view = deployment_view(head.state, dep, removed, fmt)
+        if args.json:
+            out.write(_json_line("deployment", view) + "\n")
+        else:
+            write_lines(render_deployment(view))
+        items = timeline(store, dep.deployment_id, names, head.last_seq, fmt)
+        if args.last is not None:
+            shown: AsyncIterator[TimelineItem] | list[TimelineItem] = await last_items(
+                items, args.last
+            )
+        else:
+            shown = items
+        first = True
+        async for item in _aiter(shown):
+            if args.json:
+                out.write(_json_line("timeline", item) + "\n")
+                continue
+            if first:
+                out.write("  timeline\n")
+                first = False
+            out.write(f"    {item.time}  {item.actor:<12} {item.title}\n")
+    if args.json:
+        for q in queue:
+            out.write(_json_line("queue", q) + "\n")
+    else:
+        write_lines(render_tail(head, queue))
+
+
+async def _aiter(
+    items: AsyncIterator[TimelineItem] | list[TimelineItem],
+) -> AsyncIterator[TimelineItem]:
+    if isinstance(items, list):
+        for item in items:
+            yield item
+    else:
+        async for item in items:
+            yield item
+
+
+def _selected_types(args: argparse.Namespace) -> list[str] | None:
+    """`--type` values (repeatable, comma-separated), checked against the event types."""
+    given: list[str] = [t for raw in (args.type or []) for t in raw.split(",") if t.strip()]
+    if not given:
+        return None
+    known = {t.__name__ for t in m.AnyEvent.__args__}  # type: ignore[attr-defined]
+    unknown = sorted({t.strip() for t in given} - known)
+    if unknown:
+        raise NotInLog(f"no event type {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return sorted({t.strip() for t in given})
+
+
+def _deployment_ids(state: SystemState, wanted: str) -> set[str]:
+    found = {d.deployment_id for d, _ in chosen(state, wanted)}
+    if not found:
+        raise NotInLog(f"no deployment named {wanted!r} in the log")
+    return found
+
+
+def _concerns(rec: m.Recorded, dep_ids: set[str]) -> bool:
+    """Whether a record belongs to one of the deployments (its stream or its queue events)."""
+    if rec.stream.startswith("deployment:"):
+        return rec.stream.partition(":")[2] in dep_ids
+    ev = rec.event
+    return isinstance(ev, QUEUE_EVENTS) and ev.deployment_id in dep_ids
+
+
 async def events_command(args: argparse.Namespace) -> int:
-    """`dgxmm events`."""
+    """`dgxmm events`: the raw log; `--follow` starts at now unless `--since` goes back."""
+    since: float | None = args.since
+    fmt = time_formatter(bool(args.relative))
     store = await EventStore.open(args.db, create=False, readonly=True)
     try:
-        records = store.follow() if args.follow else store.iterate()
+        types = _selected_types(args)
+        folded = await fold_log(store, None)  # the names, and what `--deployment` means
+        names = folded.names()
+        dep_ids = (
+            None if args.deployment is None else _deployment_ids(folded.state, args.deployment)
+        )
+        start = 0
+        if args.follow and since is None:
+            start = await store.last_seq()
+        if args.follow:
+            records = store.follow(since_seq=start)
+            # On stderr, so that the events stay alone on stdout; it also says when new
+            # events will show up (a script can wait for this line).
+            sys.stderr.write(f"dgxmm: following {args.db} after event {start}\n")
+            sys.stderr.flush()
+        else:
+            records = store.iterate(since_seq=start, types=types)
         out = sys.stdout
         try:
             async for rec in records:
+                if isinstance(rec.event, m.DeploymentCreated):
+                    names[rec.event.deployment_id] = rec.event.name
+                    if args.deployment in (rec.event.name, rec.event.deployment_id) and dep_ids:
+                        dep_ids.add(rec.event.deployment_id)
+                if since is not None and rec.ts < since:
+                    continue
+                if types is not None and rec.type not in types:
+                    continue
+                if dep_ids is not None and not _concerns(rec, dep_ids):
+                    continue
                 rec = redact_record(rec)
-                out.write(m.encode_recorded(rec).decode() if args.json else event_line(rec))
+                out.write(
+                    m.encode_recorded(rec).decode() if args.json else event_line(rec, names, fmt)
+                )
                 out.write("\n")
                 if args.follow:
                     out.flush()
         finally:
             # Closed before the store, also when the reader went away (`| head`).
-            if isinstance(records, AsyncGenerator):
-                await records.aclose()
+            await records.aclose()  # type: ignore[attr-defined]
     finally:
         await store.close()
     return 0
 
 
 async def audit_command(args: argparse.Namespace) -> int:
-    """`dgxmm audit`."""
+    """`dgxmm audit`: from the audit read model when it covers the log, else projected."""
     since: float | None = args.since
     wanted: str | None = args.deployment
-    names: dict[str, str] = {}
-    auditable: list[m.Recorded] = []
+    fmt = time_formatter(bool(args.relative))
     store = await EventStore.open(args.db, create=False, readonly=True)
     try:
-        async for rec in store.iterate():
-            ev = rec.event
-            if isinstance(ev, m.DeploymentCreated):
-                names[ev.deployment_id] = ev.name
-            # Queue events are audited only as timeouts; leaving the rest out keeps a long log
-            # out of memory and changes no row.
-            if isinstance(ev, QUEUE_EVENTS) and not (
-                isinstance(ev, m.RequestLeftQueue) and ev.reason == "timeout"
-            ):
+        folded = await fold_log(store, None)
+        names = folded.names()
+        targets: set[str] | None = None
+        if wanted is not None:
+            targets = {m.deployment_stream(d) for d in _deployment_ids(folded.state, wanted)}
+        if store.readmodels_current():
+            rows = store.iterate_audit(since_ts=since)
+        else:
+            rows = _project_audit(store)
+        shown = 0
+        out = sys.stdout
+        async for row in rows:
+            if since is not None and row.ts < since:
                 continue
-            auditable.append(rec)
+            if targets is not None and row.target not in targets:
+                continue
+            dep_id = row.target.partition(":")[2] if row.target.startswith("deployment:") else None
+            name = None if dep_id is None else names.get(dep_id)
+            if args.json:
+                line = msgspec.json.encode(
+                    {
+                        "seq": row.seq,
+                        "ts": row.ts,
+                        "time": format_time(row.ts),
+                        "actor": row.actor,
+                        "action": row.action,
+                        "target": row.target,
+                        "deployment": name,
+                        "details": row.details,
+                    }
+                ).decode()
+            else:
+                target = row.target if name is None else f"{name} ({dep_id})"
+                details = " ".join(f"{k}={v}" for k, v in row.details.items())
+                line = f"{fmt(row.ts)}  {row.actor:<14} {row.action:<24} {target}"
+                if details:
+                    line += f"  {details}"
+            out.write(line)
+            out.write("\n")
+            shown += 1
     finally:
         await store.close()
-    targets: set[str] | None = None
-    if wanted is not None:
-        targets = {
-            m.deployment_stream(dep_id)
-            for dep_id, name in names.items()
-            if wanted in (dep_id, name)
-        }
-        if not targets:
-            raise NotInLog(f"no deployment named {wanted!r} in the log")
-    out = sys.stdout
-    for row in audit_rows(auditable):
-        if since is not None and row.ts < since:
-            continue
-        if targets is not None and row.target not in targets:
-            continue
-        dep_id = row.target.partition(":")[2] if row.target.startswith("deployment:") else None
-        name = None if dep_id is None else names.get(dep_id)
-        if args.json:
-            line = msgspec.json.encode(
-                {
-                    "seq": row.seq,
-                    "ts": row.ts,
-                    "time": format_time(row.ts),
-                    "actor": row.actor,
-                    "action": row.action,
-                    "target": row.target,
-                    "deployment": name,
-                    "details": row.details,
-                }
-            ).decode()
-        else:
-            target = row.target if name is None else f"{name} ({dep_id})"
-            details = " ".join(f"{k}={v}" for k, v in row.details.items())
-            line = f"{format_time(row.ts)}  {row.actor:<14} {row.action:<24} {target}"
-            if details:
-                line += f"  {details}"
-        out.write(line)
-        out.write("\n")
+    if not shown:
+        what = [
+            f"deployment {wanted}" if wanted else "",
+            f"since {format_time(since)}" if since else "",
+        ]
+        scope = " and ".join(w for w in what if w)
+        sys.stderr.write(f"no audit rows{' for ' + scope if scope else ''} in {args.db}\n")
     return 0
+
+
+async def _project_audit(store: EventStore) -> AsyncIterator[AuditRow]:
+    """The audit trail computed from the log (a log without an up-to-date read model)."""
+    projector = Projector()
+    async for rec in store.iterate(types=AUDITED_TYPES):
+        row, _ = projector.apply(rec)
+        if row is not None:
+            yield row

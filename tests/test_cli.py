@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -176,6 +177,26 @@ def ok(*args: str) -> str:
 # --- replay ---------------------------------------------------------------------------------
 
 
+def replay_doc(*args: str) -> dict[str, Any]:
+    """`dgxmm replay --json` (JSON lines) put back together into one document."""
+    lines = [json.loads(line) for line in ok("replay", *args, "--json").splitlines()]
+    head = lines[0]
+    assert head.pop("line") == "replay"
+    head["deployments"], head["queue"] = [], []
+    by_id: dict[str, dict[str, Any]] = {}
+    for line in lines[1:]:
+        kind = line.pop("line")
+        if kind == "deployment":
+            by_id[line["deployment_id"]] = {**line, "timeline": []}
+            head["deployments"].append(by_id[line["deployment_id"]])
+        elif kind == "timeline":
+            by_id[line["deployment_id"]]["timeline"].append(line)
+        else:
+            assert kind == "queue"
+            head["queue"].append(line)
+    return head
+
+
 def test_replay_prints_each_deployments_state_and_the_timeline_that_led_there(
     incident: tuple[Path, list[m.Recorded]],
 ) -> None:
@@ -213,7 +234,7 @@ def test_replay_json_state_equals_folding_the_events_up_to_until(
 ) -> None:
     path, records = incident
     for until in (T0 - 1000, T0 - 40, T0, T0 + 915, T0 + 5000):
-        doc = json.loads(ok("replay", "--db", str(path), "--until", repr(until), "--json"))
+        doc = replay_doc("--db", str(path), "--until", repr(until))
         state = msgspec.convert(doc["state"], SystemState)
         expected = fold([r for r in records if r.ts <= until])
         assert state.deployments == expected.deployments
@@ -226,7 +247,7 @@ def test_replay_json_describes_lifecycle_mode_failures_and_memory(
     incident: tuple[Path, list[m.Recorded]],
 ) -> None:
     path, _ = incident
-    doc = json.loads(ok("replay", "--db", str(path), "--until", repr(T0 + 5), "--json"))
+    doc = replay_doc("--db", str(path), "--until", repr(T0 + 5))
     views = {d["name"]: d for d in doc["deployments"]}
     assert views["llama"]["lifecycle"] == "ready"
     assert views["llama"]["badge"] == "Ready"
@@ -299,8 +320,9 @@ def test_events_prints_one_line_per_event(incident: tuple[Path, list[m.Recorded]
     lines = ok("events", "--db", str(path)).splitlines()
     assert len(lines) == len(records)
     assert lines[0].split()[0] == "1"
-    assert "deployment:d1 v1 admin:alice DeploymentCreated" in lines[0]
+    assert "qwen (d1) v1 admin:alice DeploymentCreated" in lines[0]
     assert '"name":"qwen"' in lines[0]
+    assert '"memory":"80.0 GiB"' in lines[0]  # sizes for people, not bytes
 
 
 def test_events_json_lines_decode_back_into_the_records(
@@ -329,29 +351,55 @@ def read_lines_until(proc: subprocess.Popen[bytes], count: int) -> list[str]:
     return buffer.decode().splitlines()
 
 
-def test_events_follow_prints_new_events_as_they_are_appended(tmp_path: Path) -> None:
-    path = tmp_path / "live.db"
+def wait_for_stderr_line(proc: subprocess.Popen[bytes]) -> str:
+    """The child's first line on stderr, within the deadline."""
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    buffer = b""
+    deadline = time.monotonic() + DEADLINE_S
+    while b"\n" not in buffer:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"only got {buffer!r}"
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            chunk = os.read(fd, 1)  # one byte at a time: nothing after the line is taken
+            assert chunk, "the follower exited"
+            buffer += chunk
+    return buffer.decode().strip()
 
-    async def append(n: int) -> None:
-        store = await EventStore.open(path)
-        await store.append("settings", [m.SettingsChanged(changes={"n": n})], actor="admin:a")
-        await store.close()
 
-    asyncio.run(append(1))
+def follower(path: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`dgxmm events --db PATH --follow --json ARGS...`, once it says it is following."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dgxmm.cli", "events", "--db", str(path), "--follow", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "dgxmm.cli",
+            "events",
+            "--db",
+            str(path),
+            "--follow",
+            "--json",
+            *args,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
         cwd=ROOT,
     )
     try:
-        first = read_lines_until(proc, 1)
-        assert m.decode_recorded(first[0]).seq == 1
-        asyncio.run(append(2))
-        both = first[:0] + read_lines_until(proc, 1)
-        assert m.decode_recorded(both[-1]).seq == 2
+        assert wait_for_stderr_line(proc).startswith(f"dgxmm: following {path} after event")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+def stop_follower(proc: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C: the follower exits with 130 and no traceback."""
+    try:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=DEADLINE_S)
         assert proc.returncode == 130
@@ -360,6 +408,42 @@ def test_events_follow_prints_new_events_as_they_are_appended(tmp_path: Path) ->
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_events_follow_starts_at_now_and_prints_new_events_as_they_are_appended(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "live.db"
+
+    async def append(n: int) -> None:
+        store = await EventStore.open(path)
+        await store.append("settings", [m.SettingsChanged(changes={"n": n})], actor="admin:a")
+        await store.close()
+
+    asyncio.run(append(1))
+    proc = follower(path)
+    try:
+        asyncio.run(append(2))
+        line = read_lines_until(proc, 1)
+        assert m.decode_recorded(line[0]).seq == 2  # event 1 was there before: not shown
+    finally:
+        stop_follower(proc)
+
+
+def test_events_follow_since_goes_back_first(tmp_path: Path) -> None:
+    path = tmp_path / "live.db"
+
+    async def append(n: int) -> None:
+        store = await EventStore.open(path)
+        await store.append("settings", [m.SettingsChanged(changes={"n": n})], actor="admin:a")
+        await store.close()
+
+    asyncio.run(append(1))
+    proc = follower(path, "--since", "0")
+    try:
+        assert m.decode_recorded(read_lines_until(proc, 1)[0]).seq == 1
+    finally:
+        stop_follower(proc)
 
 
 # --- audit ----------------------------------------------------------------------------------

@@ -553,7 +553,7 @@ async def story_view(
     )
 
 
-_DEP_TYPES = tuple(t.__name__ for t in m.AnyEvent.__args__ if t not in QUEUE_EVENTS)  # type: ignore[attr-defined]
+_DEP_TYPES = tuple(t.__name__ for t in m.AnyEvent.__args__ if t not in QUEUE_EVENTS)
 
 
 def _until_text(until: float | None) -> str:
@@ -757,7 +757,7 @@ def _selected_types(args: argparse.Namespace) -> list[str] | None:
     given: list[str] = [t for raw in (args.type or []) for t in raw.split(",") if t.strip()]
     if not given:
         return None
-    known = {t.__name__ for t in m.AnyEvent.__args__}  # type: ignore[attr-defined]
+    known = {t.__name__ for t in m.AnyEvent.__args__}
     unknown = sorted({t.strip() for t in given} - known)
     if unknown:
         raise NotInLog(f"no event type {', '.join(unknown)} (known: {', '.join(sorted(known))})")

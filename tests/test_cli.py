@@ -23,6 +23,7 @@ from dgxmm.replay import parse_time, redact_record
 from events import model as m
 from events.state import SystemState, fold
 from storage.eventlog import EventStore
+from tests.replay_support import replay_document
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_796_035_320.0  # 2026-11-30T10:42:00Z
@@ -179,22 +180,7 @@ def ok(*args: str) -> str:
 
 def replay_doc(*args: str) -> dict[str, Any]:
     """`dgxmm replay --json` (JSON lines) put back together into one document."""
-    lines = [json.loads(line) for line in ok("replay", *args, "--json").splitlines()]
-    head = lines[0]
-    assert head.pop("line") == "replay"
-    head["deployments"], head["queue"] = [], []
-    by_id: dict[str, dict[str, Any]] = {}
-    for line in lines[1:]:
-        kind = line.pop("line")
-        if kind == "deployment":
-            by_id[line["deployment_id"]] = {**line, "timeline": []}
-            head["deployments"].append(by_id[line["deployment_id"]])
-        elif kind == "timeline":
-            by_id[line["deployment_id"]]["timeline"].append(line)
-        else:
-            assert kind == "queue"
-            head["queue"].append(line)
-    return head
+    return replay_document(ok("replay", *args, "--json"))
 
 
 def test_replay_prints_each_deployments_state_and_the_timeline_that_led_there(

@@ -29,6 +29,7 @@ from events.state import (
     next_lifecycle,
 )
 from storage.eventlog import EventStore
+from tests.replay_support import replay_document
 
 T0 = 1_767_225_600.0
 GIB = 1 << 30
@@ -298,8 +299,7 @@ def replay_json(path: Path, *args: str) -> dict[str, Any]:
     with contextlib.redirect_stdout(out):
         code = cli.main(["replay", "--db", str(path), "--json", *args])
     assert code == 0
-    result: dict[str, Any] = msgspec.json.decode(out.getvalue())
-    return result
+    return replay_document(out.getvalue())
 
 
 def encoded(state: SystemState) -> bytes:

@@ -56,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--until", metavar="TIME", type=_time, help=f"the moment ({when})")
     replay.add_argument("--deployment", metavar="NAME", help="only this deployment (name or id)")
     replay.add_argument("--request", metavar="ID", help="the story of one request instead")
-    replay.add_argument(
-        "--last", metavar="N", type=int, help="show only the last N timeline lines per deployment"
+    span = replay.add_mutually_exclusive_group()
+    span.add_argument(
+        "--last", metavar="N", type=int, help="the last N timeline lines per deployment (50)"
     )
+    span.add_argument("--all", action="store_true", help="every timeline line (streamed)")
     replay.add_argument("--json", action="store_true", help="JSON lines, streamed")
     replay.add_argument("--relative", action="store_true", help=relative)
 

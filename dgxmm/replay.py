@@ -38,6 +38,7 @@ from storage.eventlog import EventStore
 GIB = 1 << 30
 REDACTED = "<redacted>"
 MAX_WARNINGS = 100
+DEFAULT_LAST = 50  # timeline lines per deployment unless --last or --all
 MAX_STORY = 5_000  # deployment events shown around one request
 QUEUE_EVENTS = (m.RequestQueued, m.RequestAdmitted, m.RequestLeftQueue)
 HOLDING_MEMORY = (Lifecycle.STARTING, Lifecycle.READY, Lifecycle.STOPPING, Lifecycle.ASLEEP)
@@ -360,12 +361,51 @@ async def timeline(
             yield queue_item(rec, names, fmt)
 
 
-async def last_items(items: AsyncIterator[TimelineItem], last: int | None) -> list[TimelineItem]:
-    """The last `last` items (a bounded window over the stream)."""
-    window: collections.deque[TimelineItem] = collections.deque(maxlen=max(0, last or 0))
-    async for item in items:
-        window.append(item)
-    return list(window)
+async def recent_timeline(
+    store: EventStore,
+    dep_id: str,
+    names: dict[str, str],
+    until_seq: int,
+    last: int,
+    fmt: Callable[[float], str],
+) -> list[TimelineItem]:
+    """The last `last` lines of one deployment's timeline, oldest first.
+
+    From the Events-tab read model and the queue index, newest first: O(last) however long
+    the log.  A log whose read models are missing or behind (never opened by this version
+    of `serve`) is streamed through a window of `last` lines instead: O(log) time, still
+    O(last) memory.
+    """
+    if last <= 0:
+        return []
+    if not store.readmodels_current():
+        window: collections.deque[TimelineItem] = collections.deque(maxlen=last)
+        async for item in timeline(store, dep_id, names, until_seq, fmt):
+            window.append(item)
+        return list(window)
+    name = names.get(dep_id)
+    rows = await store.timeline_page(dep_id, before=until_seq + 1, limit=last)
+    items = [
+        TimelineItem(
+            seq=row.seq,
+            ts=row.ts,
+            time=fmt(row.ts),
+            actor=row.actor,
+            kind="event",
+            type=row.type,
+            title=row.title,
+            deployment_id=dep_id,
+            deployment=name,
+        )
+        for row in rows
+    ]
+    async for rec in store.iterate(
+        queue_of=dep_id, until_seq=until_seq, descending=True, limit=last
+    ):
+        items.append(queue_item(rec, names, fmt))
+    # A queue timeout is both a queue line and an Events-tab line: the tab's comes first.
+    items.sort(key=lambda item: (item.seq, item.kind == "queue"))
+    return items[-last:]
 
 
 def deployment_view(
@@ -718,21 +758,23 @@ async def _write_replay(
             out.write(_json_line("deployment", view) + "\n")
         else:
             write_lines(render_deployment(view))
-        items = timeline(store, dep.deployment_id, names, head.last_seq, fmt)
-        if args.last is not None:
-            shown: AsyncIterator[TimelineItem] | list[TimelineItem] = await last_items(
-                items, args.last
-            )
+        shown: AsyncIterator[TimelineItem] | list[TimelineItem]
+        heading = "  timeline\n"
+        if args.all:
+            shown = timeline(store, dep.deployment_id, names, head.last_seq, fmt)
         else:
-            shown = items
-        first = True
+            keep = DEFAULT_LAST if args.last is None else args.last
+            shown = await recent_timeline(store, dep.deployment_id, names, head.last_seq, keep, fmt)
+            if len(shown) == keep:
+                heading = f"  timeline (the last {keep} lines; --last N or --all for more)\n"
+        count = 0
         async for item in _aiter(shown):
+            count += 1
             if args.json:
                 out.write(_json_line("timeline", item) + "\n")
                 continue
-            if first:
-                out.write("  timeline\n")
-                first = False
+            if count == 1:
+                out.write(heading)
             out.write(f"    {item.time}  {item.actor:<12} {item.title}\n")
     if args.json:
         for q in queue:

@@ -6,12 +6,14 @@ import asyncio
 import datetime as dt
 import json
 import os
+import re
 import select
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -354,8 +356,8 @@ def wait_for_stderr_line(proc: subprocess.Popen[bytes]) -> str:
     return buffer.decode().strip()
 
 
-def follower(path: Path, *args: str) -> subprocess.Popen[bytes]:
-    """`dgxmm events --db PATH --follow --json ARGS...`, once it says it is following."""
+def follower(path: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
+    """`dgxmm events --db PATH --follow --json ARGS...` once it follows, and where it began."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [
@@ -375,12 +377,13 @@ def follower(path: Path, *args: str) -> subprocess.Popen[bytes]:
         cwd=ROOT,
     )
     try:
-        assert wait_for_stderr_line(proc).startswith(f"dgxmm: following {path} after event")
+        said = wait_for_stderr_line(proc)
+        assert said.startswith(f"dgxmm: following {path} after event "), said
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    return proc
+    return proc, int(said.rsplit(" ", 1)[1])
 
 
 def stop_follower(proc: subprocess.Popen[bytes]) -> None:
@@ -407,7 +410,8 @@ def test_events_follow_starts_at_now_and_prints_new_events_as_they_are_appended(
         await store.close()
 
     asyncio.run(append(1))
-    proc = follower(path)
+    proc, start = follower(path)
+    assert start == 1
     try:
         asyncio.run(append(2))
         line = read_lines_until(proc, 1)
@@ -425,7 +429,7 @@ def test_events_follow_since_goes_back_first(tmp_path: Path) -> None:
         await store.close()
 
     asyncio.run(append(1))
-    proc = follower(path, "--since", "0")
+    proc, _ = follower(path, "--since", "0")
     try:
         assert m.decode_recorded(read_lines_until(proc, 1)[0]).seq == 1
     finally:
@@ -596,3 +600,95 @@ def test_usage_errors_exit_2() -> None:
     assert dgxmm().returncode == 2
     assert dgxmm("user", "add", "alice", "--role", "root").returncode == 2
     assert dgxmm("replay").returncode == 2
+
+
+# --- events --follow against a real `dgxmm serve` -------------------------------------------
+
+
+def start_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
+    """`dgxmm serve --demo` on ephemeral ports in tmp_path, and its banner."""
+    (tmp_path / "ports.toml").write_text("[server]\nadmin_port = 0\ngateway_port = 0\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", "ports.toml"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    banner = ""
+    deadline = time.monotonic() + DEADLINE_S
+    while "curl -s" not in banner:
+        assert time.monotonic() < deadline, banner
+        line = proc.stdout.readline()
+        assert line, f"dgxmm exited: {banner}"
+        banner += line
+    return proc, banner
+
+
+def http(
+    url: str, body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], Any]:
+    """One JSON request: status, headers, decoded body."""
+    data = None if body is None else json.dumps(body).encode()
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=data, headers=hdrs, method="POST")
+    with urllib.request.urlopen(request, timeout=DEADLINE_S) as answer:
+        found = {k.lower(): v for k, v in answer.headers.items()}
+        return answer.status, found, json.loads(answer.read())
+
+
+def test_events_follow_of_one_deployment_prints_only_its_new_events_from_a_running_serve(
+    tmp_path: Path,
+) -> None:
+    proc, banner = start_demo(tmp_path)
+    db = tmp_path / "dgxmm-data" / "dgxmm.db"
+    follow: subprocess.Popen[bytes] | None = None
+    try:
+        ids = dict(re.findall(r"deployment +: (\S+) \((\w+),", banner))
+        password = re.search(r"admin login +: admin / (\S+)", banner)
+        url = re.search(r"curl -s (\S+)", banner)
+        body = re.search(r"-d '(.+)'", banner)
+        admin = re.search(r"(http://127\.0\.0\.1:\d+)/dgxmm/", banner)
+        assert password and url and body and admin, banner
+        follow, start = follower(db, "--deployment", "demo-chat")
+        # Another deployment changes after the follower started: not for this follower.
+        _, headers, session = http(
+            f"{admin[1]}/dgxmm/api/login", {"name": "admin", "password": password[1]}
+        )
+        cookie = headers["set-cookie"].split(";")[0]
+        for name in ("demo-always", "demo-chat"):
+            http(
+                f"{admin[1]}/dgxmm/api/deployments/{ids[name]}/stop",
+                {},
+                {"cookie": cookie, "x-csrf-token": session["csrf_token"]},
+            )
+        # demo-chat is stopped: this request starts it, waits in the queue, and is served.
+        status, _, reply = http(url[1], json.loads(body[1]))
+        assert status == 200 and reply["object"] == "chat.completion"
+        lines: list[m.Recorded] = []
+        while not any(r.type == "RequestLeftQueue" for r in lines):
+            lines += [m.decode_recorded(line) for line in read_lines_until(follow, 1)]
+        chat = ids["demo-chat"]
+        for rec in lines:
+            ev = rec.event
+            assert rec.stream == f"deployment:{chat}" or (
+                isinstance(ev, m.RequestQueued | m.RequestAdmitted | m.RequestLeftQueue)
+                and ev.deployment_id == chat
+            ), rec
+        assert all(r.seq > start for r in lines)  # nothing from before the follower started
+        types = [r.type for r in lines]
+        assert {"StopRequested", "RequestQueued", "EngineReady"} <= set(types)
+    finally:
+        if follow is not None:
+            stop_follower(follow)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    # The other deployment's stop was recorded after the follower started.
+    stops = ok("events", "--db", str(db), "--deployment", "demo-always", "--type", "StopRequested")
+    assert [int(line.split()[0]) > start for line in stops.splitlines()] == [True]

@@ -6,6 +6,12 @@ acknowledged append is on disk.  Stream versions and the sequence counter are ca
 writer, so conflicts are found before any SQL runs; the UNIQUE(stream, version) constraint
 still guards against a second writer, and a batch that trips it is retried append by
 append so one bad append never fails its neighbours.
+
+The read models (`storage.readmodels`) are written in the same transactions as the events;
+snapshots (`storage.snapshots`) go through the same writer, between two transactions.  The
+module is longer than most (~700 lines) because writing, reading, snapshots and read-model
+pages share one connection, its writer task and its error mapping; a split would have to
+hand the connection around.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import msgspec
 from msgspec.structs import replace
 
 from events import model as m
-from events.projections import Projector
+from events.projections import EventRow, Projector
 from events.state import EMPTY, DeploymentState, IllegalTransition, SystemState, evolve
 from storage.eventlog import EventStore
 
@@ -228,6 +228,23 @@ def queue_item(rec: m.Recorded, names: dict[str, str], fmt: Callable[[float], st
     )
 
 
+def event_item(
+    row: EventRow, dep_id: str, name: str | None, fmt: Callable[[float], str]
+) -> TimelineItem:
+    """An Events-tab row as a timeline line."""
+    return TimelineItem(
+        seq=row.seq,
+        ts=row.ts,
+        time=fmt(row.ts),
+        actor=row.actor,
+        kind="event",
+        type=row.type,
+        title=row.title,
+        deployment_id=dep_id,
+        deployment=name,
+    )
+
+
 async def merged(*sources: AsyncIterator[m.Recorded]) -> AsyncIterator[m.Recorded]:
     """Records of several seq-ordered streams, in seq order."""
     heads: list[tuple[int, int, m.Recorded]] = []
@@ -261,18 +278,7 @@ async def timeline(
     async for rec in merged(own, queue):
         _, tab = projector.apply(rec)
         if tab is not None and tab.deployment_id == dep_id:
-            row = tab.row
-            yield TimelineItem(
-                seq=row.seq,
-                ts=row.ts,
-                time=fmt(row.ts),
-                actor=row.actor,
-                kind="event",
-                type=row.type,
-                title=row.title,
-                deployment_id=dep_id,
-                deployment=name,
-            )
+            yield event_item(tab.row, dep_id, name, fmt)
         if isinstance(rec.event, QUEUE_EVENTS):
             yield queue_item(rec, names, fmt)
 
@@ -301,20 +307,7 @@ async def recent_timeline(
         return list(window)
     name = names.get(dep_id)
     rows = await store.timeline_page(dep_id, before=until_seq + 1, limit=last)
-    items = [
-        TimelineItem(
-            seq=row.seq,
-            ts=row.ts,
-            time=fmt(row.ts),
-            actor=row.actor,
-            kind="event",
-            type=row.type,
-            title=row.title,
-            deployment_id=dep_id,
-            deployment=name,
-        )
-        for row in rows
-    ]
+    items = [event_item(row, dep_id, name, fmt) for row in rows]
     async for rec in store.iterate(
         queue_of=dep_id, until_seq=until_seq, descending=True, limit=last
     ):

@@ -24,6 +24,7 @@ from dgxmm.logview import (
     NotInLog,
     TimelineItem,
     chosen,
+    event_item,
     event_line,
     fold_log,
     format_time,
@@ -270,20 +271,8 @@ async def story_view(
         seen.add(rec.seq)
         _, tab = projector.apply(rec)
         if tab is not None:
-            row = tab.row
-            items.append(
-                TimelineItem(
-                    seq=row.seq,
-                    ts=row.ts,
-                    time=fmt(row.ts),
-                    actor=row.actor,
-                    kind="event",
-                    type=row.type,
-                    title=row.title,
-                    deployment_id=tab.deployment_id,
-                    deployment=names.get(tab.deployment_id),
-                )
-            )
+            name = names.get(tab.deployment_id)
+            items.append(event_item(tab.row, tab.deployment_id, name, fmt))
     items.sort(key=lambda item: item.seq)
     if left:
         ev = left[-1].event

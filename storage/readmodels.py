@@ -211,17 +211,19 @@ async def audit_page(
     params.append(limit)
     async with conn.execute(sql, params) as cur:
         rows = await cur.fetchall()
-    return [
-        AuditRow(
-            seq=seq,
-            ts=ts,
-            actor=actor_,
-            action=action_,
-            target=target_,
-            details=_details_decoder.decode(details),
-        )
-        for seq, ts, actor_, action_, target_, details in rows
-    ]
+    return [_audit_row(row) for row in rows]
+
+
+def _audit_row(row: Any) -> AuditRow:
+    seq, ts, actor, action, target, details = row
+    return AuditRow(
+        seq=seq,
+        ts=ts,
+        actor=actor,
+        action=action,
+        target=target,
+        details=_details_decoder.decode(details),
+    )
 
 
 async def iterate_audit(
@@ -239,15 +241,8 @@ async def iterate_audit(
     sql += " ORDER BY seq"
     async with conn.execute(sql, params) as cur:
         while rows := await cur.fetchmany(2000):
-            for seq, ts, actor, action, target_, details in rows:
-                yield AuditRow(
-                    seq=seq,
-                    ts=ts,
-                    actor=actor,
-                    action=action,
-                    target=target_,
-                    details=_details_decoder.decode(details),
-                )
+            for row in rows:
+                yield _audit_row(row)
 
 
 async def timeline_page(

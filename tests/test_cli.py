@@ -399,21 +399,23 @@ def stop_follower(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+async def append_setting(path: Path, n: int) -> None:
+    """One settings event appended to the log at `path`."""
+    store = await EventStore.open(path)
+    await store.append("settings", [m.SettingsChanged(changes={"n": n})], actor="admin:a")
+    await store.close()
+
+
 def test_events_follow_starts_at_now_and_prints_new_events_as_they_are_appended(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "live.db"
 
-    async def append(n: int) -> None:
-        store = await EventStore.open(path)
-        await store.append("settings", [m.SettingsChanged(changes={"n": n})], actor="admin:a")
-        await store.close()
-
-    asyncio.run(append(1))
+    asyncio.run(append_setting(path, 1))
     proc, start = follower(path)
     assert start == 1
     try:
-        asyncio.run(append(2))
+        asyncio.run(append_setting(path, 2))
         line = read_lines_until(proc, 1)
         assert m.decode_recorded(line[0]).seq == 2  # event 1 was there before: not shown
     finally:
@@ -423,12 +425,7 @@ def test_events_follow_starts_at_now_and_prints_new_events_as_they_are_appended(
 def test_events_follow_since_goes_back_first(tmp_path: Path) -> None:
     path = tmp_path / "live.db"
 
-    async def append(n: int) -> None:
-        store = await EventStore.open(path)
-        await store.append("settings", [m.SettingsChanged(changes={"n": n})], actor="admin:a")
-        await store.close()
-
-    asyncio.run(append(1))
+    asyncio.run(append_setting(path, 1))
     proc, _ = follower(path, "--since", "0")
     try:
         assert m.decode_recorded(read_lines_until(proc, 1)[0]).seq == 1

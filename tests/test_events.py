@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import io
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -275,8 +275,15 @@ class ScriptedWall:
         return self.now
 
 
-async def write_history(path: Path, records: Sequence[m.Recorded]) -> EventStore:
-    """Append `records` to a new log at `path` so that seq, ts and versions come out equal."""
+async def write_history(
+    path: Path,
+    records: Sequence[m.Recorded],
+    after_each: Callable[[EventStore, int], Awaitable[None]] | None = None,
+) -> EventStore:
+    """Append `records` to a new log at `path` so that seq, ts and versions come out equal.
+
+    `after_each(store, n)` runs after each transaction, when the first n records are in.
+    """
     wall = ScriptedWall()
     store = await EventStore.open(path, wall=wall)
     i = 0
@@ -290,6 +297,8 @@ async def write_history(path: Path, records: Sequence[m.Recorded]) -> EventStore
             *(store.append(r.stream, [r.event], actor=r.actor) for r in records[i:j])
         )
         i = j
+        if after_each is not None:
+            await after_each(store, i)
     return store
 
 

@@ -54,24 +54,12 @@ def test_every_read_model_equals_its_projection_from_scratch_at_every_prefix(
 ) -> None:
     dep_ids = known_deployments(records)
 
+    async def check(store: EventStore, n: int) -> None:
+        assert await tables(store, dep_ids) == from_scratch(records[:n], dep_ids)
+        assert store.readmodels_current()
+
     async def scenario(path: Path) -> None:
-        wall = ScriptedWall()
-        store = await EventStore.open(path, wall=wall)
-        try:
-            i = 0
-            while i < len(records):
-                j = i
-                while j < len(records) and records[j].ts == records[i].ts:
-                    j += 1
-                wall.now = records[i].ts
-                await asyncio.gather(
-                    *(store.append(r.stream, [r.event], actor=r.actor) for r in records[i:j])
-                )
-                i = j
-                assert await tables(store, dep_ids) == from_scratch(records[:i], dep_ids)
-                assert store.readmodels_current()
-        finally:
-            await store.close()
+        await (await write_history(path, records, check)).close()
 
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(scenario(Path(tmp) / "log.db"))

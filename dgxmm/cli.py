@@ -1,4 +1,4 @@
-"""The `dgxmm` command: serve, user add, replay, events, audit."""
+"""The `dgxmm` command: serve, user add, replay, events, audit, archive."""
 
 from __future__ import annotations
 
@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", action="store_true", help="JSON lines")
     audit.add_argument("--relative", action="store_true", help=relative)
 
+    archive = sub.add_parser(
+        "archive", help="move old queue events to an archive file (the audit trail stays)"
+    )
+    archive.add_argument("--db", metavar="FILE", required=True, help="the event log")
+    archive.add_argument(
+        "--before", metavar="TIME", type=_time, required=True, help=f"older than ({when})"
+    )
+    archive.add_argument("--to", metavar="FILE", help="the archive (default: FILE.archive.db)")
+
     return parser
 
 
@@ -142,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from dgxmm.replay import audit_command
 
                 return _run(audit_command, args)
+            case "archive":
+                from dgxmm.replay import archive_command
+
+                return _run(archive_command, args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

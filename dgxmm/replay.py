@@ -43,11 +43,13 @@ from dgxmm.logview import (
 from events import model as m
 from events.projections import AUDITED_TYPES, AuditRow, Projector, badge
 from events.state import EMPTY, DeploymentState, Lifecycle, SystemState
+from storage.archive import archive_queue_events
 from storage.eventlog import EventStore
 
 # What other modules (the CLI, tests) take from here.
 __all__ = [
     "NotInLog",
+    "archive_command",
     "audit_command",
     "events_command",
     "parse_time",
@@ -604,3 +606,14 @@ async def _project_audit(store: EventStore) -> AsyncIterator[AuditRow]:
         row, _ = projector.apply(rec)
         if row is not None:
             yield row
+
+
+async def archive_command(args: argparse.Namespace) -> int:
+    """`dgxmm archive`: old queue events to an archive file; the audit trail stays."""
+    target = args.to or f"{args.db.removesuffix('.db')}.archive.db"
+    moved = await archive_queue_events(args.db, target, args.before)
+    sys.stdout.write(
+        f"moved {moved} queue events from before {format_time(args.before)} to {target}"
+        f" (read them with: dgxmm replay --db {target}); the audit trail is unchanged\n"
+    )
+    return 0

@@ -689,3 +689,48 @@ def test_events_follow_of_one_deployment_prints_only_its_new_events_from_a_runni
     # The other deployment's stop was recorded after the follower started.
     stops = ok("events", "--db", str(db), "--deployment", "demo-always", "--type", "StopRequested")
     assert [int(line.split()[0]) > start for line in stops.splitlines()] == [True]
+
+
+# --- archive --------------------------------------------------------------------------------
+
+
+def test_archive_moves_old_queue_events_and_leaves_the_audit_trail_and_states_as_they_were(
+    incident: tuple[Path, list[m.Recorded]], tmp_path: Path
+) -> None:
+    path, records = incident
+    log = tmp_path / "log.db"
+    log.write_bytes(path.read_bytes())
+    audit_before = ok("audit", "--db", str(log))
+    state_before = replay_doc("--db", str(log))["state"]
+    out = ok("archive", "--db", str(log), "--before", repr(T0 + 15))
+    archive = tmp_path / "log.archive.db"
+    assert out.startswith(
+        f"moved 4 queue events from before 2026-11-30 10:42:15.000+00:00 to {archive}"
+    )
+    moved = [
+        m.decode_recorded(line)
+        for line in ok("events", "--db", str(archive), "--json").splitlines()
+    ]
+    kept = [
+        m.decode_recorded(line) for line in ok("events", "--db", str(log), "--json").splitlines()
+    ]
+    # r1's three events and r2's arrival (before the moment), nothing else.
+    assert [(r.type, r.event.request_id) for r in moved] == [  # type: ignore[union-attr]
+        ("RequestQueued", "r1"),
+        ("RequestAdmitted", "r1"),
+        ("RequestLeftQueue", "r1"),
+        ("RequestQueued", "r2"),
+    ]
+    assert sorted(r.seq for r in moved + kept) == [r.seq for r in records]  # moved, not lost
+    assert ok("audit", "--db", str(log)) == audit_before
+    assert replay_doc("--db", str(log))["state"]["deployments"] == state_before["deployments"]
+    story = ok("replay", "--db", str(archive), "--request", "r1")
+    assert story.startswith("request r1 for d2: left the queue: served")
+    assert "Request r1 queued at position 1" in story
+    # Again: nothing more to move, and the newest queue event never moves.
+    assert ok("archive", "--db", str(log), "--before", repr(T0 + 5000)).startswith("moved 1 ")
+    last_queue = [r for r in records if r.stream == m.STREAM_QUEUE][-1]
+    assert last_queue.seq in {
+        m.decode_recorded(line).seq
+        for line in ok("events", "--db", str(log), "--json").splitlines()
+    }

@@ -1,0 +1,103 @@
+"""Moving old queue events out of the log into an archive file (`dgxmm archive`).
+
+The queue's events are the bulk of a busy log and matter for incident replay of their time
+only.  What moves: `RequestQueued`, `RequestAdmitted` and `RequestLeftQueue` other than
+timeouts, older than a moment.  What stays: everything else, queue timeouts included, so the
+audit trail, the Events tab and the deployments' states are the same as before; and the
+newest queue event, so sequence numbers and the queue stream's versions keep counting up.
+
+The archive is a DGXMM event log itself (same schema, original seq, time, stream and
+version), so `dgxmm replay --db ARCHIVE` and `dgxmm events --db ARCHIVE` read it.  Both files
+stay append-only in the sense that matters: the archive only ever gains rows, and the log
+never gets a row back.  Each slice is committed in the archive before it is deleted from
+the log, and copying is idempotent, so an interrupted archive loses nothing: run it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sqlite3
+from collections.abc import Iterable, Sequence
+
+import aiosqlite
+
+from storage.errors import StorageError
+from storage.eventlog import EventStore, _map_error
+
+SLICE = 10_000
+_MOVABLE = (
+    "(type IN ('RequestQueued', 'RequestAdmitted') OR (type = 'RequestLeftQueue'"
+    " AND json_extract(CAST(data AS TEXT), '$.reason') != 'timeout'))"
+)
+
+
+async def archive_queue_events(
+    path: str | os.PathLike[str], archive_path: str | os.PathLike[str], before: float
+) -> int:
+    """Move the queue events older than `before` from `path` to `archive_path`; how many."""
+    path, archive_path = os.fspath(path), os.fspath(archive_path)
+    real = await asyncio.to_thread(lambda: {os.path.realpath(path), os.path.realpath(archive_path)})
+    if len(real) == 1:
+        raise StorageError(f"{path}: the archive must be another file")
+    # Both opened as event logs first: checks the log is ours, creates the archive's schema.
+    for name, create in ((path, False), (archive_path, True)):
+        await (await EventStore.open(name, create=create)).close()
+    moved = 0
+    try:
+        async with (
+            aiosqlite.connect(path, timeout=5.0, isolation_level=None) as log,
+            aiosqlite.connect(archive_path, timeout=5.0, isolation_level=None) as archive,
+        ):
+            for conn in (log, archive):
+                await conn.execute("PRAGMA synchronous=FULL")
+            while True:
+                async with log.execute(
+                    "SELECT seq, ts, stream, version, type, actor, data FROM events"
+                    f" WHERE stream = 'queue' AND ts < ? AND {_MOVABLE}"
+                    " AND seq < (SELECT MAX(seq) FROM events WHERE stream = 'queue')"
+                    " ORDER BY seq LIMIT ?",
+                    (before, SLICE),
+                ) as cur:
+                    rows = list(await cur.fetchall())
+                if not rows:
+                    return moved
+                async with archive.execute("SELECT COALESCE(MAX(seq), 0) FROM events") as cur:
+                    had = await cur.fetchone()
+                await _in_transaction(
+                    archive,
+                    "INSERT OR IGNORE INTO events (seq, ts, stream, version, type, actor, data)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    rows,
+                    # These events yield no read-model rows: the archive's read models stay
+                    # current (when they were), and opening it has nothing to catch up.
+                    "UPDATE meta SET value = (SELECT MAX(seq) FROM events)"
+                    " WHERE key = 'readmodel_seq' AND CAST(value AS INTEGER) >= ?",
+                    (had[0] if had else 0,),
+                )
+                await _in_transaction(
+                    log, "DELETE FROM events WHERE seq = ?", [(row[0],) for row in rows]
+                )
+                moved += len(rows)
+    except sqlite3.Error as exc:
+        raise _map_error(exc, path) from exc
+
+
+async def _in_transaction(
+    conn: aiosqlite.Connection,
+    sql: str,
+    rows: Sequence[Iterable[object]],
+    then: str | None = None,
+    then_params: tuple[object, ...] = (),
+) -> None:
+    await conn.execute("BEGIN IMMEDIATE")
+    try:
+        await conn.executemany(sql, rows)
+        if then is not None:
+            await conn.execute(then, then_params)
+        await conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            await conn.execute("ROLLBACK")
+        raise

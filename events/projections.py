@@ -261,7 +261,8 @@ class Projector:
                 actor=rec.actor,
                 action="ondemand_queue_timeout",
                 target=_target(rec),
-                details={"request_id": ev.request_id, "waited_s": round(ev.waited_s, 3)},
+                # float(): an event built in memory may hold an int where it decodes a float.
+                details={"request_id": ev.request_id, "waited_s": round(float(ev.waited_s), 3)},
             )
             tab = EventRow(
                 seq=rec.seq,

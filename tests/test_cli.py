@@ -734,3 +734,19 @@ def test_archive_moves_old_queue_events_and_leaves_the_audit_trail_and_states_as
         m.decode_recorded(line).seq
         for line in ok("events", "--db", str(log), "--json").splitlines()
     }
+
+
+def test_replay_and_audit_read_a_log_without_read_models_the_same_way(
+    incident: tuple[Path, list[m.Recorded]], tmp_path: Path
+) -> None:
+    path, _ = incident
+    bare = tmp_path / "bare.db"
+    bare.write_bytes(path.read_bytes())
+    with sqlite3.connect(bare) as conn:  # as a log written before read models existed
+        conn.execute("DELETE FROM meta WHERE key LIKE 'readmodel_%'")
+        conn.execute("DELETE FROM audit")
+        conn.execute("DELETE FROM timeline")
+    for args in (["replay"], ["replay", "--last", "3"], ["replay", "--until", repr(T0)], ["audit"]):
+        with_models = ok(*args, "--db", str(path)).replace(str(path), "LOG")
+        without = ok(*args, "--db", str(bare)).replace(str(bare), "LOG")
+        assert without == with_models, args

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from dgxmm.logview import (
+from dgxmm.replay.logview import (
     LEAVE_TEXT,
     QUEUE_EVENTS,
     Folded,
@@ -30,7 +30,6 @@ from dgxmm.logview import (
     format_time,
     gib,
     merged,
-    parse_time,
     queue_item,
     recent_timeline,
     redact,
@@ -45,18 +44,6 @@ from events.projections import AUDITED_TYPES, AuditRow, Projector, badge
 from events.state import EMPTY, DeploymentState, Lifecycle, SystemState
 from storage.archive import archive_queue_events
 from storage.eventlog import EventStore
-
-# What other modules (the CLI, tests) take from here.
-__all__ = [
-    "NotInLog",
-    "archive_command",
-    "audit_command",
-    "events_command",
-    "parse_time",
-    "redact",
-    "redact_record",
-    "replay_command",
-]
 
 DEFAULT_LAST = 50  # timeline lines per deployment unless --last or --all
 MAX_STORY = 5_000  # deployment events shown around one request

@@ -24,21 +24,29 @@ BIG = 1 << 40
 
 async def tables(
     store: EventStore, dep_ids: list[str]
-) -> tuple[list[AuditRow], dict[str, list[EventRow]]]:
+) -> tuple[list[AuditRow], dict[tuple[str, bool], list[EventRow]]]:
     """Everything the audit and Events-tab tables hold, oldest first."""
     audit = list(reversed(await store.audit_page(before=None, limit=BIG)))
     tabs = {
-        dep: list(reversed(await store.timeline_page(dep, before=None, limit=BIG)))
+        (dep, made_room): list(
+            reversed(await store.timeline_page(dep, before=None, limit=BIG, made_room=made_room))
+        )
         for dep in dep_ids
+        for made_room in (False, True)
     }
     return audit, tabs
 
 
 def from_scratch(
     records: list[m.Recorded], dep_ids: list[str]
-) -> tuple[list[AuditRow], dict[str, list[EventRow]]]:
+) -> tuple[list[AuditRow], dict[tuple[str, bool], list[EventRow]]]:
     """The same projections computed over the whole prefix."""
-    return list(audit_rows(records)), {d: deployment_events(records, d) for d in dep_ids}
+    tabs = {
+        (d, made_room): deployment_events(records, d, made_room=made_room)
+        for d in dep_ids
+        for made_room in (False, True)
+    }
+    return list(audit_rows(records)), tabs
 
 
 def known_deployments(records: list[m.Recorded]) -> list[str]:
@@ -111,7 +119,7 @@ def test_read_models_written_by_older_code_are_rebuilt_from_the_log(
         with sqlite3.connect(path) as conn:  # as if written by another version
             conn.execute("UPDATE meta SET value = '0' WHERE key = 'readmodel_version'")
             conn.execute("DELETE FROM audit WHERE seq % 2 = 0")
-            conn.execute("INSERT INTO timeline VALUES (999999, 'd1', 0, 'x', 'bogus', 'X')")
+            conn.execute("INSERT INTO timeline VALUES ('d1', 999999, 0, 'x', 'bogus', 'X', 0)")
         store = await EventStore.open(path)
         try:
             assert await tables(store, dep_ids) == from_scratch(records, dep_ids)

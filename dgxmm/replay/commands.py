@@ -258,10 +258,11 @@ async def story_view(
         if len(seen) >= MAX_STORY:  # a request that never left (a restart drops the queue)
             break
         seen.add(rec.seq)
-        _, tab = projector.apply(rec)
-        if tab is not None:
-            name = names.get(tab.deployment_id)
-            items.append(event_item(tab.row, tab.deployment_id, name, fmt))
+        _, tabs = projector.apply(rec)
+        for tab in tabs:
+            if not tab.made_room:  # the same event is on its own deployment's line already
+                name = names.get(tab.deployment_id)
+                items.append(event_item(tab.row, tab.deployment_id, name, fmt))
     items.sort(key=lambda item: item.seq)
     if left:
         ev = left[-1].event

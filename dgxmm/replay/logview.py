@@ -276,9 +276,10 @@ async def timeline(
     projector = Projector(names)
     name = names.get(dep_id)
     async for rec in merged(own, queue):
-        _, tab = projector.apply(rec)
-        if tab is not None and tab.deployment_id == dep_id:
-            yield event_item(tab.row, dep_id, name, fmt)
+        _, tabs = projector.apply(rec)
+        for tab in tabs:
+            if tab.deployment_id == dep_id and not tab.made_room:
+                yield event_item(tab.row, dep_id, name, fmt)
         if isinstance(rec.event, QUEUE_EVENTS):
             yield queue_item(rec, names, fmt)
 

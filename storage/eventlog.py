@@ -227,19 +227,7 @@ class EventStore:
             )
             # A slice ends at the last event it looked at, even if it yielded no rows.
             end = chunk[-1].seq if len(chunk) == readmodels.REBUILD_SLICE else self._last_seq
-            saved = self._projector.copy()
-            audit, timeline = readmodels.sql_rows(self._projector, chunk)
-            conn = self._conn
-            await conn.execute("BEGIN IMMEDIATE")
-            try:
-                await readmodels.write_rows(conn, audit, timeline, end)
-                await conn.execute("COMMIT")
-            except BaseException:
-                self._projector = saved
-                with contextlib.suppress(sqlite3.Error):
-                    await conn.execute("ROLLBACK")
-                raise
-            self._readmodel_seq = end
+            await self._commit([], chunk, end)
 
     async def _tables(self) -> set[str]:
         async with self._conn.execute("SELECT name FROM sqlite_master WHERE type='table'") as cur:
@@ -422,26 +410,35 @@ class EventStore:
     async def _insert(
         self, rows: list[tuple[int, float, str, int, str, str, bytes]], recs: list[m.Recorded]
     ) -> None:
-        """Events and their read-model rows in one transaction: both or neither."""
+        await self._commit(rows, recs, recs[-1].seq)
+        self._stats["transactions"] += 1
+
+    async def _commit(
+        self,
+        rows: list[tuple[int, float, str, int, str, str, bytes]],
+        recs: list[m.Recorded],
+        seq: int,
+    ) -> None:
+        """Event rows and the read-model rows of `recs` in one transaction: both or neither."""
         conn = self._conn
         saved = self._projector.copy()
         audit, timeline = readmodels.sql_rows(self._projector, recs)
         await conn.execute("BEGIN IMMEDIATE")
         try:
-            await conn.executemany(
-                "INSERT INTO events (seq, ts, stream, version, type, actor, data)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                rows,
-            )
-            await readmodels.write_rows(conn, audit, timeline, recs[-1].seq)
+            if rows:
+                await conn.executemany(
+                    "INSERT INTO events (seq, ts, stream, version, type, actor, data)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    rows,
+                )
+            await readmodels.write_rows(conn, audit, timeline, seq)
             await conn.execute("COMMIT")
         except BaseException:
             self._projector = saved
             with contextlib.suppress(sqlite3.Error):
                 await conn.execute("ROLLBACK")
             raise
-        self._readmodel_seq = recs[-1].seq
-        self._stats["transactions"] += 1
+        self._readmodel_seq = seq
 
     def _publish(self, items: list[_Append]) -> None:
         published: list[m.Recorded] = []

@@ -93,6 +93,13 @@ asyncio.run(main())
 """
 
 
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the child if a failed assertion left it running, and wait for it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def run_then_kill(path: Path, snapshots: int) -> None:
     """Start the child, wait until it wrote `snapshots` snapshots, SIGKILL it mid-write."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -119,9 +126,7 @@ def run_then_kill(path: Path, snapshots: int) -> None:
         proc.send_signal(signal.SIGKILL)  # appends, projections and snapshots in flight
         proc.communicate(timeout=DEADLINE_S)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert proc.returncode == -signal.SIGKILL
 
 
@@ -179,9 +184,7 @@ def test_sigkill_during_a_read_model_rebuild_resumes_where_it_stopped(tmp_path: 
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=DEADLINE_S)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
     assert proc.returncode == -signal.SIGKILL
     check_rebuilt = sqlite3.connect(path)
     applied = int(

@@ -224,11 +224,49 @@ class UserRemoved(Event, frozen=True, kw_only=True):
 
 
 class ApiTokenCreated(Event, frozen=True, kw_only=True):
-    """An API token was issued (only its hash is kept)."""
+    """An API token was issued (only its hash is kept).
+
+    `role` "metrics" makes a scrape token that reads `/metrics` and nothing else; None acts
+    with its owner's role.  `expires_at` None never expires.
+    """
 
     name: str
     token_id: str
     token_hash: str
+    label: str = ""
+    expires_at: float | None = None
+    role: Literal["metrics"] | None = None
+
+
+class ApiTokenRevoked(Event, frozen=True, kw_only=True):
+    """An API token was revoked; it stops working at once."""
+
+    name: str
+    token_id: str
+
+
+class ApiTokenUsed(Event, frozen=True, kw_only=True):
+    """An API token was used (recorded at most every few minutes per token, not audited)."""
+
+    name: str
+    token_id: str
+    at: float
+
+
+class UserRoleChanged(Event, frozen=True, kw_only=True):
+    """An administrator changed a user's role."""
+
+    name: str
+    role: Literal["admin", "viewer"]
+
+
+class PasswordChanged(Event, frozen=True, kw_only=True):
+    """A user's password hash was replaced: set by the user, reset by an admin, or rehashed
+    with stronger scrypt parameters at a login (`reason` "self", "reset", "rehash")."""
+
+    name: str
+    password_hash: str
+    reason: Literal["self", "reset", "rehash"] = "reset"
 
 
 class UserLoggedIn(Event, frozen=True, kw_only=True):
@@ -238,9 +276,15 @@ class UserLoggedIn(Event, frozen=True, kw_only=True):
 
 
 class LoginFailed(Event, frozen=True, kw_only=True):
-    """A login attempt failed (the name as typed, not whether it exists)."""
+    """A login attempt failed.
+
+    `name` is the account's name when the name typed is a user's, else "" with `name_hash`,
+    a keyed hash that tells repeated guesses apart without keeping what was typed (it may
+    be a password typed in the wrong field).  Older logs hold the name as typed.
+    """
 
     name: str
+    name_hash: str | None = None
 
 
 class LiteLLMSynced(Event, frozen=True, kw_only=True):
@@ -279,6 +323,10 @@ AnyEvent = (
     | ApiTokenCreated
     | UserLoggedIn
     | LoginFailed
+    | ApiTokenRevoked
+    | ApiTokenUsed
+    | UserRoleChanged
+    | PasswordChanged
     | LiteLLMSynced
 )
 

@@ -107,9 +107,24 @@ def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
         case m.UserRemoved():
             return "user_remove", {"name": ev.name}
         case m.ApiTokenCreated():
-            return "api_token_create", {"name": ev.name, "token_id": ev.token_id}
+            info: dict[str, Any] = {"name": ev.name, "token_id": ev.token_id}
+            if ev.label:
+                info["label"] = ev.label
+            if ev.role is not None:
+                info["role"] = ev.role
+            if ev.expires_at is not None:
+                info["expires_at"] = ev.expires_at
+            return "api_token_create", info
+        case m.ApiTokenRevoked():
+            return "api_token_revoke", {"name": ev.name, "token_id": ev.token_id}
+        case m.UserRoleChanged():
+            return "user_role_change", {"name": ev.name, "role": ev.role}
+        case m.PasswordChanged():
+            return "password_change", {"name": ev.name, "reason": ev.reason}
         case m.UserLoggedIn():
             return "login", {"name": ev.name}
+        case m.LoginFailed() if ev.name_hash is not None:
+            return "login_failed", {"name": ev.name or None, "name_hash": ev.name_hash}
         case m.LoginFailed():
             return "login_failed", {"name": ev.name}
     return None
@@ -134,6 +149,9 @@ AUDITED_TYPES = frozenset(
         "ApiTokenCreated",
         "UserLoggedIn",
         "LoginFailed",
+        "ApiTokenRevoked",
+        "UserRoleChanged",
+        "PasswordChanged",
         "RequestLeftQueue",
     }
 )

@@ -168,13 +168,25 @@ class QueueEntry(msgspec.Struct, frozen=True, kw_only=True):
     position: int
 
 
+class TokenInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What the UI and `dgxmm token list` show of an API token (never its secret)."""
+
+    label: str = ""
+    created_at: float = 0.0
+    expires_at: float | None = None
+    role: str | None = None  # "metrics": reads /metrics only; None: the owner's role
+    last_used_at: float | None = None
+
+
 class UserRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A user account."""
 
     name: str
     role: str
     password_hash: str
-    tokens: dict[str, str] = {}  # token id -> scrypt hash
+    tokens: dict[str, str] = {}  # token id -> SHA-256 hash of its secret
+    token_info: dict[str, TokenInfo] = {}  # token id -> name, expiry, role, last use
+    created_at: float = 0.0
 
 
 class LiteLLMStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -329,7 +341,9 @@ def evolve(state: SystemState, rec: m.Recorded) -> SystemState:
         case m.SettingsChanged():
             return replace(base, settings={**state.settings, **ev.changes})
         case m.UserCreated():
-            user = UserRecord(name=ev.name, role=ev.role, password_hash=ev.password_hash)
+            user = UserRecord(
+                name=ev.name, role=ev.role, password_hash=ev.password_hash, created_at=rec.ts
+            )
             return replace(base, users={**state.users, ev.name: user})
         case m.UserRemoved():
             users = dict(state.users)
@@ -339,7 +353,27 @@ def evolve(state: SystemState, rec: m.Recorded) -> SystemState:
             owner = state.users.get(ev.name)
             if owner is None:
                 return base
-            owner = replace(owner, tokens={**owner.tokens, ev.token_id: ev.token_hash})
+            info = TokenInfo(
+                label=ev.label, created_at=rec.ts, expires_at=ev.expires_at, role=ev.role
+            )
+            owner = replace(
+                owner,
+                tokens={**owner.tokens, ev.token_id: ev.token_hash},
+                token_info={**owner.token_info, ev.token_id: info},
+            )
+            return replace(base, users={**state.users, ev.name: owner})
+        case m.ApiTokenRevoked() | m.ApiTokenUsed():
+            return replace(base, users=_token_changed(state.users, ev))
+        case m.UserRoleChanged():
+            owner = state.users.get(ev.name)
+            if owner is None:
+                return base
+            return replace(base, users={**state.users, ev.name: replace(owner, role=ev.role)})
+        case m.PasswordChanged():
+            owner = state.users.get(ev.name)
+            if owner is None:
+                return base
+            owner = replace(owner, password_hash=ev.password_hash)
             return replace(base, users={**state.users, ev.name: owner})
         case m.UserLoggedIn() | m.LoginFailed():
             return base
@@ -375,3 +409,19 @@ def new_deployment(rec: m.Recorded) -> DeploymentState:
     """The state a DeploymentCreated record starts."""
     assert isinstance(rec.event, m.DeploymentCreated)
     return _created(rec, rec.event)
+
+
+def _token_changed(
+    users: dict[str, UserRecord], ev: m.ApiTokenRevoked | m.ApiTokenUsed
+) -> dict[str, UserRecord]:
+    """The users after a token was revoked or used (an unknown token changes nothing)."""
+    owner = users.get(ev.name)
+    if owner is None or ev.token_id not in owner.tokens:
+        return users
+    if isinstance(ev, m.ApiTokenRevoked):
+        tokens = {k: v for k, v in owner.tokens.items() if k != ev.token_id}
+        info = {k: v for k, v in owner.token_info.items() if k != ev.token_id}
+        return {**users, ev.name: replace(owner, tokens=tokens, token_info=info)}
+    old = owner.token_info.get(ev.token_id, TokenInfo())
+    info = {**owner.token_info, ev.token_id: replace(old, last_used_at=ev.at)}
+    return {**users, ev.name: replace(owner, token_info=info)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,12 +25,13 @@ from tests.gateway_support import Client, Reply, poll
 STARTUP_S = 30.0
 PASSWORDS = {"alice": "alice-password", "victor": "victor-password"}
 ROLES = {"alice": "admin", "victor": "viewer"}
+TEST_SCRYPT_N = 2**14  # production uses 2**17; tests keep logins fast (and not rehashed)
 
 
 @functools.cache
 def password_hash(name: str) -> str:
     """The users' hashes, computed once per test run (scrypt is slow on purpose)."""
-    return hash_password(PASSWORDS[name])
+    return hash_password(PASSWORDS[name], n=TEST_SCRYPT_N)
 
 
 @dataclass
@@ -186,6 +188,7 @@ async def api_box(
         status.update(settings)
         return dict(status)
 
+    auth_config = dataclasses.replace(auth_config or AuthConfig(), scrypt_n=TEST_SCRYPT_N)
     auth = Auth(harness.controller, harness.store, harness.clock, auth_config)
     api = AdminApi(
         harness.controller,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +16,9 @@ from dgxmm.admin.auth import (
     Auth,
     AuthConfig,
     AuthError,
-    Throttle,
+    Backoff,
+    backoff_delay,
+    needs_rehash,
     ensure_admin,
     hash_password,
     load_users,
@@ -27,7 +30,7 @@ from dgxmm.admin.auth import (
 from events import model as m
 from events.state import EMPTY
 from storage.eventlog import EventStore
-from tests.api_support import password_hash
+from tests.api_support import TEST_SCRYPT_N, password_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 30.0
@@ -38,7 +41,7 @@ DEADLINE_S = 30.0
 
 def test_a_password_hash_is_scrypt_with_its_parameters_and_a_random_salt() -> None:
     one, two = hash_password("correct horse"), hash_password("correct horse")
-    assert one.startswith("scrypt$16384$8$1$")
+    assert one.startswith("scrypt$131072$8$1$")  # N = 2**17, as OWASP recommends
     assert one != two  # different salts
     assert "correct horse" not in one
     assert verify_password("correct horse", one) and verify_password("correct horse", two)
@@ -73,15 +76,32 @@ def test_cookies_are_parsed_from_every_cookie_header() -> None:
     assert parse_cookies(headers) == {"a": "1", "dgxmm_session": "abc", "b": "2"}
 
 
-def test_the_throttle_blocks_after_the_limit_until_the_window_passes() -> None:
-    t = Throttle(limit=3, window_s=60)
-    for now in (0.0, 1.0, 2.0):
-        assert t.retry_after("k", now) is None
-        t.failed("k", now)
-    assert t.retry_after("k", 10.0) == pytest.approx(50.0)
-    assert t.retry_after("k", 60.5) is None  # the first failure left the window
-    t.forget("k")
-    assert t.retry_after("k", 61.0) is None
+def test_the_backoff_waits_double_after_the_free_failures_and_never_lock() -> None:
+    assert [backoff_delay(n, 3, 1.0, 900.0) for n in range(7)] == [0, 0, 0, 1, 2, 4, 8]
+    assert backoff_delay(40, 3, 1.0, 900.0) == 900.0  # capped: a wait, never a lockout
+    assert backoff_delay(10**6, 3, 1.0, 900.0) == 900.0
+
+
+def test_the_backoff_counts_failures_in_a_row_and_forgets_them_after_a_quiet_time() -> None:
+    b = Backoff(free=2, base_s=1.0, cap_s=60.0, forget_after_s=600.0)
+    for now in (0.0, 0.1):
+        assert b.retry_after("k", now) is None
+        b.failed("k", now)
+    assert b.retry_after("k", 0.5) == pytest.approx(0.6)  # 1 s after the last failure
+    b.failed("k", 1.1)
+    assert b.retry_after("k", 2.1) == pytest.approx(1.0)  # now 2 s
+    assert b.retry_after("k", 3.2) is None
+    assert b.retry_after("k", 700.0) is None and b.failures("k") == 0  # forgotten
+    b.failed("k", 701.0)
+    b.forget("k")
+    assert b.retry_after("k", 701.0) is None
+
+
+def test_a_hash_with_weaker_parameters_needs_a_rehash() -> None:
+    weak = hash_password("correct horse", n=2**14)
+    assert needs_rehash(weak)
+    assert not needs_rehash(weak, n=2**14)
+    assert needs_rehash("garbage")
 
 
 # --- Auth over a real log -----------------------------------------------------------------------
@@ -104,6 +124,7 @@ async def open_auth(
             [m.UserCreated(name=name, role=role, password_hash=password_hash(name))],  # type: ignore[arg-type]
             actor="system",
         )
+    config = dataclasses.replace(config or AuthConfig(), scrypt_n=TEST_SCRYPT_N)
     return Auth(LogOnly(), store, clock, config), store, clock
 
 

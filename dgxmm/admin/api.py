@@ -33,6 +33,7 @@ from actors.errors import ActorCrashed, ActorError, ActorStopped, AskTimeout, Ma
 from actors.memory_broker import GIB
 from actors.runtime import Clock
 from dgxmm.admin import bodies, metrics, static
+from dgxmm.admin.accounts import AccountRoutes
 from dgxmm.admin.auth import Auth, AuthError, Principal
 from dgxmm.admin.errors import ApiError, error_body, from_refusal
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
@@ -75,7 +76,14 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", ("login",), "login", Access.PUBLIC),
     Route("POST", ("logout",), "logout", Access.VIEWER),
     Route("GET", ("session",), "session", Access.VIEWER),
-    Route("POST", ("tokens",), "create_token", Access.ADMIN),
+    Route("POST", ("tokens",), "accounts.create_token", Access.ADMIN),
+    Route("GET", ("tokens",), "accounts.list_tokens", Access.ADMIN),
+    Route("DELETE", ("tokens", "{id}"), "accounts.revoke_token", Access.ADMIN),
+    Route("GET", ("users",), "accounts.list_users", Access.ADMIN),
+    Route("POST", ("users",), "accounts.add_user", Access.ADMIN),
+    Route("PATCH", ("users", "{name}"), "accounts.change_user", Access.ADMIN),
+    Route("DELETE", ("users", "{name}"), "accounts.remove_user", Access.ADMIN),
+    Route("POST", ("session", "password"), "accounts.change_own_password", Access.VIEWER),
     Route("GET", ("deployments",), "list_deployments", Access.VIEWER),
     Route("POST", ("deployments",), "create_deployment", Access.ADMIN),
     Route("GET", ("deployments", "{id}"), "get_deployment", Access.VIEWER),
@@ -245,6 +253,8 @@ class AdminApi:
         self.metrics_public = metrics_public
         self.max_body_bytes = max_body_bytes
         self.hub = EventHub(controller, clock, hub_config)
+        self.accounts = AccountRoutes(auth, store)
+        auth.on_session_end.append(self.hub.drop_session)  # a removed user's streams end too
         self.server: HTTPServer | None = None
         self.replies: collections.Counter[int] = collections.Counter()
 
@@ -315,8 +325,10 @@ class AdminApi:
         call = _Call(request, responder, principal, params, query)
         if route.method not in _SAFE_METHODS:
             call.body = await self._read_json(request)
+        owner, _, name = route.handler.rpartition(".")
+        handler = getattr(self.accounts, name) if owner else getattr(self, "_h_" + name)
         try:
-            reply = await getattr(self, "_h_" + route.handler)(call)
+            reply = await handler(call)
         except Refusal as exc:
             raise from_refusal(exc) from None
         except AuthError as exc:
@@ -347,6 +359,8 @@ class AdminApi:
                 self.auth.check_csrf(principal, request.headers)
         except AuthError as exc:
             raise _from_auth(exc) from None
+        if principal.is_metrics_only:
+            raise ApiError(403, "forbidden", "a metrics token reads /metrics and nothing else")
         if route.access is Access.ADMIN and not principal.is_admin:
             raise ApiError(403, "forbidden", f"{principal.user} is a viewer; this needs an admin")
         return principal
@@ -421,10 +435,12 @@ class AdminApi:
             raise ApiError(403, "cross_origin", "login from another origin is refused")
         body = bodies.decode(call.body, bodies.LoginBody, bodies.LOGIN_RULES)
         client_ip = req.client[0] if req.client else None
-        session = await self.auth.login(body.name, body.password, client_ip)
+        known = self.auth.known_client(req.headers, body.name)
+        session = await self.auth.login(body.name, body.password, client_ip, known=known)
         user = await self.auth.user(session.user)
         assert user is not None  # it just logged in
         call.headers.append((b"set-cookie", self.auth.session_cookie(session)))
+        call.headers.append((b"set-cookie", self.auth.known_cookie(user.name)))
         return 200, {
             "user": user.name,
             "role": user.role,
@@ -448,12 +464,6 @@ class AdminApi:
         if p.session is not None:
             data["csrf_token"] = p.session.csrf
         return 200, data
-
-    async def _h_create_token(self, call: _Call) -> Reply:
-        assert call.principal is not None
-        user = bodies.decode(call.body, bodies.TokenBody).user or call.principal.user
-        token, token_id = await self.auth.create_token(user, call.principal.actor)
-        return 201, {"user": user, "token_id": token_id, "token": token}
 
     # --- deployments ---------------------------------------------------------------------
 

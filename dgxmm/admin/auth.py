@@ -6,21 +6,29 @@ in memory (a restart logs everybody out).  A cookie session must send its CSRF t
 `x-csrf-token` with every mutating call; a Bearer token needs none (browsers never attach
 it on their own).  A failed login answers the same way, in about the same time, whether
 the user exists or not.
+
+A session lasts while its user exists with the password it logged in with: removing the
+user, or resetting the password, ends it at once.  Every authenticated call first folds
+what the log's `users` stream got since the last call (one indexed read), so a change
+written by another process (`dgxmm user remove`, `dgxmm token revoke`) applies at the
+next request, not after a polling delay.
+
+Failed logins slow the next attempt down exponentially, per name and per client address
+(`Backoff`), without locking anyone out: a browser that logged in as a name before
+carries a signed "known client" cookie, and the right password from it always passes.
+docs/security.md states the policy.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import collections
 import getpass
-import hashlib
 import hmac
-import re
 import secrets
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +36,72 @@ from typing import Protocol
 import structlog
 
 from actors.runtime import Clock
+from dgxmm.admin.credentials import (
+    KNOWN_COOKIE as KNOWN_COOKIE,
+)
+from dgxmm.admin.credentials import (
+    KNOWN_COOKIE_MAX_AGE_S as KNOWN_COOKIE_MAX_AGE_S,
+)
+from dgxmm.admin.credentials import (
+    SALT_BYTES as SALT_BYTES,
+)
+from dgxmm.admin.credentials import (
+    SCRYPT_DKLEN as SCRYPT_DKLEN,
+)
+from dgxmm.admin.credentials import (
+    SCRYPT_MAXMEM as SCRYPT_MAXMEM,
+)
+from dgxmm.admin.credentials import (
+    SCRYPT_N as SCRYPT_N,
+)
+from dgxmm.admin.credentials import (
+    SCRYPT_P as SCRYPT_P,
+)
+from dgxmm.admin.credentials import (
+    SCRYPT_R as SCRYPT_R,
+)
+from dgxmm.admin.credentials import (
+    TOKEN_ROLES as TOKEN_ROLES,
+)
+from dgxmm.admin.credentials import (
+    Backoff as Backoff,
+)
+from dgxmm.admin.credentials import (
+    backoff_delay as backoff_delay,
+)
+from dgxmm.admin.credentials import (
+    hash_password as hash_password,
+)
+from dgxmm.admin.credentials import (
+    hash_token_secret as hash_token_secret,
+)
+from dgxmm.admin.credentials import (
+    known_cookie_name as known_cookie_name,
+)
+from dgxmm.admin.credentials import (
+    known_cookie_value as known_cookie_value,
+)
+from dgxmm.admin.credentials import (
+    name_digest as name_digest,
+)
+from dgxmm.admin.credentials import (
+    needs_rehash as needs_rehash,
+)
+from dgxmm.admin.credentials import (
+    new_api_token as new_api_token,
+)
+from dgxmm.admin.credentials import (
+    parse_api_token as parse_api_token,
+)
+from dgxmm.admin.credentials import (
+    parse_cookies as parse_cookies,
+)
+from dgxmm.admin.credentials import (
+    valid_user_name as valid_user_name,
+)
+from dgxmm.admin.credentials import (
+    verify_password as verify_password,
+)
 from events import model as m
 from events.state import EMPTY, SystemState, UserRecord, evolve
 from storage.errors import StorageError
@@ -40,95 +114,7 @@ CSRF_HEADER = b"x-csrf-token"
 DEFAULT_DB = Path("dgxmm-data") / "dgxmm.db"
 MIN_PASSWORD_LENGTH = 8
 ROLES = ("admin", "viewer")
-
-SCRYPT_N = 2**14
-SCRYPT_R = 8
-SCRYPT_P = 1
-SCRYPT_DKLEN = 32
-SALT_BYTES = 16
-
-_USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
-_TOKEN = re.compile(r"^dgxmm_([0-9a-f]{16})_([A-Za-z0-9_-]{20,128})$")
 INVALID_LOGIN = "invalid name or password"
-
-
-# --- passwords and tokens (pure) ------------------------------------------------------------
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).decode().rstrip("=")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def hash_password(
-    password: str, *, salt: bytes | None = None, n: int = SCRYPT_N, r: int = SCRYPT_R,
-    p: int = SCRYPT_P,
-) -> str:  # fmt: skip
-    """`scrypt$n$r$p$salt$hash` (base64url): the parameters travel with the hash."""
-    salt = secrets.token_bytes(SALT_BYTES) if salt is None else salt
-    derived = hashlib.scrypt(
-        password.encode(), salt=salt, n=n, r=r, p=p, dklen=SCRYPT_DKLEN, maxmem=64 * 1024 * 1024
-    )
-    return f"scrypt${n}${r}${p}${_b64(salt)}${_b64(derived)}"
-
-
-def verify_password(password: str, encoded: str) -> bool:
-    """Whether `password` matches `encoded`; a malformed hash never matches."""
-    try:
-        scheme, n_s, r_s, p_s, salt_s, hash_s = encoded.split("$")
-        n, r, p = int(n_s), int(r_s), int(p_s)
-        salt, expected = _unb64(salt_s), _unb64(hash_s)
-    except ValueError:
-        return False
-    if scheme != "scrypt" or not (2 <= n <= 2**20 and 1 <= r <= 32 and 1 <= p <= 16):
-        return False
-    try:
-        derived = hashlib.scrypt(
-            password.encode(), salt=salt, n=n, r=r, p=p, dklen=len(expected) or 1,
-            maxmem=256 * 1024 * 1024,
-        )  # fmt: skip
-    except (ValueError, MemoryError):
-        return False
-    return hmac.compare_digest(derived, expected)
-
-
-def hash_token_secret(secret: str) -> str:
-    """What the log keeps of an API token: `sha256$<hex>` (the secret has 256 random bits)."""
-    return "sha256$" + hashlib.sha256(secret.encode()).hexdigest()
-
-
-def new_api_token() -> tuple[str, str, str]:
-    """(token as given to the user, token id, stored hash)."""
-    token_id = secrets.token_hex(8)
-    secret = secrets.token_urlsafe(32)
-    return f"dgxmm_{token_id}_{secret}", token_id, hash_token_secret(secret)
-
-
-def parse_api_token(token: str) -> tuple[str, str] | None:
-    """(token id, secret) of a well-formed token, else None."""
-    found = _TOKEN.match(token)
-    return None if found is None else (found.group(1), found.group(2))
-
-
-def valid_user_name(name: str) -> bool:
-    """Letters, digits and . _ @ - (1 to 64, starting with a letter or digit)."""
-    return bool(_USER_NAME.match(name))
-
-
-def parse_cookies(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
-    """The cookies of every `cookie` header; the first value of a name wins."""
-    found: dict[str, str] = {}
-    for name, value in headers:
-        if name != b"cookie":
-            continue
-        for part in value.decode("latin-1").split(";"):
-            key, sep, val = part.strip().partition("=")
-            if sep and key and key not in found:
-                found[key] = val.strip().strip('"')
-    return found
 
 
 def fold_users(records: Iterable[m.Recorded]) -> dict[str, UserRecord]:
@@ -142,50 +128,6 @@ def fold_users(records: Iterable[m.Recorded]) -> dict[str, UserRecord]:
 async def load_users(store: EventStore) -> dict[str, UserRecord]:
     """Every user the log knows."""
     return fold_users(await store.read(stream=m.STREAM_USERS))
-
-
-# --- throttling -------------------------------------------------------------------------------
-
-
-class Throttle:
-    """At most `limit` failures per key within `window_s`; bounded in keys."""
-
-    def __init__(self, limit: int, window_s: float, max_keys: int = 10_000) -> None:
-        self.limit = limit
-        self.window_s = window_s
-        self.max_keys = max_keys
-        self._failures: collections.OrderedDict[str, collections.deque[float]] = (
-            collections.OrderedDict()
-        )
-
-    def retry_after(self, key: str, now: float) -> float | None:
-        """Seconds until the key may try again, or None when it may now."""
-        times = self._failures.get(key)
-        if times is None:
-            return None
-        while times and now - times[0] >= self.window_s:
-            times.popleft()
-        if not times:
-            del self._failures[key]
-            return None
-        if len(times) < self.limit:
-            return None
-        return max(0.0, times[0] + self.window_s - now)
-
-    def failed(self, key: str, now: float) -> None:
-        """Count a failure."""
-        times = self._failures.get(key)
-        if times is None:
-            times = self._failures[key] = collections.deque(maxlen=self.limit)
-            while len(self._failures) > self.max_keys:
-                self._failures.popitem(last=False)
-        else:
-            self._failures.move_to_end(key)
-        times.append(now)
-
-    def forget(self, key: str) -> None:
-        """Clear the key (a successful login)."""
-        self._failures.pop(key, None)
 
 
 # --- sessions and principals -----------------------------------------------------------------
@@ -213,6 +155,7 @@ class Session:
     user: str
     created: float
     last_seen: float
+    password_hash: str = ""  # the user's hash at login: a reset or a removal ends the session
 
 
 @dataclass(frozen=True)
@@ -220,7 +163,7 @@ class Principal:
     """Who is calling, and how."""
 
     user: str
-    role: str
+    role: str  # "admin" | "viewer" | "metrics" (a scrape token)
     via: str  # "session" | "token"
     session: Session | None = None
     token_id: str | None = None
@@ -229,6 +172,11 @@ class Principal:
     def is_admin(self) -> bool:
         """Whether the caller may change things."""
         return self.role == "admin"
+
+    @property
+    def is_metrics_only(self) -> bool:
+        """A scrape token: it reads `/metrics` and nothing else."""
+        return self.role == "metrics"
 
     @property
     def actor(self) -> str:
@@ -244,14 +192,20 @@ class AuthConfig:
     session_max_age_s: float = 7 * 24 * 3600.0
     max_sessions: int = 1000
     secure_cookie: bool = False  # set when DGXMM is reached over HTTPS only
-    name_failures: int = 5  # per user name ...
-    ip_failures: int = 30  # ... and per client address ...
-    failure_window_s: float = 300.0  # ... within this window
-    refresh_every_s: float = 2.0  # unknown API tokens re-read the log at most this often
+    # Failed logins: free attempts, then a wait that doubles from 1 s up to the cap ...
+    name_free_failures: int = 3  # ... per user name
+    name_max_delay_s: float = 900.0
+    ip_free_failures: int = 10  # ... and per client address (everyone behind a proxy)
+    ip_max_delay_s: float = 60.0
+    base_delay_s: float = 1.0
+    forget_failures_after_s: float = 6 * 3600.0
+    token_used_every_s: float = 300.0  # how often a token's last use is written to the log
+    refresh_every_s: float = 2.0  # unused: the users stream is read at every request
+    scrypt_n: int = SCRYPT_N  # for new hashes; a login rehashes a weaker one
 
 
 class SystemView(Protocol):
-    """What Auth reads of the controller: the folded state, whose `users` it trusts first."""
+    """What Auth reads of the controller: the folded state (kept for the wiring's sake)."""
 
     @property
     def system(self) -> SystemState:
@@ -268,52 +222,55 @@ class Auth:
         store: EventStore,
         clock: Clock,
         config: AuthConfig | None = None,
+        *,
+        secret: bytes | None = None,
     ) -> None:
         self.controller = controller
         self.store = store
         self.clock = clock
         self.config = config or AuthConfig()
+        # Signs "known client" cookies and keys the hashes of failed names; app.py keeps it
+        # in the data directory so that both survive a restart.
+        self.secret = secret or secrets.token_bytes(32)
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
-        # The users stream as the file has it, read on a miss: users that another process
-        # (`dgxmm user add` while serving) wrote are in the file but not in the controller.
+        # The users stream as the file has it: the truth, including what another process
+        # (`dgxmm user remove` while serving) wrote.
         self._file_state: SystemState = EMPTY
         self._file_seq = 0
         self._lock = asyncio.Lock()
-        self._last_refresh: float | None = None
-        self._dummy_hash = hash_password(secrets.token_urlsafe(16))
+        self._dummy_hash = hash_password(secrets.token_urlsafe(16), n=self.config.scrypt_n)
         c = self.config
-        self._by_name = Throttle(c.name_failures, c.failure_window_s)
-        self._by_ip = Throttle(c.ip_failures, c.failure_window_s)
+        self._by_name = Backoff(
+            c.name_free_failures, c.base_delay_s, c.name_max_delay_s, c.forget_failures_after_s
+        )
+        self._by_ip = Backoff(
+            c.ip_free_failures, c.base_delay_s, c.ip_max_delay_s, c.forget_failures_after_s
+        )
+        self._token_used: dict[str, float] = {}  # token id -> last use (wall), in memory
+        self._token_written: dict[str, float] = {}  # token id -> last use written to the log
+        self.on_session_end: list[Callable[[str], None]] = []  # e.g. close its event streams
         self.stats = {"logins": 0, "login_failures": 0, "throttled": 0, "token_auths": 0}
 
     # --- users --------------------------------------------------------------------------
 
-    async def _refresh(self, *, force: bool) -> None:
-        """Fold the user records the file got since the last read (at most so often)."""
+    async def _refresh(self, *, force: bool = True) -> None:
+        """Fold the user records the file got since the last read."""
         async with self._lock:
-            now = self.clock.now()
-            last = self._last_refresh
-            if not force and last is not None and now - last < self.config.refresh_every_s:
-                return
-            self._last_refresh = now
             state = self._file_state
             async for rec in self.store.iterate(stream=m.STREAM_USERS, since_seq=self._file_seq):
                 state = evolve(state, rec)
                 self._file_seq = rec.seq
             self._file_state = state
 
-    async def user(self, name: str, *, fresh: bool = False) -> UserRecord | None:
-        """A user by name: the controller's view, else the file (re-read, rate-limited)."""
-        found = self.controller.system.users.get(name)
-        if found is None:
-            await self._refresh(force=fresh)
-            found = self._file_state.users.get(name)
-        return found
+    async def user(self, name: str, *, fresh: bool = True) -> UserRecord | None:
+        """A user by name, as the log has it now."""
+        await self._refresh()
+        return self._file_state.users.get(name)
 
     async def users(self) -> dict[str, UserRecord]:
-        """Every user."""
-        await self._refresh(force=True)
-        return {**self._file_state.users, **self.controller.system.users}
+        """Every user, as the log has it now."""
+        await self._refresh()
+        return dict(self._file_state.users)
 
     async def add_user(self, name: str, role: str, password: str, actor: str) -> None:
         """Record a new user; raises AuthError(422/409) for a bad name, role or duplicate."""
@@ -321,59 +278,105 @@ class Auth:
             raise AuthError(422, "invalid_name", "name: letters, digits and . _ @ - (1 to 64)")
         if role not in ROLES:
             raise AuthError(422, "invalid_role", 'role: "admin" or "viewer"')
-        if len(password) < MIN_PASSWORD_LENGTH:
-            raise AuthError(
-                422, "weak_password", f"password: at least {MIN_PASSWORD_LENGTH} characters"
-            )
+        check_password(password)
         if name in await self.users():
             raise AuthError(409, "user_exists", f"user {name} exists")
-        encoded = await asyncio.to_thread(hash_password, password)
+        encoded = await self.hash(password)
         event = m.UserCreated(name=name, role=role, password_hash=encoded)  # type: ignore[arg-type]
         await self.store.append(m.STREAM_USERS, [event], actor=actor)
 
-    async def create_token(self, user: str, actor: str) -> tuple[str, str]:
+    async def hash(self, password: str) -> str:
+        """The password's hash with the configured parameters (in a thread: it is slow)."""
+        return await asyncio.to_thread(hash_password, password, n=self.config.scrypt_n)
+
+    async def create_token(
+        self, user: str, actor: str, *, label: str = "", expires_at: float | None = None,
+        role: str | None = None,
+    ) -> tuple[str, str]:  # fmt: skip
         """Issue an API token for `user`: (token, token id); only its hash is recorded."""
-        if user not in await self.users():
-            raise AuthError(404, "user_not_found", f"no user {user}")
-        token, token_id, token_hash = new_api_token()
-        event = m.ApiTokenCreated(name=user, token_id=token_id, token_hash=token_hash)
+        token, event = token_created(
+            await self.users(), user, label=label, expires_at=expires_at, role=role,
+            now=self.clock.wall(),
+        )  # fmt: skip
         await self.store.append(m.STREAM_USERS, [event], actor=actor)
-        return token, token_id
+        return token, event.token_id
+
+    def end_sessions(self, user: str, *, keep: Session | None = None) -> int:
+        """End every session of `user` (but `keep`); returns how many ended."""
+        ended = [t for t, s in self._sessions.items() if s.user == user and s is not keep]
+        for token in ended:
+            self._end(token)
+        return len(ended)
+
+    def _end(self, token: str) -> None:
+        self._sessions.pop(token, None)
+        for listener in self.on_session_end:
+            try:
+                listener(token)
+            except Exception:  # policy: a broken listener must not keep a session alive
+                log.exception("session_end_listener_failed")
 
     # --- logging in and out -------------------------------------------------------------
 
-    async def login(self, name: str, password: str, client_ip: str | None) -> Session:
-        """Check the password and open a session; raises AuthError 401 or 429."""
+    def known_client(self, headers: Iterable[tuple[bytes, bytes]], name: str) -> bool:
+        """Whether the request carries a "known client" cookie for `name`."""
+        value = parse_cookies(headers).get(KNOWN_COOKIE)
+        return value is not None and known_cookie_name(self.secret, value) == name
+
+    def known_cookie(self, name: str) -> bytes:
+        """The Set-Cookie value that marks this browser as a known client of `name`."""
+        secure = "; Secure" if self.config.secure_cookie else ""
+        value = known_cookie_value(self.secret, name)
+        return (
+            f"{KNOWN_COOKIE}={value}; HttpOnly; SameSite=Strict; Path=/; "
+            f"Max-Age={KNOWN_COOKIE_MAX_AGE_S}{secure}"
+        ).encode()
+
+    async def login(
+        self, name: str, password: str, client_ip: str | None, *, known: bool = False
+    ) -> Session:
+        """Check the password and open a session; raises AuthError 401 or 429.
+
+        `known`: the client showed a "known client" cookie for `name`; its right password
+        passes whatever the backoff says (a wrong one still counts).
+        """
         now = self.clock.now()
-        keys = [("name", self._by_name, f"name:{name.lower()}")]
+        keys = [(self._by_name, f"name:{name.strip().lower()}")]
         if client_ip:
-            keys.append(("ip", self._by_ip, f"ip:{client_ip}"))
-        for _what, throttle, key in keys:
-            wait = throttle.retry_after(key, now)
-            if wait is not None:
-                self.stats["throttled"] += 1
-                raise AuthError(
-                    429,
-                    "too_many_attempts",
-                    "too many failed logins; try again later",
-                    retry_after=max(1.0, wait),
-                )
-        # A miss re-reads the file without a rate limit: logins are throttled and cost an
-        # scrypt each, next to which this indexed read is nothing.
-        user = await self.user(name, fresh=True)
+            keys.append((self._by_ip, f"ip:{client_ip}"))
+        waits = [w for b, k in keys if (w := b.retry_after(k, now)) is not None]
+        if waits and not known:
+            self.stats["throttled"] += 1
+            raise AuthError(
+                429,
+                "too_many_attempts",
+                "too many failed logins; wait a little and try again",
+                retry_after=max(1.0, max(waits)),
+            )
+        user = await self.user(name)
         # An unknown name is checked against a dummy hash, so timing does not tell.
         encoded = user.password_hash if user is not None else self._dummy_hash
         matched = await asyncio.to_thread(verify_password, password, encoded)
         if user is None or not matched:
-            for _what, throttle, key in keys:
-                throttle.failed(key, now)
+            for backoff, key in keys:
+                backoff.failed(key, now)
             self.stats["login_failures"] += 1
-            await self._record(m.LoginFailed(name=name[:128]), "system")
+            failed = m.LoginFailed(
+                name=user.name if user is not None else "",
+                name_hash=name_digest(self.secret, name),
+            )
+            await self._record(failed, "system")
             raise AuthError(401, "invalid_credentials", INVALID_LOGIN)
-        self._by_name.forget(keys[0][2])
+        if not waits:  # a known client let through an attack does not reset its backoff
+            self._by_name.forget(keys[0][1])
         self.stats["logins"] += 1
-        await self._record(m.UserLoggedIn(name=name), f"admin:{name}")
-        return self._open_session(name)
+        await self._record(m.UserLoggedIn(name=user.name), f"admin:{user.name}")
+        if needs_rehash(user.password_hash, n=self.config.scrypt_n):
+            rehashed = await self.hash(password)
+            event = m.PasswordChanged(name=user.name, password_hash=rehashed, reason="rehash")
+            await self._record(event, "system")
+            user = await self.user(name) or user
+        return self._open_session(user)
 
     async def _record(self, event: m.AnyEvent, actor: str) -> None:
         try:
@@ -381,7 +384,7 @@ class Auth:
         except StorageError as exc:  # policy: a login is not refused because its audit failed
             log.error("login_record_failed", error=str(exc))
 
-    def _open_session(self, user: str) -> Session:
+    def _open_session(self, user: UserRecord) -> Session:
         now = self.clock.now()
         self._expire(now)
         while len(self._sessions) >= self.config.max_sessions:
@@ -389,9 +392,10 @@ class Auth:
         session = Session(
             token=secrets.token_urlsafe(32),
             csrf=secrets.token_urlsafe(32),
-            user=user,
+            user=user.name,
             created=now,
             last_seen=now,
+            password_hash=user.password_hash,
         )
         self._sessions[session.token] = session
         return session
@@ -447,9 +451,10 @@ class Auth:
                 del self._sessions[token]
             raise AuthError(401, "session_expired", "the session has ended; log in again")
         user = await self.user(session.user)
-        if user is None:
-            del self._sessions[token]
-            raise AuthError(401, "session_expired", "the session's user no longer exists")
+        if user is None or not hmac.compare_digest(user.password_hash, session.password_hash):
+            self._end(token)
+            why = "no longer exists" if user is None else "has a new password"
+            raise AuthError(401, "session_expired", f"the session's user {why}; log in again")
         session.last_seen = now
         self._sessions.move_to_end(token)
         return Principal(user=user.name, role=user.role, via="session", session=session)
@@ -459,16 +464,40 @@ class Auth:
         if parsed is None:
             raise AuthError(401, "invalid_token", "the API token is not valid")
         token_id, secret = parsed
-        owner = self._token_owner(self.controller.system.users, token_id)
-        if owner is None:
-            await self._refresh(force=False)
-            owner = self._token_owner(self._file_state.users, token_id)
+        await self._refresh()
+        owner = self._token_owner(self._file_state.users, token_id)
         computed = hash_token_secret(secret)
         expected = owner.tokens[token_id] if owner is not None else hash_token_secret("")
         if not hmac.compare_digest(computed, expected) or owner is None:
             raise AuthError(401, "invalid_token", "the API token is not valid")
+        info = owner.token_info.get(token_id)
+        wall = self.clock.wall()
+        if info is not None and info.expires_at is not None and wall >= info.expires_at:
+            raise AuthError(401, "token_expired", "the API token has expired")
         self.stats["token_auths"] += 1
-        return Principal(user=owner.name, role=owner.role, via="token", token_id=token_id)
+        await self._token_used_now(owner.name, token_id, wall)
+        role = info.role if info is not None and info.role is not None else owner.role
+        return Principal(user=owner.name, role=role, via="token", token_id=token_id)
+
+    async def _token_used_now(self, owner: str, token_id: str, wall: float) -> None:
+        """Remember the use; write it to the log at most every `token_used_every_s`."""
+        self._token_used[token_id] = wall
+        last = self._token_written.get(token_id)
+        if last is not None and wall - last < self.config.token_used_every_s:
+            return
+        self._token_written[token_id] = wall
+        await self._record(m.ApiTokenUsed(name=owner, token_id=token_id, at=wall), "system")
+
+    def token_uses(self) -> dict[str, float]:
+        """When each token was last used by this process (more recent than the log's)."""
+        return dict(self._token_used)
+
+    async def check_password_of(self, name: str, password: str) -> bool:
+        """Whether `password` is `name`'s (for a change of one's own password)."""
+        user = await self.user(name)
+        encoded = user.password_hash if user is not None else self._dummy_hash
+        matched = await asyncio.to_thread(verify_password, password, encoded)
+        return user is not None and matched
 
     @staticmethod
     def _token_owner(users: Mapping[str, UserRecord], token_id: str) -> UserRecord | None:
@@ -483,6 +512,40 @@ class Auth:
             raise AuthError(
                 403, "csrf_failed", "missing or wrong CSRF token (send it in x-csrf-token)"
             )
+
+
+# --- account decisions (pure; the API and the CLI share them) --------------------------------
+
+
+def check_password(password: str) -> None:
+    """Raises AuthError(422) for a password too short (or absurdly long)."""
+    if len(password) < MIN_PASSWORD_LENGTH:
+        raise AuthError(
+            422, "weak_password", f"password: at least {MIN_PASSWORD_LENGTH} characters"
+        )
+    if len(password) > 1024:
+        raise AuthError(422, "invalid_password", "password: at most 1024 characters")
+
+
+def token_created(
+    users: Mapping[str, UserRecord], user: str, *, label: str, expires_at: float | None,
+    role: str | None, now: float,
+) -> tuple[str, m.ApiTokenCreated]:  # fmt: skip
+    """A new token for `user` and the event that records it; raises AuthError 404/422."""
+    if user not in users:
+        raise AuthError(404, "user_not_found", f"no user {user}")
+    if role is not None and role not in TOKEN_ROLES:
+        raise AuthError(422, "invalid_role", 'role: "metrics" or null (the owner\'s role)')
+    if len(label) > 64 or any(not ch.isprintable() for ch in label):
+        raise AuthError(422, "invalid_field", "name: at most 64 printable characters")
+    if expires_at is not None and expires_at <= now:
+        raise AuthError(422, "invalid_field", "expires_at: a moment in the future")
+    token, token_id, token_hash = new_api_token()
+    event = m.ApiTokenCreated(
+        name=user, token_id=token_id, token_hash=token_hash, label=label,
+        expires_at=expires_at, role=role,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return token, event
 
 
 # --- bootstrapping and the CLI ---------------------------------------------------------------

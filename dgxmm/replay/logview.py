@@ -186,7 +186,7 @@ def redact(state: SystemState) -> SystemState:
 def redact_record(rec: m.Recorded) -> m.Recorded:
     """The record without the password or token hash it may carry."""
     match rec.event:
-        case m.UserCreated():
+        case m.UserCreated() | m.PasswordChanged():
             return replace(rec, event=replace(rec.event, password_hash=REDACTED))
         case m.ApiTokenCreated():
             return replace(rec, event=replace(rec.event, token_hash=REDACTED))

@@ -1,0 +1,288 @@
+"""Accounts and API tokens: the decisions (pure) and the admin API's routes for them.
+
+Users: list, add, change role, reset password, remove; a user changes their own password.
+Tokens: create (a name, an optional expiry, optionally the `metrics` role that reads
+`/metrics` and nothing else), list (with the last use), revoke.  Every change is an event
+of the `users` stream, so the audit trail records who did it.  The last admin can be
+neither removed nor demoted: someone must be able to log in and manage the box.
+
+`dgxmm user remove|passwd` and `dgxmm token create|list|revoke` (dgxmm/admin/accounts_cli.py)
+use the same decisions on the log file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from dgxmm.admin.auth import (
+    ROLES,
+    Auth,
+    AuthError,
+    Principal,
+    check_password,
+)
+from events import model as m
+from events.state import UserRecord
+from storage.errors import ConcurrencyError
+from storage.eventlog import EventStore
+
+MAX_TOKEN_LIFETIME_S = 10 * 366 * 86400.0
+
+Reply = tuple[int, Any]
+
+
+# --- decisions (pure) -----------------------------------------------------------------------
+
+
+def _admins(users: Mapping[str, UserRecord]) -> list[str]:
+    return [u.name for u in users.values() if u.role == "admin"]
+
+
+def _existing(users: Mapping[str, UserRecord], name: str) -> UserRecord:
+    user = users.get(name)
+    if user is None:
+        raise AuthError(404, "user_not_found", f"no user {name}")
+    return user
+
+
+def user_removed(users: Mapping[str, UserRecord], name: str) -> m.UserRemoved:
+    """The event that removes `name`; AuthError 404, or 409 for the last admin."""
+    user = _existing(users, name)
+    if user.role == "admin" and _admins(users) == [name]:
+        raise AuthError(409, "last_admin", f"{name} is the last admin; add another admin first")
+    return m.UserRemoved(name=name)
+
+
+def role_changed(users: Mapping[str, UserRecord], name: str, role: Any) -> m.UserRoleChanged | None:
+    """The event that gives `name` the role (None if it has it); AuthError 404/409/422."""
+    if role not in ROLES:
+        raise AuthError(422, "invalid_role", 'role: "admin" or "viewer"')
+    user = _existing(users, name)
+    if user.role == role:
+        return None
+    if user.role == "admin" and _admins(users) == [name]:
+        raise AuthError(409, "last_admin", f"{name} is the last admin; add another admin first")
+    return m.UserRoleChanged(name=name, role=role)
+
+
+def token_revoked(users: Mapping[str, UserRecord], token_id: str) -> m.ApiTokenRevoked:
+    """The event that revokes a token (by id); AuthError 404 if no user has it."""
+    owner = next((u for u in users.values() if token_id in u.tokens), None)
+    if owner is None:
+        raise AuthError(404, "token_not_found", f"no API token {token_id}")
+    return m.ApiTokenRevoked(name=owner.name, token_id=token_id)
+
+
+def token_rows(
+    users: Mapping[str, UserRecord], now: float, last_used: Mapping[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """Every token (never its secret or hash), newest first."""
+    rows = []
+    for user in users.values():
+        for token_id in user.tokens:
+            info = user.token_info.get(token_id)
+            used = info.last_used_at if info is not None else None
+            seen = (last_used or {}).get(token_id)
+            if seen is not None and (used is None or seen > used):
+                used = seen
+            expires = info.expires_at if info is not None else None
+            rows.append(
+                {
+                    "token_id": token_id,
+                    "user": user.name,
+                    "name": info.label if info is not None else "",
+                    "role": (info.role if info is not None else None) or user.role,
+                    "created_at": info.created_at if info is not None else None,
+                    "expires_at": expires,
+                    "expired": expires is not None and now >= expires,
+                    "last_used_at": used,
+                }
+            )
+    rows.sort(key=lambda r: r["created_at"] or 0.0, reverse=True)
+    return rows
+
+
+def user_rows(users: Mapping[str, UserRecord]) -> list[dict[str, Any]]:
+    """Every user (never a hash), by name."""
+    return [
+        {
+            "name": u.name,
+            "role": u.role,
+            "created_at": u.created_at or None,
+            "tokens": len(u.tokens),
+        }
+        for u in sorted(users.values(), key=lambda u: u.name)
+    ]
+
+
+def expiry(value: Any, now: float, key: str = "expires_in_s") -> float | None:
+    """`expires_in_s` (seconds from now, null = never) as an epoch time; AuthError 422."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 60 <= value <= MAX_TOKEN_LIFETIME_S
+    ):
+        raise AuthError(422, "invalid_field", f"{key}: seconds from 60 to 10 years, or null")
+    return now + float(value)
+
+
+async def append_users(
+    store: EventStore, events: list[m.AnyEvent], actor: str, expected_version: int
+) -> None:
+    """Append to `users` if nobody else wrote since the decision; else AuthError 409."""
+    try:
+        await store.append(m.STREAM_USERS, events, actor=actor, expected_version=expected_version)
+    except ConcurrencyError:
+        raise AuthError(409, "conflict", "the users changed meanwhile; try again") from None
+
+
+# --- the API's routes -----------------------------------------------------------------------
+
+
+class Call(Protocol):
+    """What a handler reads of the API's call."""
+
+    principal: Principal | None
+    params: dict[str, str]
+    body: Any
+
+
+def _body(body: Any, allowed: set[str]) -> dict[str, Any]:
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise AuthError(422, "invalid_body", "the body must be a JSON object")
+    extra = sorted(k for k in body if k not in allowed)
+    if extra:
+        raise AuthError(422, "unknown_field", f"{extra[0]}: unknown field")
+    return body
+
+
+def _string(data: Mapping[str, Any], key: str, *, required: bool = True) -> str | None:
+    value = data.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value:
+        raise AuthError(
+            422, "missing_field" if value is None else "invalid_field", f"{key}: required"
+        )
+    return value
+
+
+class AccountRoutes:
+    """Handlers of the users and tokens routes (wired into `AdminApi`'s route table)."""
+
+    def __init__(self, auth: Auth, store: EventStore) -> None:
+        self.auth = auth
+        self.store = store
+
+    def _who(self, call: Call) -> Principal:
+        assert call.principal is not None
+        return call.principal
+
+    async def _decided(self) -> tuple[dict[str, UserRecord], int]:
+        users = await self.auth.users()
+        return users, await self.store.version(m.STREAM_USERS)
+
+    async def list_users(self, call: Call) -> Reply:
+        """GET users."""
+        return 200, {"users": user_rows(await self.auth.users())}
+
+    async def add_user(self, call: Call) -> Reply:
+        """POST users {name, role, password}."""
+        data = _body(call.body, {"name", "role", "password"})
+        name, password = _string(data, "name"), _string(data, "password")
+        role = data.get("role", "viewer")
+        assert name is not None and password is not None
+        await self.auth.add_user(name, role, password, self._who(call).actor)
+        return 201, {"name": name, "role": role}
+
+    async def change_user(self, call: Call) -> Reply:
+        """PATCH users/{name} {role?, password?}: role change and password reset."""
+        name = call.params["name"]
+        data = _body(call.body, {"role", "password"})
+        password = _string(data, "password", required=False)
+        if password is not None:
+            check_password(password)
+        users, version = await self._decided()
+        events: list[m.AnyEvent] = []
+        if "role" in data:
+            change = role_changed(users, name, data["role"])
+            if change is not None:
+                events.append(change)
+        _existing(users, name)
+        if password is not None:
+            encoded = await self.auth.hash(password)
+            events.append(m.PasswordChanged(name=name, password_hash=encoded, reason="reset"))
+        await append_users(self.store, events, self._who(call).actor, version)
+        if password is not None:
+            self.auth.end_sessions(name)  # a reset ends every session of the user
+        user = _existing(await self.auth.users(), name)
+        return 200, {"name": user.name, "role": user.role, "password_reset": password is not None}
+
+    async def remove_user(self, call: Call) -> Reply:
+        """DELETE users/{name}: the user, its sessions and its tokens stop working at once."""
+        name = call.params["name"]
+        users, version = await self._decided()
+        await append_users(self.store, [user_removed(users, name)], self._who(call).actor, version)
+        ended = self.auth.end_sessions(name)
+        return 200, {"name": name, "removed": True, "sessions_ended": ended}
+
+    async def change_own_password(self, call: Call) -> Reply:
+        """POST session/password {current, password}: a logged-in user's own password."""
+        p = self._who(call)
+        data = _body(call.body, {"current", "password"})
+        current, password = _string(data, "current"), _string(data, "password")
+        assert current is not None and password is not None
+        check_password(password)
+        if p.session is None:
+            raise AuthError(403, "session_required", "log in to change your password")
+        if not await self.auth.check_password_of(p.user, current):
+            raise AuthError(403, "wrong_password", "current: not your password")
+        version = await self.store.version(m.STREAM_USERS)
+        encoded = await self.auth.hash(password)
+        event = m.PasswordChanged(name=p.user, password_hash=encoded, reason="self")
+        await append_users(self.store, [event], p.actor, version)
+        p.session.password_hash = encoded  # this session goes on; the others end
+        self.auth.end_sessions(p.user, keep=p.session)
+        return 200, {"name": p.user, "password_changed": True}
+
+    async def list_tokens(self, call: Call) -> Reply:
+        """GET tokens."""
+        users = await self.auth.users()
+        now = self.auth.clock.wall()
+        return 200, {"tokens": token_rows(users, now, self.auth.token_uses())}
+
+    async def create_token(self, call: Call) -> Reply:
+        """POST tokens {user?, name?, expires_in_s?, role?}; the token is shown only here."""
+        p = self._who(call)
+        data = _body(call.body, {"user", "name", "expires_in_s", "role"})
+        user = _string(data, "user", required=False) or p.user
+        label = data.get("name") or ""
+        if not isinstance(label, str):
+            raise AuthError(422, "invalid_field", "name: a string")
+        role = data.get("role")
+        expires_at = expiry(data.get("expires_in_s"), self.auth.clock.wall())
+        token, token_id = await self.auth.create_token(
+            user, p.actor, label=label, expires_at=expires_at, role=role
+        )
+        return 201, {
+            "user": user,
+            "token_id": token_id,
+            "token": token,
+            "name": label,
+            "role": role or None,
+            "expires_at": expires_at,
+        }
+
+    async def revoke_token(self, call: Call) -> Reply:
+        """DELETE tokens/{id}: it stops working at once."""
+        users, version = await self._decided()
+        event = token_revoked(users, call.params["id"])
+        await append_users(self.store, [event], self._who(call).actor, version)
+        return 200, {"token_id": event.token_id, "user": event.name, "revoked": True}

@@ -27,6 +27,7 @@ from actors.watchdog import WatchdogActor
 from dgxmm.config import Config, ConfigError, load_config
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
+from dgxmm.private import auth_key, private_umask, secure_tree
 from events.state import DeploymentState
 from gateway.app import Gateway
 from gateway.server import HTTPServer
@@ -135,8 +136,10 @@ class App:
     async def start(self) -> None:
         """Open the log, fold it, reconcile, and start listening."""
         cfg = self.config
-        await asyncio.to_thread(Path(cfg.server.data_dir).mkdir, parents=True, exist_ok=True)
-        self.store = store = await EventStore.open(cfg.server.db_path)
+        data_dir, db = Path(cfg.server.data_dir), cfg.server.db_path
+        await asyncio.to_thread(secure_tree, data_dir, db)
+        self.store = store = await EventStore.open(db)
+        await asyncio.to_thread(secure_tree, data_dir, db)  # the -wal/-shm it just created
         self.runtime = runtime = await self._runtime()
         settings = self._engine_settings()
 
@@ -202,7 +205,7 @@ class App:
     async def _start_admin(self) -> None:
         try:
             from dgxmm.admin.api import AdminApi
-            from dgxmm.admin.auth import Auth, ensure_admin
+            from dgxmm.admin.auth import Auth, AuthConfig, ensure_admin
         except ImportError:
             return
         assert self.controller is not None and self.store is not None
@@ -210,7 +213,9 @@ class App:
         self.admin_password = await ensure_admin(self.store, self.clock)
         if self.demo:
             self.admin_password = await asyncio.to_thread(self._demo_password, self.admin_password)
-        auth = Auth(self.controller, self.store, self.clock)
+        secret = await asyncio.to_thread(auth_key, Path(cfg.server.data_dir))
+        auth_config = AuthConfig(secure_cookie=cfg.server.cookie_secure)
+        auth = Auth(self.controller, self.store, self.clock, auth_config, secret=secret)
         bridge = self.litellm
         gateway = self.gateway
         api = AdminApi(
@@ -364,4 +369,5 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     import uvloop
 
+    private_umask()  # the log, engine logs and snapshots: 0600, directories 0700
     return int(uvloop.run(_serve(config, bool(getattr(args, "demo", False)))))

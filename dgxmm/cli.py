@@ -132,6 +132,9 @@ def _run(command: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], args
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dgxmm` console script."""
+    from dgxmm.private import private_umask
+
+    private_umask()  # whatever a command creates (log, snapshots, archives) is 0600/0700
     args = build_parser().parse_args(argv)
     try:
         match args.command:

@@ -18,8 +18,10 @@ url = "http://127.0.0.1:4000"
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -44,6 +46,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Both listeners: a request's head and body must be in this long after its first byte.
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
     gateway_fast_path: bool = True  # plainly valid request heads skip h11 (both listeners)
+    cookie_secure: bool = False  # mark the session cookie Secure (DGXMM behind HTTPS)
 
     @property
     def db_path(self) -> Path:
@@ -130,14 +133,44 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a TOML file (not UTF-8 text)") from None
+    except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
+        raise ConfigError(_one_line(f"{path}: {exc}")) from None
     try:
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(_one_line(f"{path}: {exc}")) from None
     _check(config, str(path))
     return config
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def http_url_problem(url: object) -> str | None:
+    """Why `url` is not an http(s) URL with a host, or None when it is one."""
+    if not isinstance(url, str):
+        return "an http or https URL"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "an http or https URL (this one does not parse)"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"an http or https URL, not {url[:80]!r}"
+    if port == 0:
+        return "an http or https URL with a port from 1 to 65535"
+    return None
+
+
+def _range(where: str, key: str, value: float | None, lo: float, hi: float, what: str) -> None:
+    """Raise ConfigError unless lo <= value <= hi (a finite number); None passes."""
+    if value is None:
+        return
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise ConfigError(f"{where}: {key} must be {what}, not {value}")
 
 
 def _check(config: Config, where: str) -> None:
@@ -152,3 +185,31 @@ def _check(config: Config, where: str) -> None:
         raise ConfigError(f"{where}: ondemand_make_room_after_s must be 0 to 86400")
     if config.memory.max_concurrent_starts < 1:
         raise ConfigError(f"{where}: memory.max_concurrent_starts must be at least 1")
+    server, mem = config.server, config.memory
+    for key in ("admin_port", "gateway_port"):  # 0: any free port (tests)
+        _range(where, f"server.{key}", getattr(server, key), 0, 65535, "a port from 1 to 65535")
+    for key, url in (
+        ("server.gateway_url", server.gateway_url),
+        ("litellm.url", config.litellm.url),
+    ):
+        problem = None if url is None else http_url_problem(url)
+        if problem is not None:
+            raise ConfigError(f"{where}: {key} must be {problem}")
+    big = float(1 << 20)  # GiB: a million is no real box
+    _range(where, "memory.total_gib", mem.total_gib, 1e-3, big, "a number of GiB above 0")
+    _range(where, "memory.reserve_gib", mem.reserve_gib, 0, big, "a number of GiB, 0 or more")
+    if mem.total_gib is not None and mem.reserve_gib >= mem.total_gib:
+        raise ConfigError(
+            f"{where}: memory.reserve_gib ({mem.reserve_gib}) must be less than"
+            f" memory.total_gib ({mem.total_gib})"
+        )
+    _range(where, "memory.watchdog_threshold_gib", mem.watchdog_threshold_gib, 0, big, "0 or more")
+    _range(where, "memory.watchdog_every_s", mem.watchdog_every_s, 0.1, 3600, "0.1 to 3600")
+    _range(where, "runtime.stop_timeout_s", config.runtime.stop_timeout_s, 0, 3600, "0 to 3600")
+    startup = config.engines.startup_timeout_s
+    _range(where, "engines.startup_timeout_s", startup, 1, 7 * 86400, "1 to 604800")
+    docker = config.runtime.docker_url
+    if docker is not None and urllib.parse.urlsplit(docker).scheme not in (
+        "unix", "tcp", "http", "https", "npipe",
+    ):  # fmt: skip
+        raise ConfigError(f"{where}: runtime.docker_url must be unix://, tcp:// or http(s)://")

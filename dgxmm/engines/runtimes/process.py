@@ -147,9 +147,11 @@ class ProcessRuntime:
         env = {**os.environ, **expand_env(spec.env, host=self._host, port=port)}
         log_path = self.log_path(spec.deployment_id)
         try:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # O_APPEND: the engine always writes at the end, so trimming the file is safe.
-            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            # 0600: an engine may echo secrets of its command line (dgxmm/private.py).
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+            os.fchmod(log_fd, 0o600)  # O_TRUNC keeps the mode of a file that existed
         except OSError as exc:
             raise RuntimeFailure(f"cannot open engine log {log_path}: {exc.strerror}") from exc
         try:

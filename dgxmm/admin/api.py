@@ -36,7 +36,9 @@ from dgxmm.admin import bodies, metrics, static
 from dgxmm.admin.accounts import AccountRoutes
 from dgxmm.admin.auth import Auth, AuthError, Principal
 from dgxmm.admin.errors import ApiError, error_body, from_refusal
+from dgxmm.admin.guards import MAX_JSON_DEPTH, json_too_deep, memory_problem, redact_record
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
+from dgxmm.config import http_url_problem
 from dgxmm.litellm.sync import HINT
 from events import model as m
 from gateway.errors import BodyTooLarge
@@ -386,9 +388,13 @@ class AdminApi:
         raw = b"".join(chunks)
         if not raw.strip():
             return None
+        if json_too_deep(raw):
+            raise ApiError(
+                400, "invalid_json", f"the body nests deeper than {MAX_JSON_DEPTH} levels"
+            )
         try:
             return _decoder.decode(raw)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             raise ApiError(400, "invalid_json", "the body is not valid JSON") from None
 
     # --- answering -----------------------------------------------------------------------
@@ -481,16 +487,29 @@ class AdminApi:
         assert call.principal is not None
         return call.principal.actor
 
+    def _shown(self, call: _Call, data: dict[str, Any]) -> dict[str, Any]:
+        """A record as the caller may see it: secrets in args only for admins."""
+        p = call.principal
+        return data if p is not None and p.is_admin else redact_record(data)
+
+    def _fits(self, memory_bytes: int | None) -> None:
+        mem = self.controller.memory()
+        problem = memory_problem(memory_bytes, mem["usable_bytes"], mem["total_bytes"])
+        if problem is not None:
+            raise ApiError(422, "memory_too_large", problem, param="memory_gib")
+
     async def _h_list_deployments(self, call: _Call) -> Reply:
-        return 200, {"deployments": [record_json(r) for r in self.controller.records()]}
+        records = [self._shown(call, record_json(r)) for r in self.controller.records()]
+        return 200, {"deployments": records}
 
     async def _h_create_deployment(self, call: _Call) -> Reply:
         spec = deployment_spec(bodies.decode(call.body, bodies.DeploymentBody))
+        self._fits(spec.memory_bytes)
         record = await self.controller.create(spec, self._who(call))
         return 201, record_json(record)
 
     async def _h_get_deployment(self, call: _Call) -> Reply:
-        return 200, self._record(self._actor(call))
+        return 200, self._shown(call, self._record(self._actor(call)))
 
     async def _h_remove_deployment(self, call: _Call) -> Reply:
         actor = self._actor(call)
@@ -509,6 +528,7 @@ class AdminApi:
         actor = self._actor(call)
         body = bodies.decode(call.body, bodies.SwitchModelBody)
         memory = None if body.memory_gib is None else round(body.memory_gib * GIB)
+        self._fits(memory)
         record = await self.controller.reconfigure(
             actor.deployment_id, self._who(call), model=body.model, memory_bytes=memory
         )
@@ -655,9 +675,11 @@ class AdminApi:
         return await self._litellm_call(self._litellm_sync_now())
 
     async def _h_litellm_configure(self, call: _Call) -> Reply:
-        return await self._litellm_call(
-            self._litellm_configure(_object(call.body), self._who(call))
-        )
+        body = _object(call.body)
+        problem = http_url_problem(body["url"]) if "url" in body else None
+        if problem is not None:
+            raise ApiError(422, "invalid_litellm_settings", f"url: {problem}", param="url")
+        return await self._litellm_call(self._litellm_configure(body, self._who(call)))
 
     # --- the UI's event stream and metrics -----------------------------------------------
 
@@ -667,8 +689,9 @@ class AdminApi:
         try:
             self.replies[200] += 1
             await self.hub.stream(
-                call.request, call.responder, p.session.token if p.session else None
-            )
+                call.request, call.responder, p.session.token if p.session else None,
+                reveal=p.is_admin,
+            )  # fmt: skip
         except TooManyStreams:
             self.replies[200] -= 1
             raise ApiError(

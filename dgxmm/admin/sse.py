@@ -21,6 +21,7 @@ import msgspec
 from actors.controller import Controller
 from actors.memory_broker import GIB
 from actors.runtime import Clock, TimerHandle
+from dgxmm.admin.guards import redact_record
 from gateway.server import Request, Responder
 
 _encoder = msgspec.json.Encoder()
@@ -66,6 +67,7 @@ class HubConfig:
 @dataclass(eq=False)
 class _Client:
     session: str | None
+    reveal: bool = True  # admins see engine args as they are; viewers redacted
     buffer: collections.deque[bytes] = field(default_factory=collections.deque)
     buffered_bytes: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -141,9 +143,12 @@ class EventHub:
             return
         self.stats["pushes"] += 1
         self.pushes_by_key[key] += 1
-        self._broadcast(message)
+        redacted = message
+        if key.startswith("deployment:") and any(not c.reveal for c in self._clients):
+            redacted = self._message(key, reveal=False) or message
+        self._broadcast(message, redacted)
 
-    def _message(self, key: str) -> bytes | None:
+    def _message(self, key: str, *, reveal: bool = True) -> bytes | None:
         c = self.controller
         if key.startswith("deployment:"):
             dep_id = key.partition(":")[2]
@@ -153,7 +158,8 @@ class EventHub:
                 if slot is not None and slot.timer is not None:
                     slot.timer.cancel()
                 return sse_message("removed", {"id": dep_id})
-            return sse_message("deployment", record_json(c.record(actor)))
+            data = record_json(c.record(actor))
+            return sse_message("deployment", data if reveal else redact_record(data))
         if key == "memory":
             return sse_message("memory", memory_json(c.memory()))
         if key == "queue":
@@ -171,13 +177,14 @@ class EventHub:
             "counters": c.queue.queue_statistics(),
         }
 
-    def snapshot(self) -> bytes:
+    def snapshot(self, *, reveal: bool = True) -> bytes:
         """The first message of every stream: the whole picture."""
         c = self.controller
+        records = [record_json(r) for r in c.records()]
         return sse_message(
             "snapshot",
             {
-                "deployments": [record_json(r) for r in c.records()],
+                "deployments": records if reveal else [redact_record(r) for r in records],
                 "memory": memory_json(c.memory()),
                 "queue": self.queue_json(),
                 "settings": c.settings(),
@@ -186,17 +193,18 @@ class EventHub:
 
     # --- clients -------------------------------------------------------------------------
 
-    def _broadcast(self, message: bytes) -> None:
+    def _broadcast(self, message: bytes, redacted: bytes | None = None) -> None:
         cfg = self.config
         for client in list(self._clients):
+            sent = message if client.reveal or redacted is None else redacted
             if (
                 len(client.buffer) >= cfg.max_buffered_messages
-                or client.buffered_bytes + len(message) > cfg.max_buffered_bytes
+                or client.buffered_bytes + len(sent) > cfg.max_buffered_bytes
             ):
                 self._drop(client)
                 continue
-            client.buffer.append(message)
-            client.buffered_bytes += len(message)
+            client.buffer.append(sent)
+            client.buffered_bytes += len(sent)
             client.wake.set()
 
     def _drop(self, client: _Client) -> None:
@@ -227,11 +235,13 @@ class EventHub:
         """Streams open now."""
         return len(self._clients)
 
-    async def stream(self, request: Request, responder: Responder, session: str | None) -> None:
+    async def stream(
+        self, request: Request, responder: Responder, session: str | None, *, reveal: bool = True
+    ) -> None:
         """Serve one `GET .../events/stream` until the client leaves or is dropped."""
         if self._closed or len(self._clients) >= self.config.max_clients:
             raise TooManyStreams()
-        client = _Client(session=session)
+        client = _Client(session=session, reveal=reveal)
         self._clients.add(client)
         self.stats["streams_total"] += 1
         if self._heartbeat is None:
@@ -245,7 +255,8 @@ class EventHub:
                     (b"x-accel-buffering", b"no"),
                 ],
             )
-            await responder.send(b"retry: %d\n\n" % self.config.retry_ms + self.snapshot())
+            first = self.snapshot(reveal=reveal)
+            await responder.send(b"retry: %d\n\n" % self.config.retry_ms + first)
             while True:
                 await client.wake.wait()
                 client.wake.clear()

@@ -1,4 +1,4 @@
-"""The `dgxmm` command: serve, user add, replay, events, audit, archive."""
+"""The `dgxmm` command: serve, user, token, replay, events, audit, archive."""
 
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--password-stdin", action="store_true", help="read the password from standard input"
     )
     add.add_argument("--db", metavar="FILE", help="the event log (default: from the config)")
+    from dgxmm.admin.accounts_cli import add_parsers
+
+    add_parsers(user_sub, sub)  # user remove|passwd|list, token create|list|revoke
 
     when = "ISO 8601 (naive = local time) or epoch seconds"
     relative = "show times as distances (from --until, or from now)"
@@ -140,8 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         match args.command:
             case "serve":
                 return _delegate("dgxmm.app", "serve_main", args)
-            case "user":
+            case "user" if args.user_command == "add":
                 return _delegate("dgxmm.admin.auth", "add_user_main", args)
+            case "user" | "token":
+                return _delegate("dgxmm.admin.accounts_cli", "main", args)
             case "replay":
                 from dgxmm.replay import replay_command
 

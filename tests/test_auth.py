@@ -315,3 +315,37 @@ def test_user_add_refuses_bad_input_with_exit_2(
     assert done.returncode == 2
     assert len(done.stderr.splitlines()) == 1
     assert not db.exists()
+
+
+def test_a_login_with_a_weaker_hash_rehashes_it_once_and_the_password_still_works(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        config = AuthConfig(scrypt_n=2**15)  # stronger than the users' 2**14 hashes
+        auth, store, _clock = await open_auth(tmp_path / "log.db", config)
+        auth.config = dataclasses.replace(auth.config, scrypt_n=2**15)
+        try:
+            await auth.login("alice", "alice-password", "127.0.0.1")
+            await auth.login("alice", "alice-password", "127.0.0.1")
+            changed = [r.event for r in await store.read(stream=m.STREAM_USERS)
+                       if isinstance(r.event, m.PasswordChanged)]  # fmt: skip
+            assert [(e.name, e.reason) for e in changed] == [("alice", "rehash")]
+            assert changed[0].password_hash.startswith("scrypt$32768$")
+            assert (await auth.user("alice")) is not None
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_cookies_are_marked_secure_when_configured(tmp_path: Path) -> None:
+    async def main() -> None:
+        auth, store, _clock = await open_auth(tmp_path / "log.db", AuthConfig(secure_cookie=True))
+        try:
+            session = await auth.login("alice", "alice-password", "127.0.0.1")
+            for cookie in (auth.session_cookie(session), auth.known_cookie("alice")):
+                assert cookie.endswith(b"; Secure") or b"; Secure" in cookie
+        finally:
+            await store.close()
+
+    asyncio.run(main())

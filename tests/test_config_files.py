@@ -95,7 +95,7 @@ def test_serve_creates_the_data_dir_0700_and_the_log_with_wal_and_shm_0600(tmp_p
     data = tmp_path / "data"
     cfg = tmp_path / "dgxmm.toml"
     cfg.write_text(
-        f'[server]\ndata_dir = "{data}"\nadmin_port = 0\ngateway_port = 0\n'
+        f'[server]\ndata_dir = "{data}"\nadmin_port = 0\ngateway_port = 0\ncookie_secure = true\n'
         "[memory]\ntotal_gib = 16\nreserve_gib = 1\nwatchdog_threshold_gib = 0\n"
         '[runtime]\nkind = "process"\n'
     )
@@ -107,6 +107,7 @@ def test_serve_creates_the_data_dir_0700_and_the_log_with_wal_and_shm_0600(tmp_p
             await app.start()
             assert app.store is not None
             await app.store.append("settings", [], actor="system")
+            assert app.api is not None and app.api.auth.config.secure_cookie  # cookie_secure
         finally:
             await app.stop()
             os.umask(old)

@@ -106,9 +106,7 @@ def test_orphan_engines_dgxmm_does_not_know_are_stopped_at_start_up(tmp_path: Pa
         from actors.ports import LaunchSpec
 
         await h.runtime.launch(
-            LaunchSpec(
-                deployment_id="stranger", name="x", engine="sim", image="", argv=[], port=1
-            )
+            LaunchSpec(deployment_id="stranger", name="x", engine="sim", image="", argv=[], port=1)
         )
         assert "stranger" in h.runtime.running()
         await restart(h)

@@ -127,6 +127,8 @@ export function describeError(error) {
       return `There is not enough free memory for that right now. ${sentence(message)}`;
     case "name_taken":
       return "A deployment with that name already exists. Choose another name.";
+    case "wrong_password":
+      return "That is not your current password.";
     case "decision_model_always_on":
       return "The decision model is always on; it cannot be on demand.";
     default:

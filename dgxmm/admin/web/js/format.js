@@ -116,6 +116,9 @@ export const ACTIONS = {
   user_create: "User created",
   user_remove: "User removed",
   api_token_create: "API token created",
+  api_token_revoke: "API token revoked",
+  user_role_change: "User role changed",
+  password_change: "Password changed",
   login: "Logged in",
   login_failed: "Login failed",
 };

@@ -10,6 +10,8 @@ import * as deployment from "./pages/deployment.js";
 import * as deployments from "./pages/deployments.js";
 import * as login from "./pages/login.js";
 import * as settings from "./pages/settings.js";
+import * as users from "./pages/users.js";
+import * as account from "./pages/account.js";
 import * as wizard from "./pages/wizard.js";
 
 const ROUTES = [
@@ -19,6 +21,8 @@ const ROUTES = [
   { pattern: /^\/deployments\/([^/]+)(?:\/(events))?$/, page: deployment, nav: "deployments" },
   { pattern: /^\/audit$/, page: audit, nav: "audit" },
   { pattern: /^\/settings$/, page: settings, nav: "settings" },
+  { pattern: /^\/users$/, page: users, nav: "users", admin: true },
+  { pattern: /^\/account$/, page: account, nav: "account" },
 ];
 
 const main = document.getElementById("main");
@@ -73,6 +77,7 @@ function renderHeader(activeNav) {
     isAdmin() ? link("deploy", "#/deploy", "Deploy") : null,
     link("audit", "#/audit", "Audit log"),
     link("settings", "#/settings", "Settings"),
+    isAdmin() ? link("users", "#/users", "Users") : null,
   ];
   const conn = h(
     "span.conn",
@@ -92,7 +97,7 @@ function renderHeader(activeNav) {
       h("nav", { "aria-label": "Main" }, h("ul", links.filter(Boolean).map((a) => h("li", a)))),
       h("div.who", [
         conn,
-        h("span", { id: "whoami" }, `${session.user} (${session.role})`),
+        h("a", { id: "whoami", href: "#/account", title: "My account" }, `${session.user} (${session.role})`),
         logout,
       ]),
     ]),

@@ -27,6 +27,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "simulations": frozenset(_LOWER),
     "dgxmm": frozenset(),
     "dgxmm.config": frozenset(_LOWER),
+    "dgxmm.private": frozenset(),  # file modes and the auth key: the standard library only
     "dgxmm.replay": frozenset({*_LOWER, "dgxmm.config"}),
     "dgxmm.engines": frozenset({*_LOWER, "dgxmm.config"}),
     "dgxmm.litellm": frozenset({*_LOWER, "dgxmm.config"}),
@@ -34,7 +35,15 @@ ALLOWED: dict[str, frozenset[str]] = {
         {*_LOWER, "dgxmm.config", "dgxmm.replay", "dgxmm.engines", "dgxmm.litellm"}
     ),
     "dgxmm.app": frozenset(
-        {*_LOWER, "dgxmm.config", "dgxmm.replay", "dgxmm.engines", "dgxmm.litellm", "dgxmm.admin"}
+        {
+            *_LOWER,
+            "dgxmm.config",
+            "dgxmm.replay",
+            "dgxmm.engines",
+            "dgxmm.litellm",
+            "dgxmm.admin",
+            "dgxmm.private",
+        }
     ),
     "dgxmm.cli": frozenset(
         {
@@ -46,6 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "dgxmm.litellm",
             "dgxmm.admin",
             "dgxmm.app",
+            "dgxmm.private",
         }
     ),
     "dgxmm.__main__": frozenset({"dgxmm.cli"}),

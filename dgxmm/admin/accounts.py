@@ -12,23 +12,15 @@ use the same decisions on the log file.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from dgxmm.admin.auth import (
-    ROLES,
-    Auth,
-    AuthError,
-    Principal,
-    check_password,
-)
+from dgxmm.admin import bodies
+from dgxmm.admin.auth import ROLES, Auth, AuthError, Principal, check_password
 from events import model as m
 from events.state import UserRecord
 from storage.errors import ConcurrencyError
 from storage.eventlog import EventStore
-
-MAX_TOKEN_LIFETIME_S = 10 * 366 * 86400.0
 
 Reply = tuple[int, Any]
 
@@ -117,20 +109,6 @@ def user_rows(users: Mapping[str, UserRecord]) -> list[dict[str, Any]]:
     ]
 
 
-def expiry(value: Any, now: float, key: str = "expires_in_s") -> float | None:
-    """`expires_in_s` (seconds from now, null = never) as an epoch time; AuthError 422."""
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not 60 <= value <= MAX_TOKEN_LIFETIME_S
-    ):
-        raise AuthError(422, "invalid_field", f"{key}: seconds from 60 to 10 years, or null")
-    return now + float(value)
-
-
 async def append_users(
     store: EventStore, events: list[m.AnyEvent], actor: str, expected_version: int
 ) -> None:
@@ -150,28 +128,6 @@ class Call(Protocol):
     principal: Principal | None
     params: dict[str, str]
     body: Any
-
-
-def _body(body: Any, allowed: set[str]) -> dict[str, Any]:
-    if body is None:
-        return {}
-    if not isinstance(body, dict):
-        raise AuthError(422, "invalid_body", "the body must be a JSON object")
-    extra = sorted(k for k in body if k not in allowed)
-    if extra:
-        raise AuthError(422, "unknown_field", f"{extra[0]}: unknown field")
-    return body
-
-
-def _string(data: Mapping[str, Any], key: str, *, required: bool = True) -> str | None:
-    value = data.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str) or not value:
-        raise AuthError(
-            422, "missing_field" if value is None else "invalid_field", f"{key}: required"
-        )
-    return value
 
 
 class AccountRoutes:
@@ -195,24 +151,21 @@ class AccountRoutes:
 
     async def add_user(self, call: Call) -> Reply:
         """POST users {name, role, password}."""
-        data = _body(call.body, {"name", "role", "password"})
-        name, password = _string(data, "name"), _string(data, "password")
-        role = data.get("role", "viewer")
-        assert name is not None and password is not None
-        await self.auth.add_user(name, role, password, self._who(call).actor)
-        return 201, {"name": name, "role": role}
+        body = bodies.decode(call.body, bodies.UserBody, bodies.ACCOUNT_RULES)
+        await self.auth.add_user(body.name, body.role, body.password, self._who(call).actor)
+        return 201, {"name": body.name, "role": body.role}
 
     async def change_user(self, call: Call) -> Reply:
         """PATCH users/{name} {role?, password?}: role change and password reset."""
         name = call.params["name"]
-        data = _body(call.body, {"role", "password"})
-        password = _string(data, "password", required=False)
+        body = bodies.decode(call.body, bodies.UserChangeBody, bodies.ACCOUNT_RULES)
+        password = body.password
         if password is not None:
             check_password(password)
         users, version = await self._decided()
         events: list[m.AnyEvent] = []
-        if "role" in data:
-            change = role_changed(users, name, data["role"])
+        if body.role is not None:
+            change = role_changed(users, name, body.role)
             if change is not None:
                 events.append(change)
         _existing(users, name)
@@ -236,9 +189,8 @@ class AccountRoutes:
     async def change_own_password(self, call: Call) -> Reply:
         """POST session/password {current, password}: a logged-in user's own password."""
         p = self._who(call)
-        data = _body(call.body, {"current", "password"})
-        current, password = _string(data, "current"), _string(data, "password")
-        assert current is not None and password is not None
+        body = bodies.decode(call.body, bodies.PasswordBody, bodies.ACCOUNT_RULES)
+        current, password = body.current, body.password
         check_password(password)
         if p.session is None:
             raise AuthError(403, "session_required", "log in to change your password")
@@ -261,22 +213,19 @@ class AccountRoutes:
     async def create_token(self, call: Call) -> Reply:
         """POST tokens {user?, name?, expires_in_s?, role?}; the token is shown only here."""
         p = self._who(call)
-        data = _body(call.body, {"user", "name", "expires_in_s", "role"})
-        user = _string(data, "user", required=False) or p.user
-        label = data.get("name") or ""
-        if not isinstance(label, str):
-            raise AuthError(422, "invalid_field", "name: a string")
-        role = data.get("role")
-        expires_at = expiry(data.get("expires_in_s"), self.auth.clock.wall())
+        body = bodies.decode(call.body, bodies.TokenBody, bodies.ACCOUNT_RULES)
+        user = body.user or p.user
+        lifetime = body.expires_in_s
+        expires_at = None if lifetime is None else self.auth.clock.wall() + lifetime
         token, token_id = await self.auth.create_token(
-            user, p.actor, label=label, expires_at=expires_at, role=role
+            user, p.actor, label=body.name, expires_at=expires_at, role=body.role
         )
         return 201, {
             "user": user,
             "token_id": token_id,
             "token": token,
-            "name": label,
-            "role": role or None,
+            "name": body.name,
+            "role": body.role,
             "expires_at": expires_at,
         }
 

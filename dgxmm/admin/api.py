@@ -56,6 +56,7 @@ _decoder = msgspec.json.Decoder()
 
 _SERVER_CODES = {400: "bad_request", 408: "request_timeout", 413: "request_too_large"}
 
+
 class Access(enum.Enum):
     """Who may call a route."""
 

@@ -87,9 +87,47 @@ class LoginBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class TokenBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """`POST /tokens`: for whom (default: the caller)."""
+    """`POST /tokens`: for whom (default: the caller), what for, how long, which access."""
 
     user: NonEmpty | None = None
+    name: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    expires_in_s: Annotated[float, msgspec.Meta(ge=60, le=10 * 366 * 86400)] | None = None
+    role: Literal["metrics"] | None = None  # None: the owner's role
+
+
+UserRole = Literal["admin", "viewer"]
+Password = Annotated[str, msgspec.Meta(max_length=1024)]
+# The accounts routes: "role" is a user's (or a token's) role there.
+ACCOUNT_RULES: dict[str, tuple[str, str]] = {
+    **RULES,
+    "role": ("invalid_role", '"admin" or "viewer" ("metrics" or null for a token)'),
+    "password": ("invalid_field", "a string of at most 1024 characters"),
+    "current": ("invalid_field", "a string"),
+    "name": ("invalid_field", "a string (at most 64 characters for a token)"),
+    "expires_in_s": ("invalid_field", "seconds from 60 to 10 years, or null"),
+}
+
+
+class UserBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`POST /users`."""
+
+    name: NonEmpty
+    role: UserRole = "viewer"
+    password: Password
+
+
+class UserChangeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`PATCH /users/{name}`: a new role, a password reset, or both."""
+
+    role: UserRole | None = None
+    password: Password | None = None
+
+
+class PasswordBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`POST /session/password`: one's own password."""
+
+    current: Password
+    password: Password
 
 
 _MISSING = re.compile(r"Object missing required field `([^`]*)`")

@@ -404,9 +404,7 @@ class HttpEngineProbe:
         except client.HttpClientError as exc:
             raise EngineUnreachable(str(exc)) from exc
 
-    async def _get(
-        self, handle: EngineHandle, target: str, method: str = "GET"
-    ) -> client.Response:
+    async def _get(self, handle: EngineHandle, target: str, method: str = "GET") -> client.Response:
         return await client.request(
             handle.host,
             handle.port,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.api_support import PASSWORDS, ApiClient, Box, error_of, run_box
+from tests.api_support import PASSWORDS, ApiClient, Box, SseReader, error_of, run_box
 
 API = "/dgxmm/api"
 
@@ -140,6 +140,18 @@ def test_a_removed_users_session_and_tokens_stop_working_at_once(tmp_path: Path)
         await admin.ok("DELETE", f"{API}/users/victor")
         for client in (victor, token):
             assert (await client.call("GET", f"{API}/deployments")).status == 401
+
+    run_box(tmp_path, t)
+
+
+def test_removing_a_user_ends_their_open_event_streams(tmp_path: Path) -> None:
+    async def t(box: Box) -> None:
+        admin = await box.login("alice")
+        stream = await SseReader.open(await box.login("victor"))
+        await stream.until("snapshot")
+        await admin.ok("DELETE", f"{API}/users/victor")
+        assert await stream.ended()
+        stream.close()
 
     run_box(tmp_path, t)
 

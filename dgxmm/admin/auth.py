@@ -200,7 +200,6 @@ class AuthConfig:
     base_delay_s: float = 1.0
     forget_failures_after_s: float = 6 * 3600.0
     token_used_every_s: float = 300.0  # how often a token's last use is written to the log
-    refresh_every_s: float = 2.0  # unused: the users stream is read at every request
     scrypt_n: int = SCRYPT_N  # for new hashes; a login rehashes a weaker one
 
 
@@ -253,7 +252,7 @@ class Auth:
 
     # --- users --------------------------------------------------------------------------
 
-    async def _refresh(self, *, force: bool = True) -> None:
+    async def _refresh(self) -> None:
         """Fold the user records the file got since the last read."""
         async with self._lock:
             state = self._file_state
@@ -263,7 +262,7 @@ class Auth:
             self._file_state = state
 
     async def user(self, name: str, *, fresh: bool = True) -> UserRecord | None:
-        """A user by name, as the log has it now."""
+        """A user by name, as the log has it now (always fresh; `fresh` is kept for callers)."""
         await self._refresh()
         return self._file_state.users.get(name)
 

@@ -139,3 +139,28 @@ def test_the_auth_key_is_created_once_0600(tmp_path: Path) -> None:
     key = auth_key(tmp_path)
     assert len(key) == 32 and auth_key(tmp_path) == key
     assert mode(tmp_path / "auth.key") == 0o600
+
+
+def test_an_engine_log_is_0600_even_over_a_world_readable_one_and_with_a_loose_umask(
+    tmp_path: Path,
+) -> None:
+    from dgxmm.engines.runtimes.process import ProcessRuntime
+    from tests.runtime_support import run
+    from tests.test_runtime_process import script_spec
+
+    async def scenario() -> None:
+        runtime = ProcessRuntime(tmp_path / "engines")
+        spec = script_spec("print('api key: sk-123', flush=True)")
+        old_log = runtime.log_path(spec.deployment_id)
+        old_log.parent.mkdir(parents=True)
+        old_log.write_text("left by an older version\n")
+        old_log.chmod(0o644)
+        old = os.umask(0o022)
+        try:
+            handle = await runtime.launch(spec)
+        finally:
+            os.umask(old)
+        await runtime.stop(handle)
+        assert mode(runtime.log_path(handle.deployment_id)) == 0o600
+
+    run(scenario())

@@ -137,7 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dgxmm` console script."""
     from dgxmm.private import private_umask
 
-    private_umask()  # whatever a command creates (log, snapshots, archives) is 0600/0700
+    old_umask = private_umask()  # what a command creates (log, snapshots, ...) is 0600/0700
+    try:
+        return _main(argv)
+    finally:
+        os.umask(old_umask)  # for callers in the same process (tests)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         match args.command:

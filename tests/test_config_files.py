@@ -164,3 +164,25 @@ def test_an_engine_log_is_0600_even_over_a_world_readable_one_and_with_a_loose_u
         assert mode(runtime.log_path(handle.deployment_id)) == 0o600
 
     run(scenario())
+
+
+def test_a_log_created_by_the_cli_is_0600_even_with_a_loose_umask(tmp_path: Path) -> None:
+    from tests.test_accounts_cli import dgxmm_stdin
+
+    db = tmp_path / "new" / "dgxmm.db"
+    db.parent.mkdir(mode=0o755)
+    done = dgxmm_stdin("a-long-password\n", "user", "add", "ann", "--role", "admin",
+                       "--password-stdin", "--db", str(db))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert mode(db) == 0o600
+
+
+def test_the_cli_gives_an_in_process_caller_its_umask_back(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        from dgxmm import cli
+
+        cli.main(["user", "list", "--db", str(tmp_path / "none.db")])
+        assert os.umask(0o022) == 0o022
+    finally:
+        os.umask(old)

@@ -43,6 +43,9 @@ from dgxmm.admin.credentials import (
     KNOWN_COOKIE_MAX_AGE_S as KNOWN_COOKIE_MAX_AGE_S,
 )
 from dgxmm.admin.credentials import (
+    MIN_PASSWORD_LENGTH as MIN_PASSWORD_LENGTH,
+)
+from dgxmm.admin.credentials import (
     SALT_BYTES as SALT_BYTES,
 )
 from dgxmm.admin.credentials import (
@@ -64,10 +67,16 @@ from dgxmm.admin.credentials import (
     TOKEN_ROLES as TOKEN_ROLES,
 )
 from dgxmm.admin.credentials import (
+    AuthError as AuthError,
+)
+from dgxmm.admin.credentials import (
     Backoff as Backoff,
 )
 from dgxmm.admin.credentials import (
     backoff_delay as backoff_delay,
+)
+from dgxmm.admin.credentials import (
+    check_password as check_password,
 )
 from dgxmm.admin.credentials import (
     hash_password as hash_password,
@@ -97,6 +106,9 @@ from dgxmm.admin.credentials import (
     parse_cookies as parse_cookies,
 )
 from dgxmm.admin.credentials import (
+    token_created as token_created,
+)
+from dgxmm.admin.credentials import (
     valid_user_name as valid_user_name,
 )
 from dgxmm.admin.credentials import (
@@ -112,7 +124,6 @@ log = structlog.get_logger("dgxmm.admin.auth")
 SESSION_COOKIE = "dgxmm_session"
 CSRF_HEADER = b"x-csrf-token"
 DEFAULT_DB = Path("dgxmm-data") / "dgxmm.db"
-MIN_PASSWORD_LENGTH = 8
 ROLES = ("admin", "viewer")
 INVALID_LOGIN = "invalid name or password"
 
@@ -131,19 +142,6 @@ async def load_users(store: EventStore) -> dict[str, UserRecord]:
 
 
 # --- sessions and principals -----------------------------------------------------------------
-
-
-class AuthError(Exception):
-    """Authentication or authorisation failed; `status` and `code` are the API's answer."""
-
-    def __init__(
-        self, status: int, code: str, message: str, *, retry_after: float | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
 
 
 @dataclass
@@ -511,40 +509,6 @@ class Auth:
             raise AuthError(
                 403, "csrf_failed", "missing or wrong CSRF token (send it in x-csrf-token)"
             )
-
-
-# --- account decisions (pure; the API and the CLI share them) --------------------------------
-
-
-def check_password(password: str) -> None:
-    """Raises AuthError(422) for a password too short (or absurdly long)."""
-    if len(password) < MIN_PASSWORD_LENGTH:
-        raise AuthError(
-            422, "weak_password", f"password: at least {MIN_PASSWORD_LENGTH} characters"
-        )
-    if len(password) > 1024:
-        raise AuthError(422, "invalid_password", "password: at most 1024 characters")
-
-
-def token_created(
-    users: Mapping[str, UserRecord], user: str, *, label: str, expires_at: float | None,
-    role: str | None, now: float,
-) -> tuple[str, m.ApiTokenCreated]:  # fmt: skip
-    """A new token for `user` and the event that records it; raises AuthError 404/422."""
-    if user not in users:
-        raise AuthError(404, "user_not_found", f"no user {user}")
-    if role is not None and role not in TOKEN_ROLES:
-        raise AuthError(422, "invalid_role", 'role: "metrics" or null (the owner\'s role)')
-    if len(label) > 64 or any(not ch.isprintable() for ch in label):
-        raise AuthError(422, "invalid_field", "name: at most 64 printable characters")
-    if expires_at is not None and expires_at <= now:
-        raise AuthError(422, "invalid_field", "expires_at: a moment in the future")
-    token, token_id, token_hash = new_api_token()
-    event = m.ApiTokenCreated(
-        name=user, token_id=token_id, token_hash=token_hash, label=label,
-        expires_at=expires_at, role=role,  # type: ignore[arg-type]
-    )  # fmt: skip
-    return token, event
 
 
 # --- bootstrapping and the CLI ---------------------------------------------------------------

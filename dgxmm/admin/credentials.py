@@ -1,4 +1,4 @@
-"""Passwords, API tokens, cookies and login backoff: pure functions, no I/O.
+"""Passwords, API tokens, cookies, login backoff and account rules: pure, no I/O.
 
 Passwords are scrypt hashes that carry their parameters (`scrypt$n$r$p$salt$hash`), so
 stronger parameters apply to new hashes and old ones are rehashed at the next login
@@ -14,14 +14,18 @@ import hashlib
 import hmac
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from events import model as m
+from events.state import UserRecord
 
 SCRYPT_N = 2**17  # OWASP's recommendation; older hashes are rehashed at the next login
 SCRYPT_R = 8
 SCRYPT_P = 1
 SCRYPT_DKLEN = 32
 SALT_BYTES = 16
+MIN_PASSWORD_LENGTH = 8
 SCRYPT_MAXMEM = 256 * 1024 * 1024
 KNOWN_COOKIE = "dgxmm_known"
 KNOWN_COOKIE_MAX_AGE_S = 400 * 24 * 3600  # browsers cap cookie lifetimes at 400 days
@@ -208,3 +212,50 @@ class Backoff:
     def forget(self, key: str) -> None:
         """Clear the key (a successful login)."""
         self._strikes.pop(key, None)
+
+
+class AuthError(Exception):
+    """Authentication or authorisation failed; `status` and `code` are the API's answer."""
+
+    def __init__(
+        self, status: int, code: str, message: str, *, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+
+
+# --- account decisions (pure; the API and the CLI share them) --------------------------------
+
+
+def check_password(password: str) -> None:
+    """Raises AuthError(422) for a password too short (or absurdly long)."""
+    if len(password) < MIN_PASSWORD_LENGTH:
+        raise AuthError(
+            422, "weak_password", f"password: at least {MIN_PASSWORD_LENGTH} characters"
+        )
+    if len(password) > 1024:
+        raise AuthError(422, "invalid_password", "password: at most 1024 characters")
+
+
+def token_created(
+    users: Mapping[str, UserRecord], user: str, *, label: str, expires_at: float | None,
+    role: str | None, now: float,
+) -> tuple[str, m.ApiTokenCreated]:  # fmt: skip
+    """A new token for `user` and the event that records it; raises AuthError 404/422."""
+    if user not in users:
+        raise AuthError(404, "user_not_found", f"no user {user}")
+    if role is not None and role not in TOKEN_ROLES:
+        raise AuthError(422, "invalid_role", 'role: "metrics" or null (the owner\'s role)')
+    if len(label) > 64 or any(not ch.isprintable() for ch in label):
+        raise AuthError(422, "invalid_field", "name: at most 64 printable characters")
+    if expires_at is not None and expires_at <= now:
+        raise AuthError(422, "invalid_field", "expires_at: a moment in the future")
+    token, token_id, token_hash = new_api_token()
+    event = m.ApiTokenCreated(
+        name=user, token_id=token_id, token_hash=token_hash, label=label,
+        expires_at=expires_at, role=role,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return token, event

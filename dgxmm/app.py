@@ -153,6 +153,11 @@ class App:
         else:
             total, source = await detect_total_bytes()
         reserve = 0 if self.demo else int(cfg.memory.reserve_gib * GIB)
+        if reserve >= total:  # a budget of nothing: no deployment could ever start
+            raise RuntimeFailure(
+                f"memory.reserve_gib ({cfg.memory.reserve_gib}) must be less than the"
+                f" memory total ({total / GIB:g} GiB, {source})"
+            )
         usable = max(0, total - reserve)
         log.info("memory_budget", total_bytes=total, usable_bytes=usable, source=source)
         broker = MemoryBroker(usable, total, max_concurrent_starts=cfg.memory.max_concurrent_starts)

@@ -186,3 +186,15 @@ def test_the_cli_gives_an_in_process_caller_its_umask_back(tmp_path: Path) -> No
         assert os.umask(0o022) == 0o022
     finally:
         os.umask(old)
+
+
+def test_serve_refuses_a_reserve_as_large_as_the_memory_it_found(tmp_path: Path) -> None:
+    cfg = tmp_path / "dgxmm.toml"
+    cfg.write_text(
+        f'[server]\ndata_dir = "{tmp_path / "data"}"\nadmin_port = 0\ngateway_port = 0\n'
+        '[memory]\nreserve_gib = 100000\n[runtime]\nkind = "process"\n'
+    )
+    done = dgxmm("serve", "--config", str(cfg))
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    assert "memory.reserve_gib (100000.0) must be less than the memory total" in line

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.browser
 from playwright.sync_api import BrowserContext, expect  # noqa: E402
 
 
-def bearer_status(server: Dgxmm, token: str, path: str = "deployments") -> int:
-    req = urllib.request.Request(f"{server.base_url}/dgxmm/api/{path}")
+def bearer_status(server: Dgxmm, token: str, path: str = "/dgxmm/api/deployments") -> int:
+    req = urllib.request.Request(f"{server.base_url}{path}")
     req.add_header("authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
@@ -53,7 +53,7 @@ def test_an_admin_removes_a_user_and_revokes_a_token_and_both_stop_at_once(
     expect(page.get_by_role("heading", name="Users and API tokens")).to_be_visible()
     row = page.locator('#users tr[data-user="ursula"]')
     expect(row).to_be_visible()
-    shot(page, "20-users")
+    shot(page, "30-users")
 
     row.get_by_role("button", name="Remove").click()
     page.get_by_role("dialog").get_by_role("button", name="Remove user").click()
@@ -74,7 +74,19 @@ def test_an_admin_removes_a_user_and_revokes_a_token_and_both_stop_at_once(
     expect(page.get_by_text("Token revoked.")).to_be_visible()
     assert bearer_status(dgxmm, made["token"]) == 401
     expect(token_row).to_have_count(0)
-    shot(page, "21-users-after")
+    shot(page, "31-users-after")
+
+    # A scrape token made in the UI is shown once and reads /metrics and nothing else.
+    page.get_by_label("Name", exact=True).last.fill("prometheus")
+    page.get_by_label("Access").select_option("metrics")
+    page.get_by_role("button", name="Create token").click()
+    shown = page.locator("#new-token")
+    expect(shown).to_be_visible()
+    scrape = shown.input_value()
+    page.get_by_role("dialog").get_by_role("button", name="Done").click()
+    assert bearer_status(dgxmm, scrape, "/metrics") == 200
+    assert bearer_status(dgxmm, scrape) == 403
+    expect(page.locator("#tokens")).to_contain_text("metrics")
 
     audit = admin_api.call("GET", "audit", None)["rows"]
     actions = {(r["action"], r["details"].get("name")) for r in audit}

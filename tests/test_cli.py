@@ -633,6 +633,10 @@ def http(
     request = urllib.request.Request(url, data=data, headers=hdrs, method="POST")
     with urllib.request.urlopen(request, timeout=DEADLINE_S) as answer:
         found = {k.lower(): v for k, v in answer.headers.items()}
+        # A login sets two cookies (the session and the known-client one): keep the session's.
+        sessions = [c for c in answer.headers.get_all("set-cookie") or [] if "session" in c]
+        if sessions:
+            found["set-cookie"] = sessions[0]
         return answer.status, found, json.loads(answer.read())
 
 

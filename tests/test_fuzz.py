@@ -347,11 +347,13 @@ def test_the_reports_corpus_gets_no_5xx_and_heads_get_an_answer(
 COMMANDS = [
     ["user", "add"], ["user", "remove"], ["user", "passwd"], ["user", "list"], ["token", "create"],
     ["token", "list"], ["token", "revoke"], ["replay"], ["events"], ["audit"], ["user"], ["token"],
+    ["archive"],
     [], ["--help"], ["bogus"],
 ]  # fmt: skip
 OPTIONS = [
     "--db", "--role", "--json", "--until", "--since", "--deployment", "--name", "--user",
     "--expires-in", "--password-stdin", "--last", "--request", "admin", "viewer", "metrics",
+    "--to", "--before", "--type", "--follow",
     "-h", "--", "-", "",
 ]  # fmt: skip
 argv_token = st.sampled_from(OPTIONS) | st.text(

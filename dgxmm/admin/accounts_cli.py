@@ -230,7 +230,12 @@ def add_parsers(user_sub: argparse._SubParsersAction, sub: argparse._SubParsersA
 
 def main(args: argparse.Namespace) -> int:
     """Run `dgxmm user remove|passwd|list` or `dgxmm token ...`."""
+    import structlog
     import uvloop
+
+    # Standard output carries what scripts read (a new token, JSON lines): the log's own
+    # messages (e.g. the store catching its read models up) go to standard error.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
     action = args.user_command if args.command == "user" else args.token_command
     return int(uvloop.run(_run(f"{args.command} {action}", args)))

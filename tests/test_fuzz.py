@@ -353,7 +353,7 @@ COMMANDS = [
 OPTIONS = [
     "--db", "--role", "--json", "--until", "--since", "--deployment", "--name", "--user",
     "--expires-in", "--password-stdin", "--last", "--request", "admin", "viewer", "metrics",
-    "--to", "--before", "--type", "--follow",
+    "--to", "--before", "--type",
     "-h", "--", "-", "",
 ]  # fmt: skip
 argv_token = st.sampled_from(OPTIONS) | st.text(

@@ -96,3 +96,7 @@ class Controller(Protocol):
     def enqueue(self, deployment_id: str, request_id: str) -> Waiter:
         """Wait for the model; raises `Refused` at once (queue full, does not fit, ...)."""
         ...
+
+    def engine_unreachable(self, deployment_id: str) -> None:
+        """The gateway found the engine refusing or resetting a connection: check it now."""
+        ...

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from actors.admission import DeploymentView, Refused
+from actors.admission import RETRY_AFTER_S, DeploymentView, Refused
 from actors.deployment import (
     Adopt,
     ChangeMode,
@@ -29,6 +29,7 @@ from actors.deployment import (
     SleepDeployment,
     StartDeployment,
     StopDeployment,
+    evolve_or_fail,
 )
 from actors.errors import ActorError
 from actors.memory_broker import Candidate, MemoryBroker
@@ -37,7 +38,15 @@ from actors.queue import QueueActor, WaiterImpl
 from actors.runtime import Clock
 from events import model as m
 from events.projections import badge
-from events.state import EMPTY, DeploymentState, Lifecycle, SystemState, evolve, new_deployment
+from events.state import (
+    EMPTY,
+    DeploymentState,
+    IllegalTransition,
+    Lifecycle,
+    SystemState,
+    evolve,
+    new_deployment,
+)
 from storage.eventlog import EventStore
 from storage.snapshots import load_state
 
@@ -49,6 +58,8 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "ondemand_max_queued": 64,
     "ondemand_make_room_after_s": None,  # None: the seed's rule (the full idle timeout)
 }
+
+SHUTTING_DOWN = "DGXMM is shutting down; try again once it is back"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -112,6 +123,7 @@ class Controller:
         launch_spec: Callable[[DeploymentState], LaunchSpec],
         defaults: dict[str, Any] | None = None,
         stop_timeout_s: float = 30.0,
+        health_failure_window_s: float | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -130,6 +142,8 @@ class Controller:
         self._hooks.default_make_room_s = self.default_make_room_s
         self._hooks.launch_spec = launch_spec
         self._hooks.stop_timeout_s = stop_timeout_s
+        if health_failure_window_s is not None:
+            self._hooks.health_failure_window_s = health_failure_window_s
         self._hooks.activity = self._on_activity
         self.queue = QueueActor(
             clock=clock,
@@ -144,6 +158,7 @@ class Controller:
         self.queue.on_change = self._on_queue_change
         self._listeners: list[Callable[[str, str], None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
 
     # --- settings ------------------------------------------------------------------------
 
@@ -182,7 +197,8 @@ class Controller:
 
     async def load(self) -> None:
         """Fold the log, spawn the actors, reconcile with the runtime."""
-        state = await load_state(self.store)  # the newest snapshot plus the tail
+        # The newest snapshot plus the tail; a deployment whose event cannot happen is failed.
+        state = await load_state(self.store, _evolve_or_fail)
         self.system = state
         self.store.add_listener(self._fold)
         self.queue.start()
@@ -194,7 +210,7 @@ class Controller:
         state = self.system
         for rec in recs:
             if rec.seq > state.last_seq:
-                state = evolve(state, rec)
+                state = _evolve_or_fail(state, rec)
         self.system = state
 
     def _spawn(self, dep: DeploymentState) -> DeploymentActor:
@@ -244,7 +260,10 @@ class Controller:
                 except ActorError as exc:
                     log.error("stale_engine_stop_failed", error=str(exc))
                 found = None
-            await actor.ask(Adopt(handle=found), timeout=60)
+            try:
+                await actor.ask(Adopt(handle=found), timeout=60)
+            except ActorError as exc:  # policy: one deployment must not stop DGXMM starting
+                log.error("adopt_failed", deployment=dep_id, error=str(exc))
 
     async def _answers(self, engine: str, handle: EngineHandle) -> bool:
         try:
@@ -289,7 +308,23 @@ class Controller:
         actor = self.actors.get(deployment_id)
         if actor is None:
             raise Refused(404, "model_not_found", f"no deployment {deployment_id}")
+        if self._closing:
+            raise Refused(503, "ondemand_stopped", SHUTTING_DOWN, RETRY_AFTER_S)
+        refusal = stopped_always_on(actor.state)
+        if refusal is not None:
+            raise refusal
         return self.queue.enqueue(actor, request_id)
+
+    def engine_unreachable(self, deployment_id: str) -> None:
+        """The gateway could not reach the engine: the deployment checks it at once."""
+        actor = self.actors.get(deployment_id)
+        if actor is not None:
+            actor.suspect()
+
+    def begin_shutdown(self) -> None:
+        """DGXMM is stopping: refuse new waits, answer every waiting request with 503."""
+        self._closing = True
+        self.queue.refuse_all(Refused(503, "ondemand_stopped", SHUTTING_DOWN, RETRY_AFTER_S))
 
     # --- make room -----------------------------------------------------------------------
 
@@ -401,6 +436,22 @@ class Controller:
         if spec.role == "decision" and spec.mode == "on_demand":
             raise Refusal(409, "decision_model_always_on", "the decision model is always on")
         dep_id = secrets.token_hex(4)
+        self._check_launch(
+            DeploymentState(
+                deployment_id=dep_id,
+                name=spec.name,
+                engine=spec.engine,
+                model=spec.model,
+                memory_bytes=spec.memory_bytes,
+                mode=spec.mode,
+                idle_timeout_s=spec.idle_timeout_s,
+                role=spec.role,
+                args=list(spec.args),
+                image=spec.image,
+                gpu=spec.gpu,
+                created_at=self.clock.wall(),
+            )
+        )
         created = m.DeploymentCreated(
             deployment_id=dep_id,
             name=spec.name,
@@ -479,10 +530,34 @@ class Controller:
     ) -> DeploymentRecord:
         """Reconfigure, or "Switch model…" when `model` is given (the mode is kept)."""
         dep_actor = self._actor(deployment_id)
+        current = dep_actor.state
+        if model is not None and not model.strip():
+            raise Refusal(422, "invalid_model", "model: required")
+        if memory_bytes is not None and memory_bytes <= 0:
+            raise Refusal(422, "invalid_memory", "memory_gib: must be more than 0")
+        self._check_launch(
+            msgspec.structs.replace(
+                current,
+                model=current.model if model is None else model,
+                memory_bytes=current.memory_bytes if memory_bytes is None else memory_bytes,
+                args=current.args if args is None else list(args),
+                image=current.image if image is None else image,
+            )
+        )
         await dep_actor.ask(
             Reconfigure(actor=actor, model=model, memory_bytes=memory_bytes, args=args, image=image)
         )
         return self.record(dep_actor)
+
+    def _check_launch(self, dep: DeploymentState) -> None:
+        """Refusal(422) naming the field when the engine could not be launched like this;
+        checked before anything is recorded, so a bad request never reaches the log."""
+        try:
+            self._launch_spec(dep)
+        except ActorError:
+            raise
+        except ValueError as exc:
+            raise Refusal(422, "invalid_args", f"args: {exc}") from None
 
     # --- reading -------------------------------------------------------------------------
 
@@ -538,6 +613,32 @@ class Controller:
 
 
 ENGINES = ("vllm", "llamacpp", "sglang", "sim")
+
+
+def _evolve_or_fail(state: SystemState, rec: m.Recorded) -> SystemState:
+    """`evolve`, except that a deployment whose event cannot happen becomes failed."""
+    try:
+        return evolve(state, rec)
+    except IllegalTransition:
+        dep_id = rec.stream.partition(":")[2]
+        dep = evolve_or_fail(state.deployments[dep_id], rec)
+        deployments = {**state.deployments, dep_id: dep}
+        return msgspec.structs.replace(
+            state, deployments=deployments, last_seq=rec.seq, last_ts=rec.ts
+        )
+
+
+def stopped_always_on(dep: DeploymentState) -> Refused | None:
+    """A request never starts an always-on deployment that is stopped ("it runs until you
+    stop it"): the refusal, or None when a request may wait for it."""
+    if dep.on_demand or dep.lifecycle not in (Lifecycle.STOPPED, Lifecycle.STOPPING):
+        return None
+    how = "was stopped by an administrator" if dep.stop_reason == "admin" else "is stopped"
+    return Refused(
+        503,
+        "deployment_stopped",
+        f"{dep.name} is always on and {how}; requests do not start it: start it from its page",
+    )
 
 
 def validate_spec(spec: DeploymentSpec) -> None:

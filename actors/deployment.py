@@ -25,7 +25,8 @@ from actors.memory_broker import Candidate, MemoryBroker, gib
 from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
 from actors.runtime import Actor, Clock, TimerHandle
 from events import model as m
-from events.state import DeploymentState, Lifecycle, evolve_deployment
+from events.state import DeploymentState, IllegalTransition, Lifecycle, evolve_deployment
+from storage.errors import StorageError
 from storage.eventlog import EventStore
 
 log = structlog.get_logger("dgxmm.deployment")
@@ -35,6 +36,8 @@ METRICS_EVERY_S = 5.0
 IDLE_CHECK_EVERY_S = 15.0
 READINESS_POLL_S = 1.0
 IDLE_SLACK_S = 1e-6  # the idle timer fires at last use + timeout; float rounding must not miss it
+WRITE_RETRY_S = 2.0  # an engine's report whose event could not be written is tried again
+HEALTH_FAILURE_WINDOW_S = 30.0  # a ready engine failing its health probe this long is lost
 
 
 def backoff_s(failures: int) -> int:
@@ -208,6 +211,10 @@ class _RetryStart(Command, frozen=True, kw_only=True):
     failures: int
 
 
+class _Cleared(Command, frozen=True, kw_only=True):
+    attempt: int
+
+
 class Refusal(CommandRefused):
     """A command was refused; `code` is the API's error code."""
 
@@ -216,6 +223,17 @@ class Refusal(CommandRefused):
         self.status = status
         self.code = code
         self.message = message
+
+
+class WriteFailed(Refusal):
+    """A command's event could not be written: nothing changed (503 with the reason)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(503, "storage_unavailable", f"the event log cannot be written: {reason}")
+
+
+class _Suspect(Command, frozen=True, kw_only=True):
+    """The gateway could not reach the engine: check its liveness now."""
 
 
 Outcome = Literal["ready", "failed", "stopped", "removed"]
@@ -234,6 +252,7 @@ class Hooks:
         self.default_make_room_s: Callable[[], int | None] = lambda: None
         self.activity: Callable[[str], None] = lambda deployment_id: None
         self.stop_timeout_s = 30.0  # SIGTERM, then SIGKILL after this
+        self.health_failure_window_s = HEALTH_FAILURE_WINDOW_S
         self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
 
 
@@ -267,6 +286,8 @@ class DeploymentActor(Actor):
         self._retry_timer: TimerHandle | None = None
         self._removed = False
         self._orphans: set[asyncio.Task[None]] = set()
+        self._unhealthy_since: float | None = None
+        self._checking: asyncio.Task[None] | None = None
 
     @property
     def deployment_id(self) -> str:
@@ -306,12 +327,16 @@ class DeploymentActor(Actor):
     # --- recording -----------------------------------------------------------------------
 
     async def _record(self, actor: str, *events: m.AnyEvent) -> None:
-        recs = await self._store.append(
-            m.deployment_stream(self.deployment_id),
-            list(events),
-            actor=actor,
-            expected_version=self.state.version,
-        )
+        try:
+            recs = await self._store.append(
+                m.deployment_stream(self.deployment_id),
+                list(events),
+                actor=actor,
+                expected_version=self.state.version,
+            )
+        except StorageError as exc:
+            log.error("record_failed", deployment=self.deployment_id, error=str(exc))
+            raise WriteFailed(str(exc)) from None
         for rec in recs:
             self.state = evolve_deployment(self.state, rec)
 
@@ -321,7 +346,7 @@ class DeploymentActor(Actor):
         state = self.state
         for rec in recs:
             if rec.version > state.version:
-                state = evolve_deployment(state, rec)
+                state = evolve_or_fail(state, rec)
         self.state = state
 
     def _changed(self, outcome: Outcome | None = None, detail: str = "") -> None:
@@ -330,7 +355,17 @@ class DeploymentActor(Actor):
     # --- messages --------------------------------------------------------------------------
 
     async def handle(self, message: Any) -> Any:
-        """Dispatch one command."""
+        """Dispatch one command; an engine report whose event could not be written rolls
+        forward: it is delivered again until the write succeeds."""
+        try:
+            return await self._dispatch(message)
+        except WriteFailed:
+            if isinstance(message, _REPORTS):
+                self.schedule(WRITE_RETRY_S, message)
+                return None
+            raise
+
+    async def _dispatch(self, message: Any) -> Any:
         match message:
             case StartDeployment():
                 return await self._start(message)
@@ -362,6 +397,10 @@ class DeploymentActor(Actor):
                 return await self._on_scraped(message)
             case _RetryStart():
                 return await self._on_retry(message)
+            case _Suspect():
+                return self._on_suspect()
+            case _Cleared():
+                return self._on_cleared(message)
         raise TypeError(f"unknown message {type(message).__name__}")
 
     # --- starting ------------------------------------------------------------------------
@@ -382,6 +421,14 @@ class DeploymentActor(Actor):
             )
             await self._wake()
             return
+        try:
+            spec = self._checked_spec()
+        except Refusal as exc:
+            if cmd.reserved:  # the queue's reservation, for requests that now cannot be served
+                self._broker.release(self.deployment_id)
+                self._changed("failed", exc.message)
+            raise
+        held_before = self._broker.holds(self.deployment_id)
         if not cmd.reserved:
             victims = self._broker.reserve(
                 self.deployment_id,
@@ -399,19 +446,35 @@ class DeploymentActor(Actor):
                 )
             if victims:
                 self._hooks.sleep_victims(victims, self.deployment_id, dep.name)
-        await self._record(
-            cmd.actor, m.StartRequested(reason=cmd.reason, request_id=cmd.request_id)
-        )
+        try:
+            await self._record(
+                cmd.actor, m.StartRequested(reason=cmd.reason, request_id=cmd.request_id)
+            )
+        except WriteFailed as exc:
+            if cmd.reserved:
+                self._broker.release(self.deployment_id)
+                self._changed("failed", exc.message)
+            elif not held_before:
+                self._broker.release(self.deployment_id)
+            raise
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None
-        self._begin_boot()
+        self._begin_boot(spec)
         self._changed()
 
-    def _begin_boot(self) -> None:
+    def _checked_spec(self) -> LaunchSpec:
+        """The launch spec, or Refusal(422) naming what is wrong; checked before recording."""
+        try:
+            return self._launch_spec()
+        except ActorError:
+            raise
+        except ValueError as exc:
+            raise Refusal(422, "invalid_args", f"args: {exc}") from None
+
+    def _begin_boot(self, spec: LaunchSpec) -> None:
         self._attempt += 1
         attempt = self._attempt
-        spec = self._launch_spec()
         self._work = asyncio.get_running_loop().create_task(
             self._boot(spec, attempt), name=f"boot:{self.deployment_id}"
         )
@@ -600,14 +663,19 @@ class DeploymentActor(Actor):
             self._changed(None, f"{reason}:{actor}")
             return
         was_starting_for_request = dep.lifecycle is Lifecycle.STARTING
-        self.activity.accepting = False
+        accepting = self.activity.accepting
+        self.activity.accepting = False  # no new request may start while the stop is recorded
         events: list[m.AnyEvent] = [m.StopRequested(reason=reason)]
         if dep.pending_mode is not None:
             events += [
                 m.ModeChanged(mode=dep.pending_mode, idle_timeout_s=dep.idle_timeout_s),
                 m.PendingModeCleared(),
             ]
-        await self._record(actor, *events)
+        try:
+            await self._record(actor, *events)
+        except WriteFailed:
+            self.activity.accepting = accepting  # nothing was recorded: nothing changed
+            raise
         self._changed("stopped" if was_starting_for_request else None, f"{reason}:{actor}")
         await self._halt()
 
@@ -624,20 +692,26 @@ class DeploymentActor(Actor):
             Lifecycle.STARTING,
         ):
             return False
+        accepting = self.activity.accepting
         self.activity.accepting = False
         self._broker.mark_releasing(self.deployment_id)
         idle_for = self.clock.now() - self.activity.last_used
-        await self._record(
-            cmd.actor,
-            m.PutToSleep(
-                reason=cmd.reason,
-                idle_timeout_s=dep.effective_idle_timeout_s(self._hooks.default_idle_s()),
-                for_deployment=cmd.for_deployment,
-                for_name=cmd.for_name,
-                idle_for_s=round(idle_for, 3),
-                free_bytes=cmd.free_bytes,
-            ),
-        )
+        try:
+            await self._record(
+                cmd.actor,
+                m.PutToSleep(
+                    reason=cmd.reason,
+                    idle_timeout_s=dep.effective_idle_timeout_s(self._hooks.default_idle_s()),
+                    for_deployment=cmd.for_deployment,
+                    for_name=cmd.for_name,
+                    idle_for_s=round(idle_for, 3),
+                    free_bytes=cmd.free_bytes,
+                ),
+            )
+        except WriteFailed:
+            self.activity.accepting = accepting  # nothing was recorded: it keeps serving
+            self._broker.unmark_releasing(self.deployment_id)
+            raise
         self._changed(None, cmd.reason)
         await self._halt()
         return True
@@ -695,6 +769,7 @@ class DeploymentActor(Actor):
 
     def _start_monitor(self) -> None:
         attempt = self._attempt
+        self._unhealthy_since = None
         if self._monitor is not None and not self._monitor.done():
             self._monitor.cancel()
         self._monitor = asyncio.get_running_loop().create_task(
@@ -718,6 +793,8 @@ class DeploymentActor(Actor):
                     tail = await self._runtime.logs_tail(handle, 20)
                 self.tell(_Lost(reason=_reason("the engine exited", tail), attempt=attempt))
                 return
+            if not await self._still_healthy(engine, handle, attempt):
+                return
             load: EngineLoad | None = None
             sleeping = False
             with contextlib.suppress(ActorError):
@@ -726,6 +803,72 @@ class DeploymentActor(Actor):
                 with contextlib.suppress(ActorError):
                     sleeping = await self._probe.is_sleeping(engine, handle)
             self.tell(_Scraped(load=load, sleeping=sleeping, attempt=attempt))
+
+    # --- liveness after ready: the engine's own answers -----------------------------------
+
+    async def _still_healthy(self, engine: str, handle: EngineHandle, attempt: int) -> bool:
+        """Probe health; a ready engine failing it for the whole window is lost (a hung
+        engine keeps its process but answers nothing).  False once it was reported lost."""
+        now = self.clock.now()
+        if self.state.lifecycle is not Lifecycle.READY:
+            return True  # asleep by hand, or being stopped: not a health question
+        if await self._answers_health(engine, handle):
+            self._unhealthy_since = None
+            return True
+        if self._unhealthy_since is None:
+            self._unhealthy_since = now
+        window = self._hooks.health_failure_window_s
+        if now - self._unhealthy_since < window:
+            return True
+        reason = f"the engine did not answer its health check for {window:g} s"
+        self.tell(_Lost(reason=reason, attempt=attempt))
+        return False
+
+    async def _answers_health(self, engine: str, handle: EngineHandle) -> bool:
+        try:
+            return await self._probe.readiness(engine, handle) is Readiness.READY
+        except ActorError:
+            return False
+
+    def _on_suspect(self) -> None:
+        """The gateway found the engine refusing or resetting connections: stop sending it
+        requests (they wait for it instead) and check it at once."""
+        handle = self._handle
+        if (
+            handle is None
+            or self.state.lifecycle is not Lifecycle.READY
+            or not self.activity.accepting
+            or self._checking is not None
+        ):
+            return
+        self.activity.accepting = False
+        self._checking = asyncio.get_running_loop().create_task(
+            self._check_suspect(handle, self._attempt), name=f"suspect:{self.deployment_id}"
+        )
+
+    async def _check_suspect(self, handle: EngineHandle, attempt: int) -> None:
+        try:
+            try:
+                running = await self._runtime.is_running(handle)
+            except ActorError:
+                running = True
+            healthy = running and await self._answers_health(self.state.engine, handle)
+            if healthy:
+                self.tell(_Cleared(attempt=attempt))
+                return
+            tail = ""
+            if not running:
+                with contextlib.suppress(ActorError):
+                    tail = await self._runtime.logs_tail(handle, 20)
+            what = "the engine exited" if not running else "the engine refused connections"
+            self.tell(_Lost(reason=_reason(what, tail), attempt=attempt))
+        finally:
+            self._checking = None
+
+    def _on_cleared(self, msg: _Cleared) -> None:
+        if msg.attempt == self._attempt and self.state.lifecycle is Lifecycle.READY:
+            self.activity.accepting = True
+            self._changed("ready")
 
     async def _on_scraped(self, msg: _Scraped) -> None:
         if msg.attempt != self._attempt:
@@ -757,23 +900,35 @@ class DeploymentActor(Actor):
             Lifecycle.ASLEEP,
         ):
             return
-        self.activity.accepting = False
+        self.activity.accepting = False  # true whatever the log says: the engine is gone
+        # Recorded first: if the write fails this report comes again (see `handle`).
+        await self._record("system", m.EngineLost(reason=msg.reason))
         self._attempt += 1
         handle, self._handle = self._handle, None
         if handle is not None:
             await self._stop_engine(handle)
         self._release_or_keep_for_restart()
-        await self._record("system", m.EngineLost(reason=msg.reason))
         self._changed("stopped", "lost")
         if not self.state.on_demand:
+            await self._restart_after_loss(msg.reason)
+
+    async def _restart_after_loss(self, reason: str) -> None:
+        """An always-on engine died after running: start it again at once (the backoff is for
+        engines that fail to start); only a refused start waits out the backoff."""
+        try:
+            await self._start(StartDeployment(reason="restart", actor="system"))
+            return
+        except Refusal as exc:
+            log.warning("restart_refused", deployment=self.deployment_id, reason=exc.message)
+        if self.state.lifecycle is Lifecycle.STOPPED:
             failures = self.state.failures + 1
             retry_at = self.clock.wall() + backoff_s(failures)
             await self._record(
                 "system",
-                m.EngineStartFailed(reason=msg.reason, failures=failures, retry_at=retry_at),
+                m.EngineStartFailed(reason=reason, failures=failures, retry_at=retry_at),
             )
             self._retry_timer = self.schedule(backoff_s(failures), _RetryStart(failures=failures))
-            self._changed("failed", msg.reason)
+            self._changed("failed", reason)
 
     # --- idle ----------------------------------------------------------------------------
 
@@ -798,7 +953,11 @@ class DeploymentActor(Actor):
             if self.activity.in_flight == 0:
                 self._arm_idle_timer_periodic()
             return False
-        return await self._sleep(SleepDeployment(reason="idle", actor="ondemand"))
+        try:
+            return await self._sleep(SleepDeployment(reason="idle", actor="ondemand"))
+        except WriteFailed:
+            self._idle_timer = self.schedule(IDLE_CHECK_EVERY_S, IdleCheck())  # try again later
+            return False
 
     def default_idle_timeout_changed(self) -> None:
         """The DGXMM default changed: a deployment following it re-arms its timer."""
@@ -895,6 +1054,8 @@ class DeploymentActor(Actor):
             )
             self._changed()
             return {"applied": True}
+        spec = self._checked_spec()
+        held_before = self._broker.holds(self.deployment_id)
         victims = self._broker.reserve(
             self.deployment_id,
             dep.memory_bytes,
@@ -917,13 +1078,18 @@ class DeploymentActor(Actor):
                     mode=dep.mode, idle_timeout_s=dep.idle_timeout_s, make_room_after_s=room
                 )
             )
-        await self._record(
-            cmd.actor,
-            *kept,
-            m.PendingModeSet(mode="always_on"),
-            m.StartRequested(reason="mode_switch"),
-        )
-        self._begin_boot()
+        try:
+            await self._record(
+                cmd.actor,
+                *kept,
+                m.PendingModeSet(mode="always_on"),
+                m.StartRequested(reason="mode_switch"),
+            )
+        except WriteFailed:
+            if not held_before:
+                self._broker.release(self.deployment_id)
+            raise
+        self._begin_boot(spec)
         self._changed()
         return {"applied": False, "pending_mode": "always_on"}
 
@@ -978,6 +1144,9 @@ class DeploymentActor(Actor):
 
     async def _adopt(self, handle: EngineHandle | None) -> None:
         dep = self.state
+        if dep.lifecycle is Lifecycle.STOPPING:
+            await self._complete_stop(handle)
+            return
         if handle is not None:
             self._handle = handle
             self._broker.adopt(self.deployment_id, dep.memory_bytes, always_on=not dep.on_demand)
@@ -1003,13 +1172,66 @@ class DeploymentActor(Actor):
         dep = self.state
         stopped_by_admin = dep.stop_reason in ("admin", "removed")
         if not dep.on_demand and dep.lifecycle is Lifecycle.STOPPED and not stopped_by_admin:
-            with contextlib.suppress(Refusal):
+            try:
                 await self._start(StartDeployment(reason="always_on", actor="system"))
+            except Refusal as exc:
+                if exc.code == "invalid_args":  # it can never start: say so, visibly
+                    await self._record(
+                        "system",
+                        m.EngineStartFailed(
+                            reason=exc.message, failures=self.state.failures + 1, retry_at=None
+                        ),
+                    )
+                    self._changed("failed", exc.message)
+
+    async def _complete_stop(self, handle: EngineHandle | None) -> None:
+        """A stop was recorded but DGXMM died before it finished: finish it, never adopt.
+
+        A stop is an intent that survives a crash; adopting the engine would undo it."""
+        if handle is not None:
+            self._broker.adopt(self.deployment_id, self.state.memory_bytes, always_on=False)
+            self._broker.mark_releasing(self.deployment_id)
+            await self._stop_engine(handle)
+        await self._record("system", m.EngineStopped())
+        self._broker.release(self.deployment_id)
+        self._changed("stopped", "stopped")
+
+    def suspect(self) -> None:
+        """The gateway could not reach the engine (refused or reset): check it now."""
+        with contextlib.suppress(ActorError):
+            self.tell(_Suspect())
 
     async def stop(self) -> None:
         """Stop the actor (not the engine: engines outlive DGXMM and are adopted later)."""
+        if self._checking is not None:
+            self._checking.cancel()
         await self._cancel_tasks()
         await super().stop()
+
+
+def evolve_or_fail(dep: DeploymentState, rec: m.Recorded) -> DeploymentState:
+    """`evolve_deployment`, except that an event that cannot happen leaves the deployment
+    visibly failed with the reason instead of raising: one bad event must not stop DGXMM
+    from starting.  Later events apply to the failed state, so every fold agrees."""
+    try:
+        return evolve_deployment(dep, rec)
+    except IllegalTransition as exc:
+        reason = (
+            f"its event log cannot be folded: event {rec.seq} "
+            f"({type(rec.event).__name__}): {exc}; start it again from its page"
+        )
+        log.error("deployment_fold_failed", deployment=dep.deployment_id, error=reason)
+        return msgspec.structs.replace(
+            dep,
+            lifecycle=Lifecycle.FAILED,
+            last_error=reason,
+            retry_at=None,
+            runtime_id=None,
+            host=None,
+            port=None,
+            changed_at=rec.ts,
+            version=rec.version,
+        )
 
 
 def _reason(what: str, tail: str) -> str:
@@ -1018,3 +1240,7 @@ def _reason(what: str, tail: str) -> str:
         return what
     lines = tail.splitlines()[-5:]
     return f"{what}: " + " | ".join(line.strip() for line in lines if line.strip())
+
+
+# Reports from the actor's own tasks: when their event cannot be written they come again.
+_REPORTS = (_Launched, _Booted, _BootFailed, _Gone, _Lost)

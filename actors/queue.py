@@ -492,6 +492,11 @@ class QueueActor(Actor):
                 raise TypeError(f"unknown message {type(message).__name__}")
         return None
 
+    def refuse_all(self, error: Refused) -> None:
+        """Answer every waiting request with `error` at once (DGXMM is shutting down)."""
+        for w in list(self._waiting.values()):
+            self._finish(w, "stopped", error)
+
     async def stop(self) -> None:
         """Drop the queue (a restart drops it, with the waiting connections)."""
         for w in list(self._waiting.values()):

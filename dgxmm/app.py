@@ -34,6 +34,7 @@ from gateway.server import HTTPServer
 from gateway.server import ServerConfig as HTTPConfig
 from storage.errors import StorageError
 from storage.eventlog import EventStore
+from storage.lock import InstanceLock
 from storage.snapshots import Snapshotter
 
 log = structlog.get_logger("dgxmm.app")
@@ -89,6 +90,7 @@ class App:
         self.snapshotter: Snapshotter | None = None
         self.admin_password: str | None = None
         self.runtime_kind = ""
+        self.lock: InstanceLock | None = None
 
     # --- building ------------------------------------------------------------------------
 
@@ -138,6 +140,9 @@ class App:
         cfg = self.config
         data_dir, db = Path(cfg.server.data_dir), cfg.server.db_path
         await asyncio.to_thread(secure_tree, data_dir, db)
+        # Before anything is written or any engine touched: one DGXMM per log and data dir.
+        self.lock = InstanceLock.for_log(Path(db), data_dir)
+        await asyncio.to_thread(self.lock.acquire)
         self.store = store = await EventStore.open(db)
         await asyncio.to_thread(secure_tree, data_dir, db)  # the -wal/-shm it just created
         self.runtime = runtime = await self._runtime()
@@ -170,6 +175,7 @@ class App:
             launch_spec=launch_spec,
             defaults=cfg.ondemand_defaults(),
             stop_timeout_s=cfg.runtime.stop_timeout_s,
+            health_failure_window_s=cfg.runtime.health_failure_window_s,
         )
         await controller.load()
         self.snapshotter = Snapshotter(store, lambda: controller.system)
@@ -291,13 +297,17 @@ class App:
         """Stop listening, let answers finish, stop the actors (engines keep running).
 
         Every step runs even when an earlier one failed: the log must always be closed.
+        Requests waiting for a model get 503 at once; streams may run for the grace
+        (`[server] shutdown_grace_s`), then end with an error event and their terminator.
         """
+        if self.controller is not None:
+            self.controller.begin_shutdown()
         if self.api is not None:
             await _step("admin_api", self.api.close())  # ends the UI's streams, then the server
         elif self.admin is not None:
             await _step("admin_server", self.admin.shutdown(5.0))
         if self.gateway is not None:
-            await _step("gateway", self.gateway.shutdown(10.0))
+            await _step("gateway", self.gateway.shutdown(self.config.server.shutdown_grace_s))
         if self.watchdog is not None:
             await _step("watchdog", self.watchdog.stop())
         if self.litellm is not None:
@@ -316,6 +326,8 @@ class App:
             await _step("runtime", self.runtime.close())
         if self.store is not None:
             await _step("store", self.store.close())
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _http_config(cfg: Config, max_body_bytes: int) -> HTTPConfig:
@@ -365,8 +377,33 @@ async def _serve(config: Config, demo: bool) -> int:
     return 0
 
 
+class _SafeStream:
+    """stdout/stderr that never raise: with a closed pipe (`dgxmm serve | head`) a log line
+    must not crash an actor or a shutdown step, or DGXMM would never exit."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """`dgxmm serve [--config FILE] [--demo]`."""
+    if not isinstance(sys.stdout, _SafeStream):
+        sys.stdout = _SafeStream(sys.stdout)
+    if not isinstance(sys.stderr, _SafeStream):
+        sys.stderr = _SafeStream(sys.stderr)
     try:
         config = load_config(getattr(args, "config", None))
     except ConfigError as exc:

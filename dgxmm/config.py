@@ -47,6 +47,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
     gateway_fast_path: bool = True  # plainly valid request heads skip h11 (both listeners)
     cookie_secure: bool = False  # mark the session cookie Secure (DGXMM behind HTTPS)
+    shutdown_grace_s: float = 30.0  # on SIGTERM, how long answers in flight may still run
 
     @property
     def db_path(self) -> Path:
@@ -78,6 +79,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     kind: Literal["auto", "docker", "process"] = "auto"
     docker_url: str | None = None  # default: the local socket (DOCKER_HOST)
     stop_timeout_s: float = 30.0
+    health_failure_window_s: float = 30.0  # a ready engine failing its health this long is lost
 
 
 class EnginesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -183,6 +185,10 @@ def _check(config: Config, where: str) -> None:
     room = config.ondemand_make_room_after_s
     if room is not None and not 0 <= room <= 86400:
         raise ConfigError(f"{where}: ondemand_make_room_after_s must be 0 to 86400")
+    if config.server.shutdown_grace_s < 0:
+        raise ConfigError(f"{where}: server.shutdown_grace_s must be at least 0")
+    if config.runtime.health_failure_window_s <= 0:
+        raise ConfigError(f"{where}: runtime.health_failure_window_s must be more than 0")
     if config.memory.max_concurrent_starts < 1:
         raise ConfigError(f"{where}: memory.max_concurrent_starts must be at least 1")
     server, mem = config.server, config.memory

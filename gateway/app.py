@@ -53,6 +53,9 @@ class GatewayConfig:
     max_engine_error_bytes: int = 64 * 1024  # engine error body turned into a stream event
 
 
+CUT_SLACK_S = 5.0  # after the grace, how long cut streams get to write their error event
+
+
 class _Mode(enum.Enum):
     """How an engine's answer goes to the client."""
 
@@ -88,6 +91,8 @@ class Gateway:
         self.health_checks_relayed = 0  # always-on probes passed to the engine
         self.refused = 0
         self.engine_failures = 0
+        self.closing = False  # set by `shutdown`: cut streams say why
+        self._answers: set[UpstreamResponse] = set()  # engines' answers being relayed
 
     # --- serving -------------------------------------------------------------------------
 
@@ -102,10 +107,21 @@ class Gateway:
         return server
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the server (in-flight answers may finish within timeout_s), then the pool."""
+        """Stop accepting; answers in flight may finish within `timeout_s` (the grace), then
+        the engines' answers still running are cut, so that each stream ends with an error
+        event and a proper terminator instead of a dropped connection; then the pool."""
+        self.closing = True
         if self.server is not None:
-            await self.server.shutdown(timeout_s)
+            cut = asyncio.get_running_loop().call_later(timeout_s, self._cut_answers)
+            try:
+                await self.server.shutdown(timeout_s + CUT_SLACK_S)
+            finally:
+                cut.cancel()
         await self.upstream.close()
+
+    def _cut_answers(self) -> None:
+        for answer in list(self._answers):
+            answer.abort()
 
     def render_error(self, status: int, message: str) -> tuple[Headers, bytes]:
         """Errors produced by the HTTP server itself, in the gateway's OpenAI style."""
@@ -205,7 +221,10 @@ class Gateway:
         if lease is not None:
             try:
                 handle = lease.handle
-                await self._relay(handle.host, handle.port, request, body, responder, view, target)
+                await self._relay(
+                    handle.host, handle.port, request, body, responder, view, target,
+                    _Mode.PASS, route.endpoint,
+                )  # fmt: skip
             finally:
                 lease.release()
             self.relayed += 1
@@ -381,6 +400,7 @@ class Gateway:
         except UpstreamError as exc:
             self.engine_failures += 1
             log.warning("engine_request_failed", deployment=view.deployment_id, error=exc.detail)
+            self.controller.engine_unreachable(view.deployment_id)
             reply = queued.engine_error(
                 502, "engine_unreachable", f"the engine of {view.model_name} did not answer"
             )
@@ -390,25 +410,32 @@ class Gateway:
             else:
                 await _reply(responder, reply)
             return
+        self._answers.add(answer)
         try:
             if mode is _Mode.PASS:
-                await self._pass(answer, responder, view)
+                await self._pass(answer, responder, view, endpoint)
             elif mode is _Mode.CONTINUE_SSE:
                 await self._continue_sse(answer, responder, view)
             else:
                 assert endpoint is not None
                 await self._rewrite(answer, responder, view, endpoint)
         finally:
+            self._answers.discard(answer)
             answer.close()
 
     async def _pass(
-        self, answer: UpstreamResponse, responder: Responder, view: DeploymentView
+        self,
+        answer: UpstreamResponse,
+        responder: Responder,
+        view: DeploymentView,
+        endpoint: Endpoint | None = None,
     ) -> None:
         headers = strip_hop_by_hop(answer.headers)
         await responder.start(answer.status, headers, reason=answer.reason, checked=True)
         streamed = header_value(headers, b"content-length") is None
         if streamed:
             await responder.flush()  # a stream: the client gets the head before the first token
+        chunk = b""  # on an error: the last piece sent
         try:
             while True:
                 chunk = await answer.receive()
@@ -417,10 +444,32 @@ class Gateway:
                 await responder.send(chunk)
         except UpstreamError as exc:
             self._engine_failed(view, exc)
-            if streamed:
-                await responder.end()  # chunked: end the answer cleanly
-            return  # with a Content-Length nothing can end it cleanly: the server closes
+            await self._end_cut_stream(responder, headers, chunk, view, endpoint)
+            return
         await responder.end(chunk)  # the last piece and the end in one write
+
+    async def _end_cut_stream(
+        self,
+        responder: Responder,
+        headers: Headers,
+        last: bytes,
+        view: DeploymentView,
+        endpoint: Endpoint | None,
+    ) -> None:
+        """The engine failed mid-answer: never a silent clean end.  An event stream gets a
+        final error event in its own format (and `[DONE]` where it has one), then the chunked
+        terminator; any other answer is left incomplete (the server closes the connection),
+        which the client sees as an error."""
+        content_type = header_value(headers, b"content-type") or b""
+        if header_value(headers, b"content-length") is not None:
+            return
+        if not content_type.lower().startswith(b"text/event-stream"):
+            return
+        event = queued.stream_error(endpoint, *self._cut_reason(view))
+        if last and not last.endswith((b"\n\n", b"\r\n\r\n")):
+            event = b"\n\n" + event  # close the engine's last, partial event first
+        await responder.send(event)
+        await responder.end()
 
     async def _continue_sse(
         self, answer: UpstreamResponse, responder: Responder, view: DeploymentView
@@ -447,11 +496,7 @@ class Gateway:
                 await responder.send(data[:cut])
         except UpstreamError as exc:
             self._engine_failed(view, exc)
-            await responder.send(
-                queued.sse_error(
-                    "engine_failed", f"the engine of {view.model_name} failed while answering"
-                )
-            )
+            await responder.send(queued.sse_error(*self._cut_reason(view)))
             await responder.end()
             return
         if tail:
@@ -505,9 +550,17 @@ class Gateway:
             return
         await responder.end()
 
+    def _cut_reason(self, view: DeploymentView) -> tuple[str, str]:
+        """Code and message of the error event that ends a stream cut short."""
+        if self.closing:
+            return "dgxmm_shutting_down", "DGXMM is shutting down; the answer was cut short"
+        return "engine_failed", f"the engine of {view.model_name} failed while answering"
+
     def _engine_failed(self, view: DeploymentView, exc: UpstreamError) -> None:
         self.engine_failures += 1
         log.warning("engine_failed_mid_answer", deployment=view.deployment_id, error=exc.detail)
+        if not self.closing:
+            self.controller.engine_unreachable(view.deployment_id)
 
 
 async def _reply(responder: Responder, reply: ErrorReply) -> None:

@@ -172,6 +172,20 @@ def sse_error(code: str, message: str) -> bytes:
     return b"data: " + error_body(code, message) + b"\n\n" + DONE_EVENT
 
 
+def stream_error(endpoint: Endpoint | None, code: str, message: str) -> bytes:
+    """The final event of a stream that fails after its status line, in the stream's own
+    format: the Responses API and Anthropic messages have typed `error` events and no
+    `[DONE]`; chat, completions and the rest get `data: {"error": ...}` and `data: [DONE]`."""
+    event: dict[str, Any]
+    if endpoint is Endpoint.RESPONSES:
+        event = {"type": "error", "code": code, "message": message, "param": None}
+        return b"event: error\ndata: " + _encode(event) + b"\n\n"
+    if endpoint is Endpoint.MESSAGES:
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + _encode(event) + b"\n\n"
+    return sse_error(code, message)
+
+
 def queue_timeout(model: str) -> ErrorReply:
     """The seed's queue-timeout error (503, Retry-After: 60), as the controller words it."""
     refused = admission.queue_timeout(model)

@@ -259,6 +259,11 @@ class UpstreamResponse:
         """Give the connection back if the answer was complete, else abort it."""
         self._finish(reuse=self._done)
 
+    def abort(self) -> None:
+        """Cut the answer now (shutdown): a pending `receive` raises `UpstreamClosed`."""
+        if self._conn is not None and not self._done:
+            self._conn.abort()
+
     def _finish(self, *, reuse: bool) -> None:
         conn, self._conn = self._conn, None
         engine, self._released = self._released, None

@@ -70,7 +70,8 @@ SEED_ERRORS = (
     "start_failed",
     "ondemand_stopped",
 )
-ENDINGS = ("served", "client_gone", *SEED_ERRORS)
+# "Always on: it runs until you stop it": a request never starts a stopped always-on model.
+ENDINGS = ("served", "client_gone", *SEED_ERRORS, "deployment_stopped")
 HOLDING = (Lifecycle.STARTING, Lifecycle.READY, Lifecycle.STOPPING, Lifecycle.ASLEEP)
 
 
@@ -582,6 +583,10 @@ def check_endings(facts: RunFacts) -> list[str]:
             f"{name} was stopped by an administrator"
         ):
             problems.append(f"{who}: ondemand_stopped answer {r.message!r}")
+        elif r.outcome == "deployment_stopped" and not r.message.startswith(
+            f"{name} is always on and "
+        ):
+            problems.append(f"{who}: deployment_stopped answer {r.message!r}")
         if (
             r.outcome != "ondemand_queue_full"
             and r.waiting_before is not None

@@ -52,11 +52,15 @@ def decode_snapshot(blob: bytes) -> SystemState | None:
         return None
 
 
-async def load_state(store: EventStore) -> SystemState:
-    """The state at the end of the log: the newest usable snapshot plus the events after it."""
+async def load_state(
+    store: EventStore,
+    fold_one: Callable[[SystemState, m.Recorded], SystemState] = evolve,
+) -> SystemState:
+    """The state at the end of the log: the newest usable snapshot plus the events after it
+    (each applied with `fold_one`; the controller's marks a deployment it cannot fold failed)."""
     state = await store.latest_snapshot() or EMPTY
     async for rec in store.iterate(since_seq=state.last_seq):
-        state = evolve(state, rec)
+        state = fold_one(state, rec)
     return state
 
 

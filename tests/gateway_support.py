@@ -111,6 +111,7 @@ class ScriptedController:
     waiters: list[ScriptedWaiter] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     in_flight: dict[str, int] = field(default_factory=dict)
+    unreachable: list[str] = field(default_factory=list)
     acquired: int = 0
     released: int = 0
     enqueued: int = 0
@@ -175,6 +176,10 @@ class ScriptedController:
         self.enqueued += 1
         self.changed()
         return waiter
+
+    def engine_unreachable(self, deployment_id: str) -> None:
+        """Counted: the gateway reports an engine it could not reach."""
+        self.unreachable.append(deployment_id)
 
     # scripting --------------------------------------------------------------------------
 

@@ -546,7 +546,7 @@ def test_a_deployment_at_the_default_idle_timeout_follows_later_changes_of_the_d
 # --- always on -------------------------------------------------------------------------------
 
 
-def test_an_always_on_engine_that_dies_is_recorded_and_restarted_with_backoff(
+def test_an_always_on_engine_that_dies_after_running_is_recorded_and_restarted_at_once(
     tmp_path: Path,
 ) -> None:
     async def t(h: Harness) -> None:
@@ -554,10 +554,27 @@ def test_an_always_on_engine_that_dies_is_recorded_and_restarted_with_backoff(
         await settle_ready(h, a)
         h.runtime.kill(a)
         await h.advance(6)
-        assert h.state(a) == "failed"
+        assert h.state(a) == "starting"  # no 60-s backoff: the engine ran before it died
         recs = await h.events()
         assert any(isinstance(r.event, m.EngineLost) for r in recs)
-        await h.advance(60 + STARTUP_S + 2)
+        assert not any(isinstance(r.event, m.EngineStartFailed) for r in recs)
+        await h.advance(STARTUP_S + 2)
+        assert h.state(a) == "ready"
+
+    box(tmp_path, t)
+
+
+def test_an_always_on_restart_that_fails_to_start_waits_out_the_backoff(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, mode="always_on")
+        await settle_ready(h, a)
+        h.runtime.fail_next_launch = "no GPU left"
+        h.runtime.kill(a)
+        await h.advance(6)
+        assert h.state(a) == "failed"
+        await h.advance(30)
+        assert h.state(a) == "failed"  # the backoff applies to failures to start
+        await h.advance(30 + STARTUP_S + 2)
         assert h.state(a) == "ready"
 
     box(tmp_path, t)

@@ -223,6 +223,7 @@ def test_a_failed_always_on_deployment_keeps_its_memory_for_its_restart(tmp_path
         h.request(busy, hold_s=10_000)
         od = await h.deploy("od", 30, idle_timeout_s=60)
         assert h.state(od) == "stopped"  # 10 GiB free: it does not fit
+        h.runtime.fail_next_launch = "no GPU left"  # its immediate restart fails to start
         h.runtime.kill(keep)
         await h.advance(6)
         assert h.state(keep) == "failed"

@@ -109,8 +109,13 @@ def test_engine_crash_mid_stream_ends_the_clients_stream() -> None:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
             reply = await request_once(server.port, "POST", "/d/a/v1/chat/completions", body)
             assert reply.status == 200
-            assert b"data: " in reply.body and b"[DONE]" not in reply.body
+            # Never a silent clean end: a final error event, [DONE], then the terminator.
+            events = [e for e in reply.body.split(b"\n\n") if e.strip()]
+            assert events[-1] == b"data: [DONE]"
+            error = json.loads(events[-2].removeprefix(b"data: "))
+            assert error["error"]["code"] == "engine_failed"
             assert controller.released == 1
+            assert controller.unreachable == ["a"]  # the engine is checked at once
 
     run(main())
 

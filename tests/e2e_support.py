@@ -160,9 +160,16 @@ class Box:
     """One DGXMM on `root` (log, engine data), with a real runtime; restartable in place."""
 
     def __init__(
-        self, root: Path, kind: RuntimeKind, clock: Clock, *, usable_gib: float = 8.0
+        self,
+        root: Path,
+        kind: RuntimeKind,
+        clock: Clock,
+        *,
+        usable_gib: float = 8.0,
+        controller_options: dict[str, Any] | None = None,
     ) -> None:
         self.root = root
+        self.controller_options = controller_options or {}  # e.g. health_failure_window_s
         self.kind = kind
         self.clock = clock
         self.usable_bytes = int(usable_gib * GIB)
@@ -247,6 +254,7 @@ class Box:
             probe=engines.HttpEngineProbe(),
             broker=self._broker,
             launch_spec=self.launch_spec,
+            **self.controller_options,
         )
         await self._controller.load()
 

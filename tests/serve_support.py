@@ -1,0 +1,257 @@
+"""Real `dgxmm serve` processes for fault and chaos tests: start, kill, restart, inspect.
+
+`Serve` runs `python -m dgxmm.cli serve --config <root>/dgxmm.toml` on ephemeral ports with
+the process runtime (sim engines are its children's children, in their own process groups,
+so they outlive a SIGKILL of DGXMM as containers would).  It reads the banner for the ports
+and the admin password, logs in to the admin API, and reads the event log with plain sqlite3
+(read-only) to check what was recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from events import model as m
+from storage.eventlog import EventStore
+from tests.api_support import ApiClient
+from tests.e2e_support import process_identity
+
+PROJECT = Path(__file__).resolve().parent.parent
+START_DEADLINE_S = 60.0
+
+
+def write_config(
+    root: Path, *, total_gib: float = 8.0, grace_s: float = 2.0, extra: str = ""
+) -> Path:
+    """A config for one test DGXMM under `root` (its data dir is `root/data`)."""
+    path = root / "dgxmm.toml"
+    path.write_text(
+        f"""
+[server]
+data_dir = "{root / "data"}"
+admin_port = 0
+gateway_port = 0
+shutdown_grace_s = {grace_s}
+
+[runtime]
+kind = "process"
+stop_timeout_s = 5.0
+health_failure_window_s = 6.0
+
+[memory]
+total_gib = {total_gib}
+reserve_gib = 0
+watchdog_threshold_gib = 0
+{extra}
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+class Serve:
+    """One `dgxmm serve` process on `root` (restartable: same config, same data dir)."""
+
+    def __init__(self, root: Path, config: Path) -> None:
+        self.root = root
+        self.config = config
+        self.proc: subprocess.Popen[str] | None = None
+        self.admin_port = 0
+        self.gateway_port = 0
+        self.password: str | None = None
+        self.banner = ""
+        self.api: ApiClient | None = None
+
+    @property
+    def db(self) -> Path:
+        """The event log."""
+        return self.root / "data" / "dgxmm.db"
+
+    def spawn(self, *, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
+        """Start the process without waiting for it."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "dgxmm.cli", "serve", "--config", str(self.config)],
+            cwd=self.root,
+            env={**os.environ, "PYTHONPATH": str(PROJECT)},
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    async def start(self, *, pump: bool = True) -> None:
+        """Start and wait for the banner; log in to the admin API.  Without `pump` nothing
+        reads stdout after the banner (the caller may close it)."""
+        self.proc = proc = self.spawn()
+        lines: queue.Queue[str | None] = queue.Queue(maxsize=100_000)
+        if not pump:
+            await self._read_banner_only(proc)
+            self.api = await self._login()
+            return
+        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+        banner: list[str] = []
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not any(line.startswith("  runtime") for line in banner):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no banner: {banner}"
+            try:
+                line = await asyncio.to_thread(lines.get, True, min(left, 1.0))
+            except queue.Empty:
+                continue
+            if line is None:
+                err = proc.stderr.read() if proc.stderr else ""
+                raise AssertionError(f"dgxmm exited ({proc.wait()}): {banner} {err[-2000:]}")
+            if line.startswith(("DGXMM is running", "  ")):
+                banner.append(line)
+        # The banner is one write: what follows the runtime line is there already.
+        with contextlib.suppress(queue.Empty):
+            while (line := await asyncio.to_thread(lines.get, True, 0.3)) is not None:
+                if line.startswith("  "):
+                    banner.append(line)
+        self._parse_banner("".join(banner))
+        self.api = await self._login()
+
+    async def _read_banner_only(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        text = ""
+        while "admin login" not in text:
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+            assert line, f"dgxmm exited: {text}"
+            text += line
+        self._parse_banner(text)
+
+    def _parse_banner(self, text: str) -> None:
+        self.banner = text
+        admin = re.search(r"web UI and API : http://127\.0\.0\.1:(\d+)/", text)
+        gateway = re.search(r"gateway        : http://127\.0\.0\.1:(\d+)/", text)
+        assert admin and gateway, text
+        self.admin_port, self.gateway_port = int(admin.group(1)), int(gateway.group(1))
+        found = re.search(r"admin login    : admin / (\S+)", text)
+        if found:
+            self.password = found.group(1)
+
+    async def _login(self) -> ApiClient:
+        assert self.password is not None, "the first start prints the admin password"
+        client = ApiClient(self.admin_port)
+        reply = await client.call(
+            "POST", "/dgxmm/api/login", {"name": "admin", "password": self.password}
+        )
+        assert reply.status == 200, reply.body
+        cookie = reply.header("set-cookie")
+        assert cookie is not None
+        client.cookie = cookie.split(";")[0]
+        client.csrf = reply.json()["csrf_token"]
+        return client
+
+    def kill(self) -> None:
+        """SIGKILL DGXMM (its engines live on)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    async def terminate(self, deadline_s: float = 60.0) -> int:
+        """SIGTERM and wait for the exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return await asyncio.to_thread(self.proc.wait, deadline_s)
+
+    # --- what the log says -----------------------------------------------------------------
+
+    async def records(self) -> list[m.Recorded]:
+        """Every record of the log (read-only, so it works while DGXMM runs)."""
+        store = await EventStore.open(self.db, create=False, readonly=True)
+        try:
+            return await store.read()
+        finally:
+            await store.close()
+
+    def engines(self) -> list[dict[str, Any]]:
+        """The process runtime's record of the engines it launched."""
+        path = self.root / "data" / "engines" / "process-engines.json"
+        if not path.exists():
+            return []
+        raw: dict[str, Any] = msgspec.json.decode(path.read_bytes())
+        return list(raw.get("engines", []))
+
+    def live_engine_pids(self) -> dict[int, str]:
+        """pid -> deployment id of every engine process alive (the runtime's record)."""
+        alive = {}
+        for rec in self.engines():
+            pid = int(rec["pid"])
+            if process_identity(pid) is not None:
+                alive[pid] = str(rec.get("deployment_id", ""))
+        return alive
+
+    def kill_engines(self) -> None:
+        """Remove every engine (teardown)."""
+        for pid in self.live_engine_pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
+    """Read the process's stdout for its whole life (so it never blocks on a full pipe)."""
+    with contextlib.suppress(Exception):
+        for line in stream:
+            with contextlib.suppress(queue.Full):
+                lines.put_nowait(line)
+    lines.put(None)
+
+
+def engine_processes(token: str) -> dict[int, str]:
+    """pid -> model of every simulated engine alive whose model name contains `token`
+    (found in /proc, so an engine the runtime never recorded is found too)."""
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if b"simulations.engine" not in argv or ") Z" in stat:
+            continue
+        model = argv[argv.index(b"--model") + 1].decode() if b"--model" in argv else ""
+        if token in model:
+            found[int(entry.name)] = model
+    return found
+
+
+def sim_spec(
+    name: str, *, mode: str = "always_on", gib: float = 1, args: list[str] | None = None
+) -> dict[str, Any]:
+    """A POST /api/deployments body for a sim engine."""
+    return {
+        "name": name,
+        "engine": "sim",
+        "model": f"sim/{name}",
+        "memory_gib": gib,
+        "mode": mode,
+        "args": args or [],
+    }
+
+
+def chat_body(model: str, *, stream: bool = False, max_tokens: int = 8) -> bytes:
+    """A chat completion request body."""
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Hello"}],
+            "stream": stream,
+            "max_tokens": max_tokens,
+        }
+    ).encode()

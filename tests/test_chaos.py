@@ -1,0 +1,504 @@
+"""Chaos: kill, hang and starve real `dgxmm serve` processes, then check that DGXMM is correct.
+
+Each test runs real `dgxmm serve` processes (process runtime, simulated engines, loopback
+sockets, SQLite files; the full-disk test puts the data dir on a small tmpfs) under streaming
+and admin load, injects faults, and then checks what must always hold:
+
+- the log has no gaps in `seq` and every stream's versions are contiguous;
+- the state is coherent: once starts and stops settle, every ready deployment answers through
+  the gateway (no model Ready-but-dead), a stopped or failed one has no engine;
+- no engine is orphaned or duplicated, and the engines alive never hold more memory than the
+  budget (sampled all along);
+- every change the admin API acknowledged is in the log;
+- every client saw a complete answer or an explicit error (a stream's final error event and
+  `[DONE]`), except the ones whose server was SIGKILLed under them.
+
+The random choices come from a seeded `random.Random` (the seed is printed), so a failing run
+can be repeated.  Each test prints what it tried and what held.  Marked `chaos`; it runs by
+default and takes a few minutes in all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h11
+import pytest
+
+from events import model as m
+from tests.gateway_support import Client
+from tests.serve_support import Serve, chat_body, engine_processes, sim_spec, write_config
+from tests.test_faults import fill, small_disk
+
+pytestmark = pytest.mark.chaos
+
+SEED = int(os.environ.get("DGXMM_CHAOS_SEED", "0")) or random.randrange(1, 1_000_000)
+SETTLE_S = 60.0
+CLIENT_DEADLINE_S = 60.0
+Acked = dict[str, int]  # stream -> its version right after the API acknowledged a change
+
+
+# --- what happened, and what held ---------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """What a chaos run tried and what held; printed at the end of the test."""
+
+    title: str
+    tried: Counter[str] = field(default_factory=Counter)
+    held: Counter[str] = field(default_factory=Counter)
+    clients: Counter[str] = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)
+
+    def check(self, ok: bool, what: str) -> None:
+        """Count a check that held, or record it as a violation."""
+        if ok:
+            self.held[what.split(":")[0]] += 1
+        else:
+            self.violations.append(what)
+
+    def print(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with capsys.disabled():
+            print(f"\n[chaos] {self.title} (seed {SEED})")
+            print("  tried   : " + ", ".join(f"{k} {v}" for k, v in sorted(self.tried.items())))
+            print("  clients : " + ", ".join(f"{k} {v}" for k, v in sorted(self.clients.items())))
+            print("  held    : " + ", ".join(f"{k} x{v}" for k, v in sorted(self.held.items())))
+            for v in self.violations[:20]:
+                print(f"  VIOLATED: {v}")
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+# --- clients ----------------------------------------------------------------------------------
+
+
+def _events(body: bytes) -> list[bytes]:
+    return [e for e in body.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
+
+
+async def client_call(port: int, dep: str, model: str, stream: bool) -> str:
+    """One request through the gateway: "complete", "error" (explicit), "cut" (the
+    connection dropped without an explicit end), "hung" or "bad" (a malformed answer)."""
+    client: Client | None = None
+    try:
+        client = await Client.connect(port)
+        await client.send(
+            "POST", f"/d/{dep}/v1/chat/completions", chat_body(model, stream=stream, max_tokens=12)
+        )
+        status, _ = await asyncio.wait_for(client.head(), CLIENT_DEADLINE_S)
+        body = b""
+        while (data := await asyncio.wait_for(client.chunk(), CLIENT_DEADLINE_S)) is not None:
+            body += data
+    except TimeoutError:
+        return "hung"
+    except (OSError, h11.RemoteProtocolError, AssertionError):
+        return "cut"
+    finally:
+        if client is not None:
+            client.close()
+    if status != 200:
+        try:
+            return "error" if "error" in json.loads(body) else "bad"
+        except ValueError:
+            return "bad"
+    if not stream or not body.startswith(b"data:"):
+        try:
+            json.loads(body)
+        except ValueError:
+            return "bad"
+        return "complete"
+    events = _events(body)
+    if not events or events[-1] != b"data: [DONE]":
+        return "bad"
+    return "error" if any(e.startswith(b'data: {"error"') for e in events) else "complete"
+
+
+class Load:
+    """Clients calling random deployments until stopped; outcomes counted."""
+
+    def __init__(self, serve: Serve, deps: dict[str, str], rng: random.Random, clients: int):
+        self.serve = serve
+        self.deps = deps  # id -> model
+        self.rng = rng
+        self.outcomes: Counter[str] = Counter()
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._client()) for _ in range(clients)]
+
+    async def _client(self) -> None:
+        while not self._stop.is_set():
+            dep = self.rng.choice(sorted(self.deps))
+            outcome = await client_call(
+                self.serve.gateway_port, dep, self.deps[dep], self.rng.random() < 0.6
+            )
+            self.outcomes[outcome] += 1
+            if outcome in ("cut", "error"):
+                await asyncio.sleep(0.05)  # do not spin against a dead server
+
+    async def stop(self) -> Counter[str]:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        return self.outcomes
+
+
+class MemorySampler:
+    """Samples the engines alive (from /proc) and the memory they hold, all along."""
+
+    def __init__(self, token: str, gib_of: dict[str, float], total_gib: float) -> None:
+        self.token = token
+        self.gib_of = gib_of  # model -> GiB
+        self.total = total_gib
+        self.samples = 0
+        self.worst = 0.0
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            engines = await asyncio.to_thread(engine_processes, self.token)
+            held = sum(self.gib_of.get(model, 0.0) for model in engines.values())
+            self.worst = max(self.worst, held)
+            self.samples += 1
+            await asyncio.sleep(0.2)
+
+    async def stop(self, report: Report) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        report.check(
+            self.worst <= self.total,
+            f"memory within budget: at most {self.worst:g} of {self.total:g} GiB "
+            f"over {self.samples} samples",
+        )
+
+
+# --- the invariants -------------------------------------------------------------------------
+
+
+async def deployments(serve: Serve) -> list[dict[str, Any]]:
+    assert serve.api is not None
+    reply = await serve.api.get("/dgxmm/api/deployments")
+    assert reply.status == 200, reply.body
+    data = reply.json()
+    return list(data["deployments"] if isinstance(data, dict) else data)
+
+
+async def settle(serve: Serve) -> list[dict[str, Any]]:
+    """The deployments once no start or stop is under way (bounded)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        deps = await deployments(serve)
+        if all(d["state"] not in ("starting", "stopping") for d in deps):
+            return deps
+        if time.monotonic() > deadline:
+            return deps
+        await asyncio.sleep(0.1)
+
+
+async def check_invariants(
+    serve: Serve, report: Report, token: str, total_gib: float, acked: Acked
+) -> None:
+    """Everything that must hold after a fault (see the module docstring)."""
+    recs = await serve.records()
+    seqs = [r.seq for r in recs]
+    report.check(seqs == list(range(1, len(seqs) + 1)), f"log without gaps: {len(seqs)} events")
+    versions: dict[str, list[int]] = {}
+    for r in recs:
+        versions.setdefault(r.stream, []).append(r.version)
+    bad = [s for s, v in versions.items() if v != list(range(1, len(v) + 1))]
+    report.check(not bad, f"contiguous stream versions: {bad or len(versions)}")
+    for stream, version in acked.items():
+        found = len(versions.get(stream, []))
+        report.check(found >= version, f"acknowledged changes kept: {stream} at {found}/{version}")
+
+    deps = await settle(serve)
+    engines = await asyncio.to_thread(engine_processes, token)
+    per_model = Counter(engines.values())
+    models = {d["model"] for d in deps}
+    orphans = [m_ for m_ in per_model if m_ not in models]
+    report.check(not orphans, f"no orphaned engine: {orphans}")
+    held = 0.0
+    for d in deps:
+        n = per_model.get(d["model"], 0)
+        report.check(n <= 1, f"no duplicated engine: {d['name']} has {n}")
+        if d["state"] == "ready":
+            held += d["memory_bytes"] / 2**30
+            outcome = await client_call(serve.gateway_port, d["id"], d["model"], False)
+            report.check(
+                outcome == "complete" and n == 1,
+                f"ready deployment serves: {d['name']} answered {outcome} with {n} engine",
+            )
+        elif d["state"] in ("stopped", "failed"):
+            report.check(n == 0, f"stopped deployment has no engine: {d['name']} has {n}")
+        else:
+            report.check(False, f"settled: {d['name']} still {d['state']}")
+    report.check(held <= total_gib, f"memory within budget after restart: {held:g} GiB")
+
+
+# --- set-up ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def running(serves: list[Serve]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for serve in serves:
+            serve.kill()
+        for serve in serves:
+            serve.kill_engines()
+
+
+async def create(serve: Serve, name: str, **kwargs: Any) -> tuple[str, str]:
+    assert serve.api is not None
+    rec = await serve.api.ok("POST", "/dgxmm/api/deployments", sim_spec(name, **kwargs), 201)
+    return str(rec["id"]), str(rec["model"])
+
+
+async def admin_action(
+    serve: Serve, rng: random.Random, deps: list[str], acked: Acked
+) -> str:
+    """One random admin command; acknowledged ones are remembered."""
+    assert serve.api is not None
+    dep = rng.choice(deps)
+    action = rng.choice(["stop", "start", "mode"])
+    if action == "mode":
+        body = {"mode": rng.choice(["on_demand", "always_on"])}
+        reply = await serve.api.call("PATCH", f"/dgxmm/api/deployments/{dep}/mode", body)
+    else:
+        reply = await serve.api.call("POST", f"/dgxmm/api/deployments/{dep}/{action}")
+    if reply.status == 200:
+        await remember(serve, dep, acked)
+    return f"{action}:{reply.status}"
+
+
+async def remember(serve: Serve, dep: str, acked: Acked) -> None:
+    """The API acknowledged a change of `dep`: what the log holds now must survive."""
+    stream = m.deployment_stream(dep)
+    version = max((r.version for r in await serve.records() if r.stream == stream), default=0)
+    acked[stream] = max(acked.get(stream, 0), version)
+
+
+# --- the tests ------------------------------------------------------------------------------
+
+
+def test_sigkill_of_dgxmm_at_random_and_aimed_moments_under_load_leaves_it_correct(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = random.Random(SEED)
+    token = f"ck{SEED}"
+    total = 8.0
+    report = Report("SIGKILL of dgxmm serve under streaming and admin load")
+
+    async def main() -> None:
+        serve = Serve(tmp_path, write_config(tmp_path, total_gib=total))
+        with running([serve]):
+            await serve.start()
+            specs = {
+                f"{token}-a": {"gib": 2, "args": ["--token-delay", "0.02"]},
+                f"{token}-b": {"gib": 3, "mode": "on_demand", "args": ["--startup-delay", "0.5"]},
+                f"{token}-c": {"gib": 4, "mode": "on_demand", "args": ["--token-delay", "0.01"]},
+            }
+            ids: dict[str, str] = {}
+            gib_of: dict[str, float] = {}
+            for name, kw in specs.items():
+                dep, model = await create(serve, name, **kw)
+                ids[dep] = model
+                gib_of[model] = float(kw["gib"])  # type: ignore[arg-type]
+            acked: Acked = {}
+            sampler = MemorySampler(token, gib_of, total)
+            rounds = [("random", None)] * 3 + [
+                ("aimed", "stop"), ("aimed", "start"), ("aimed", "mode"), ("aimed", "stop")
+            ]  # fmt: skip
+            for kind, aim in rounds:
+                load = Load(serve, ids, rng, clients=4)
+                if kind == "random":
+                    deadline = time.monotonic() + rng.uniform(0.5, 2.5)
+                    while time.monotonic() < deadline:
+                        report.tried[await admin_action(serve, rng, sorted(ids), acked)] += 1
+                        await asyncio.sleep(rng.uniform(0.05, 0.4))
+                    report.tried["kill at a random moment"] += 1
+                else:
+                    # Aimed at the window between the command's event and its effect.
+                    await asyncio.sleep(rng.uniform(0.2, 1.0))
+                    dep = rng.choice(sorted(ids))
+                    assert serve.api is not None
+                    target = f"/dgxmm/api/deployments/{dep}"
+                    call = (
+                        serve.api.call("PATCH", target + "/mode", {"mode": "always_on"})
+                        if aim == "mode"
+                        else serve.api.call("POST", f"{target}/{aim}")
+                    )
+                    pending = asyncio.ensure_future(call)
+                    await asyncio.sleep(rng.choice([0.0, 0.002, 0.005, 0.01, 0.03]))
+                    report.tried[f"kill aimed after {aim}"] += 1
+                    serve.kill()
+                    with contextlib.suppress(Exception):
+                        reply = await pending
+                        if reply.status == 200:
+                            await remember(serve, dep, acked)
+                serve.kill()
+                outcomes = await load.stop()
+                report.clients.update(outcomes)
+                report.check(outcomes["hung"] == 0, f"no client hung: {outcomes['hung']}")
+                report.check(outcomes["bad"] == 0, f"no malformed answer: {outcomes['bad']}")
+                await serve.start()
+                await check_invariants(serve, report, token, total, acked)
+                await _check_stop_intents(serve, report)
+            await sampler.stop(report)
+
+    try:
+        run(main())
+    finally:
+        report.print(capsys)
+    assert report.violations == []
+
+
+async def _check_stop_intents(serve: Serve, report: Report) -> None:
+    """A deployment whose last intent in the log is an admin stop is stopped, not adopted."""
+    recs = await serve.records()
+    last_intent: dict[str, m.Event] = {}
+    for r in recs:
+        if isinstance(r.event, m.StopRequested | m.StartRequested | m.EngineAdopted):
+            last_intent[r.stream] = r.event
+    for d in await deployments(serve):
+        event = last_intent.get(m.deployment_stream(d["id"]))
+        if isinstance(event, m.StopRequested) and event.reason == "admin":
+            report.check(d["state"] == "stopped", f"stop intent kept: {d['name']} is {d['state']}")
+
+
+def test_engines_killed_or_hung_under_streaming_load_end_every_answer_explicitly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = random.Random(SEED + 1)
+    token = f"ce{SEED}"
+    total = 8.0
+    report = Report("engine SIGKILL and SIGSTOP under streaming load")
+
+    async def main() -> None:
+        serve = Serve(tmp_path, write_config(tmp_path, total_gib=total))
+        with running([serve]):
+            await serve.start()
+            dep, model = await create(
+                serve, f"{token}-a", gib=2, args=["--token-delay", "0.05", "--tokens", "40"]
+            )
+            ids = {dep: model}
+            sampler = MemorySampler(token, {model: 2.0}, total)
+            for fault in ["SIGKILL", "SIGKILL", "SIGSTOP", "SIGKILL"]:
+                await _until_ready(serve, dep)
+                load = Load(serve, ids, rng, clients=5)
+                await asyncio.sleep(rng.uniform(0.5, 1.5))
+                engines = await asyncio.to_thread(engine_processes, token)
+                assert len(engines) == 1, engines
+                pid = next(iter(engines))
+                os.killpg(pid, signal.SIGKILL if fault == "SIGKILL" else signal.SIGSTOP)
+                report.tried[f"engine {fault}"] += 1
+                started = time.monotonic()
+                await _until_ready(serve, dep, functools.partial(_gone, pid, token))
+                elapsed = time.monotonic() - started
+                report.check(elapsed < 30, f"recovered after {fault}: in {elapsed:.1f} s")
+                outcomes = await load.stop()
+                report.clients.update(outcomes)
+                report.check(
+                    outcomes["cut"] == outcomes["hung"] == outcomes["bad"] == 0,
+                    f"every client saw a complete answer or an explicit error: {dict(outcomes)}",
+                )
+            await sampler.stop(report)
+            await check_invariants(serve, report, token, total, {})
+
+    try:
+        run(main())
+    finally:
+        report.print(capsys)
+    assert report.violations == []
+
+
+def _gone(pid: int, token: str) -> bool:
+    return pid not in engine_processes(token)
+
+
+async def _until_ready(serve: Serve, dep: str, also: Callable[[], bool] = lambda: True) -> None:
+    assert serve.api is not None
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        reply = await serve.api.get(f"/dgxmm/api/deployments/{dep}")
+        if reply.status == 200 and reply.json()["state"] == "ready" and also():
+            return
+        assert time.monotonic() < deadline, f"{dep} not ready again: {reply.json()}"
+        await asyncio.sleep(0.1)
+
+
+def test_a_data_dir_that_fills_and_frees_loses_nothing_and_leaves_no_model_ready_but_dead(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rng = random.Random(SEED + 2)
+    token = f"cd{SEED}"
+    total = 8.0
+    report = Report("the data dir on a small tmpfs that fills and frees")
+
+    async def main(disk: Path) -> None:
+        root = disk / "box"
+        await asyncio.to_thread(root.mkdir)
+        serve = Serve(root, write_config(root, total_gib=total))
+        with running([serve]):
+            await serve.start()
+            assert serve.api is not None
+            a, model_a = await create(serve, f"{token}-a", gib=2)
+            b, model_b = await create(serve, f"{token}-b", gib=2, mode="on_demand")
+            ids = {a: model_a, b: model_b}
+            await _until_ready(serve, a)
+            await _until_ready(serve, b)
+            acked: Acked = {}
+            for _ in range(2):
+                filler = await asyncio.to_thread(fill, disk)
+                report.tried["disk filled"] += 1
+                load = Load(serve, ids, rng, clients=3)
+                for _ in range(6):
+                    answer = await admin_action(serve, rng, sorted(ids), acked)
+                    report.tried[answer] += 1
+                    report.check(
+                        not answer.endswith(":500"), f"a failed write never answers 500: {answer}"
+                    )
+                    await asyncio.sleep(0.1)
+                outcomes = await load.stop()
+                report.clients.update(outcomes)
+                report.check(
+                    outcomes["cut"] == outcomes["hung"] == outcomes["bad"] == 0,
+                    f"every client saw a complete answer or an explicit error: {dict(outcomes)}",
+                )
+                await asyncio.to_thread(filler.unlink)
+                report.tried["disk freed"] += 1
+                # Once the disk is free, commands work again and nothing is Ready-but-dead.
+                for dep in ids:
+                    await settle(serve)
+                    reply = await serve.api.call("POST", f"/dgxmm/api/deployments/{dep}/stop")
+                    report.check(reply.status == 200, f"stop works once freed: {reply.status}")
+                    await remember(serve, dep, acked)
+                    await settle(serve)
+                    reply = await serve.api.call("POST", f"/dgxmm/api/deployments/{dep}/start")
+                    report.check(reply.status == 200, f"start works once freed: {reply.status}")
+                    await remember(serve, dep, acked)
+                await check_invariants(serve, report, token, total, acked)
+            serve.kill()
+            await serve.start()
+            await check_invariants(serve, report, token, total, acked)
+
+    try:
+        with small_disk(tmp_path / "disk", "48m") as disk:
+            run(main(disk))
+    finally:
+        report.print(capsys)
+    assert report.violations == []

@@ -436,22 +436,6 @@ class Controller:
         if spec.role == "decision" and spec.mode == "on_demand":
             raise Refusal(409, "decision_model_always_on", "the decision model is always on")
         dep_id = secrets.token_hex(4)
-        self._check_launch(
-            DeploymentState(
-                deployment_id=dep_id,
-                name=spec.name,
-                engine=spec.engine,
-                model=spec.model,
-                memory_bytes=spec.memory_bytes,
-                mode=spec.mode,
-                idle_timeout_s=spec.idle_timeout_s,
-                role=spec.role,
-                args=list(spec.args),
-                image=spec.image,
-                gpu=spec.gpu,
-                created_at=self.clock.wall(),
-            )
-        )
         created = m.DeploymentCreated(
             deployment_id=dep_id,
             name=spec.name,
@@ -466,9 +450,15 @@ class Controller:
             image=spec.image,
             gpu=spec.gpu,
         )
-        recs = await self.store.append(
-            m.deployment_stream(dep_id), [created], actor=actor, expected_version=0
+        stream = m.deployment_stream(dep_id)
+        now = self.clock.wall()
+        # Checked before anything is recorded: the state this event would create.
+        self._check_launch(
+            new_deployment(
+                m.Recorded(seq=0, ts=now, stream=stream, version=1, actor=actor, event=created)
+            )
         )
+        recs = await self.store.append(stream, [created], actor=actor, expected_version=0)
         dep_actor = self._spawn(new_deployment(recs[0]))
         self._notify(dep_id, "created")
         try:

@@ -1117,11 +1117,19 @@ class DeploymentActor(Actor):
 
     async def _remove(self, actor: str) -> None:
         dep = self.state
-        self._removed = True
-        self.activity.accepting = False
         if dep.lifecycle is Lifecycle.STOPPING and self._work is not None and not self._work.done():
             # Let the stop under way finish: cancelling it could leave the engine running.
             await asyncio.shield(self._work)
+        running = dep.lifecycle is not Lifecycle.STOPPED
+        if running:
+            accepting = self.activity.accepting
+            self.activity.accepting = False
+            try:
+                await self._record(actor, m.StopRequested(reason="removed"))
+            except WriteFailed:
+                self.activity.accepting = accepting  # nothing recorded: it keeps serving
+                raise
+        self.activity.accepting = False
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None
@@ -1131,14 +1139,19 @@ class DeploymentActor(Actor):
         self._attempt += 1
         await self._cancel_tasks()
         handle, self._handle = self._handle, None
-        if dep.lifecycle is not Lifecycle.STOPPED:
-            await self._record(actor, m.StopRequested(reason="removed"))
+        if running:
             self._changed("stopped", f"removed:{actor}")
             if handle is not None:
                 await self._stop_engine(handle)  # removal waits until the engine is gone
             if self.state.lifecycle is Lifecycle.STOPPING:
+                # If this write fails the stop is an intent on disk: start-up completes it.
                 await self._record("system", m.EngineStopped())
-        await self._record(actor, m.DeploymentRemoved())
+        self._removed = True
+        try:
+            await self._record(actor, m.DeploymentRemoved())
+        except WriteFailed:
+            self._removed = False  # stopped, not removed: the operator may try again
+            raise
         self._broker.release(self.deployment_id)
         self._changed("removed", actor)
 

@@ -61,16 +61,7 @@ class Box:
 
     async def login(self, name: str = "alice", password: str | None = None) -> ApiClient:
         """A client logged in as `name` (cookie session with its CSRF token)."""
-        client = ApiClient(self.port)
-        reply = await client.call(
-            "POST", "/dgxmm/api/login", {"name": name, "password": password or PASSWORDS[name]}
-        )
-        assert reply.status == 200, reply.body
-        cookie = reply.header("set-cookie")
-        assert cookie is not None
-        client.cookie = cookie.split(";")[0]
-        client.csrf = reply.json()["csrf_token"]
-        return client
+        return await login(self.port, name, password or PASSWORDS[name])
 
     async def token_client(self, user: str = "alice") -> ApiClient:
         """A client with a Bearer API token for `user` (issued by alice)."""
@@ -137,6 +128,18 @@ class ApiClient:
         reply = await self.call(method, target, body)
         assert reply.status == status, (reply.status, reply.body)
         return reply.json()
+
+
+async def login(port: int, name: str, password: str) -> ApiClient:
+    """A client logged in as `name` on the admin API at `port` (cookie session + CSRF)."""
+    client = ApiClient(port)
+    reply = await client.call("POST", "/dgxmm/api/login", {"name": name, "password": password})
+    assert reply.status == 200, reply.body
+    cookie = reply.header("set-cookie")
+    assert cookie is not None
+    client.cookie = cookie.split(";")[0]
+    client.csrf = reply.json()["csrf_token"]
+    return client
 
 
 def error_of(reply: Reply) -> dict[str, Any]:

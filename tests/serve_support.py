@@ -27,7 +27,7 @@ import msgspec
 
 from events import model as m
 from storage.eventlog import EventStore
-from tests.api_support import ApiClient
+from tests.api_support import ApiClient, login
 from tests.e2e_support import process_identity
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -145,16 +145,7 @@ class Serve:
 
     async def _login(self) -> ApiClient:
         assert self.password is not None, "the first start prints the admin password"
-        client = ApiClient(self.admin_port)
-        reply = await client.call(
-            "POST", "/dgxmm/api/login", {"name": "admin", "password": self.password}
-        )
-        assert reply.status == 200, reply.body
-        cookie = reply.header("set-cookie")
-        assert cookie is not None
-        client.cookie = cookie.split(";")[0]
-        client.csrf = reply.json()["csrf_token"]
-        return client
+        return await login(self.admin_port, "admin", self.password)
 
     def kill(self) -> None:
         """SIGKILL DGXMM (its engines live on)."""

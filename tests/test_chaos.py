@@ -29,7 +29,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -251,15 +251,16 @@ async def check_invariants(
 # --- set-up ---------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def running(serves: list[Serve]) -> Iterator[None]:
+@contextlib.asynccontextmanager
+async def serving(root: Path, total_gib: float) -> AsyncIterator[Serve]:
+    """A started `dgxmm serve` on `root`; killed, with its engines, afterwards."""
+    serve = Serve(root, write_config(root, total_gib=total_gib))
     try:
-        yield
+        await serve.start()
+        yield serve
     finally:
-        for serve in serves:
-            serve.kill()
-        for serve in serves:
-            serve.kill_engines()
+        serve.kill()
+        serve.kill_engines()
 
 
 async def create(serve: Serve, name: str, **kwargs: Any) -> tuple[str, str]:
@@ -268,9 +269,7 @@ async def create(serve: Serve, name: str, **kwargs: Any) -> tuple[str, str]:
     return str(rec["id"]), str(rec["model"])
 
 
-async def admin_action(
-    serve: Serve, rng: random.Random, deps: list[str], acked: Acked
-) -> str:
+async def admin_action(serve: Serve, rng: random.Random, deps: list[str], acked: Acked) -> str:
     """One random admin command; acknowledged ones are remembered."""
     assert serve.api is not None
     dep = rng.choice(deps)
@@ -304,9 +303,7 @@ def test_sigkill_of_dgxmm_at_random_and_aimed_moments_under_load_leaves_it_corre
     report = Report("SIGKILL of dgxmm serve under streaming and admin load")
 
     async def main() -> None:
-        serve = Serve(tmp_path, write_config(tmp_path, total_gib=total))
-        with running([serve]):
-            await serve.start()
+        async with serving(tmp_path, total) as serve:
             specs = {
                 f"{token}-a": {"gib": 2, "args": ["--token-delay", "0.02"]},
                 f"{token}-b": {"gib": 3, "mode": "on_demand", "args": ["--startup-delay", "0.5"]},
@@ -389,9 +386,7 @@ def test_engines_killed_or_hung_under_streaming_load_end_every_answer_explicitly
     report = Report("engine SIGKILL and SIGSTOP under streaming load")
 
     async def main() -> None:
-        serve = Serve(tmp_path, write_config(tmp_path, total_gib=total))
-        with running([serve]):
-            await serve.start()
+        async with serving(tmp_path, total) as serve:
             dep, model = await create(
                 serve, f"{token}-a", gib=2, args=["--token-delay", "0.05", "--tokens", "40"]
             )
@@ -452,9 +447,7 @@ def test_a_data_dir_that_fills_and_frees_loses_nothing_and_leaves_no_model_ready
     async def main(disk: Path) -> None:
         root = disk / "box"
         await asyncio.to_thread(root.mkdir)
-        serve = Serve(root, write_config(root, total_gib=total))
-        with running([serve]):
-            await serve.start()
+        async with serving(root, total) as serve:
             assert serve.api is not None
             a, model_a = await create(serve, f"{token}-a", gib=2)
             b, model_b = await create(serve, f"{token}-b", gib=2, mode="on_demand")

@@ -236,6 +236,9 @@ def test_a_stop_that_cannot_be_recorded_answers_503_and_the_model_keeps_serving(
             with pytest.raises(Refusal) as refused:
                 await box.controller.stop(dep, "admin:test")  # before the fix: accepting=False
             assert (refused.value.status, refused.value.code) == (503, "storage_unavailable")
+            with pytest.raises(Refusal) as refused:
+                await box.controller.remove(dep, "admin:test")
+            assert refused.value.status == 503
             assert box.state(dep) == "ready"
             lease = box.controller.try_acquire(dep)  # still serving, not Ready-but-dead
             assert lease is not None

@@ -38,6 +38,7 @@ READINESS_POLL_S = 1.0
 IDLE_SLACK_S = 1e-6  # the idle timer fires at last use + timeout; float rounding must not miss it
 WRITE_RETRY_S = 2.0  # an engine's report whose event could not be written is tried again
 HEALTH_FAILURE_WINDOW_S = 30.0  # a ready engine failing its health probe this long is lost
+HEALTH_RETRY_S = 1.0  # how soon a failed health probe is tried again
 
 
 def backoff_s(failures: int) -> int:
@@ -782,7 +783,8 @@ class DeploymentActor(Actor):
             return
         engine = self.state.engine
         while True:
-            await self.clock.sleep(METRICS_EVERY_S)
+            unhealthy = self._unhealthy_since is not None
+            await self.clock.sleep(HEALTH_RETRY_S if unhealthy else METRICS_EVERY_S)
             try:
                 running = await self._runtime.is_running(handle)
             except ActorError:
@@ -793,8 +795,11 @@ class DeploymentActor(Actor):
                     tail = await self._runtime.logs_tail(handle, 20)
                 self.tell(_Lost(reason=_reason("the engine exited", tail), attempt=attempt))
                 return
-            if not await self._still_healthy(engine, handle, attempt):
+            healthy = await self._still_healthy(engine, handle, attempt)
+            if healthy is None:
                 return
+            if not healthy:
+                continue  # no scrape of an engine that does not answer: look again soon
             load: EngineLoad | None = None
             sleeping = False
             with contextlib.suppress(ActorError):
@@ -806,23 +811,24 @@ class DeploymentActor(Actor):
 
     # --- liveness after ready: the engine's own answers -----------------------------------
 
-    async def _still_healthy(self, engine: str, handle: EngineHandle, attempt: int) -> bool:
-        """Probe health; a ready engine failing it for the whole window is lost (a hung
-        engine keeps its process but answers nothing).  False once it was reported lost."""
-        now = self.clock.now()
+    async def _still_healthy(self, engine: str, handle: EngineHandle, attempt: int) -> bool | None:
+        """Probe health: True when it answers, False while it fails within the window, None
+        once it failed for the whole window and was reported lost (a hung engine keeps its
+        process but answers nothing)."""
+        started = self.clock.now()
         if self.state.lifecycle is not Lifecycle.READY:
             return True  # asleep by hand, or being stopped: not a health question
         if await self._answers_health(engine, handle):
             self._unhealthy_since = None
             return True
         if self._unhealthy_since is None:
-            self._unhealthy_since = now
+            self._unhealthy_since = started
         window = self._hooks.health_failure_window_s
-        if now - self._unhealthy_since < window:
-            return True
+        if self.clock.now() - self._unhealthy_since < window:
+            return False
         reason = f"the engine did not answer its health check for {window:g} s"
         self.tell(_Lost(reason=reason, attempt=attempt))
-        return False
+        return None
 
     async def _answers_health(self, engine: str, handle: EngineHandle) -> bool:
         try:

@@ -588,7 +588,7 @@ def check_endings(facts: RunFacts) -> list[str]:
         ):
             problems.append(f"{who}: deployment_stopped answer {r.message!r}")
         if (
-            r.outcome != "ondemand_queue_full"
+            r.outcome not in ("ondemand_queue_full", "deployment_stopped")  # refused at once
             and r.waiting_before is not None
             and r.waiting_before >= facts.max_queued
         ):

@@ -62,6 +62,7 @@ class Report:
     held: Counter[str] = field(default_factory=Counter)
     clients: Counter[str] = field(default_factory=Counter)
     violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def check(self, ok: bool, what: str) -> None:
         """Count a check that held, or record it as a violation."""
@@ -76,6 +77,8 @@ class Report:
             print("  tried   : " + ", ".join(f"{k} {v}" for k, v in sorted(self.tried.items())))
             print("  clients : " + ", ".join(f"{k} {v}" for k, v in sorted(self.clients.items())))
             print("  held    : " + ", ".join(f"{k} x{v}" for k, v in sorted(self.held.items())))
+            for note in self.notes:
+                print(f"  measured: {note}")
             for v in self.violations[:20]:
                 print(f"  VIOLATED: {v}")
 
@@ -402,9 +405,13 @@ def test_engines_killed_or_hung_under_streaming_load_end_every_answer_explicitly
                 os.killpg(pid, signal.SIGKILL if fault == "SIGKILL" else signal.SIGSTOP)
                 report.tried[f"engine {fault}"] += 1
                 started = time.monotonic()
-                await _until_ready(serve, dep, functools.partial(_gone, pid, token))
+                await _until_ready(serve, dep, functools.partial(_replaced, pid, token))
                 elapsed = time.monotonic() - started
-                report.check(elapsed < 30, f"recovered after {fault}: in {elapsed:.1f} s")
+                # SIGSTOP: the health window (6 s), probe timeouts (5 s), the stop (SIGTERM,
+                # then SIGKILL after 5 s), then a fresh start; all on two loaded cores.
+                bound = 20.0 if fault == "SIGKILL" else 45.0
+                report.check(elapsed < bound, f"recovered after {fault}: in {elapsed:.1f} s")
+                report.notes.append(f"ready again {elapsed:.1f} s after engine {fault}")
                 outcomes = await load.stop()
                 report.clients.update(outcomes)
                 report.check(
@@ -421,8 +428,10 @@ def test_engines_killed_or_hung_under_streaming_load_end_every_answer_explicitly
     assert report.violations == []
 
 
-def _gone(pid: int, token: str) -> bool:
-    return pid not in engine_processes(token)
+def _replaced(pid: int, token: str) -> bool:
+    """A new engine runs in place of `pid`."""
+    engines = engine_processes(token)
+    return pid not in engines and len(engines) == 1
 
 
 async def _until_ready(serve: Serve, dep: str, also: Callable[[], bool] = lambda: True) -> None:

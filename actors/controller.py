@@ -3,6 +3,10 @@
 It is what the gateway (`actors.admission.Controller`) and the admin API talk to.  It folds
 the log at start-up, spawns one actor per deployment, reconciles with the runtime, and
 relays changes to listeners (the UI's event stream, the LiteLLM sync).
+
+Why it is over 600 lines: it is the one place where the admin commands meet the actors,
+with their validation (done before anything is recorded); the pure validators at the end
+are the part to move out first if it grows further.
 """
 
 from __future__ import annotations

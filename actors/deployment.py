@@ -8,6 +8,15 @@ restart restarts the idle timer anyway.
 
 Long work (launching, waiting for readiness, stopping) runs in a task of the actor's own,
 which reports back through the mailbox, so the actor keeps answering while an engine loads.
+
+Faults (issue 13): a command whose event cannot be written restores the volatile state it
+touched and answers 503 (`WriteFailed`); an engine's report whose event cannot be written
+comes again until it can.  Liveness after ready comes from the engine's own answers.
+
+Why it is over 600 lines: it is one state machine, and every transition reads or changes the
+same volatile state (leases, timers, the boot/stop/monitor tasks, the broker's holding, the
+rollback of a failed write); split by concern, the parts would share all of it through an
+interface as wide as the class.
 """
 
 from __future__ import annotations

@@ -462,8 +462,10 @@ def test_dgxmm_started_first_wrote_every_entry_and_litellm_serves_them_once_it_i
     # While LiteLLM was down, every deployment reached the file at once, and the status said so.
     assert order.file_ids_before_litellm == {f"box-dgxmm-{i}-gw" for i in stack.ids.values()}
     before = order.status_before_litellm
-    # The start-up write (an empty model_list), then the creations (coalesced within 0.2 s).
-    assert before["ok"] is True and before["config_writes"] >= 2
+    # The creations were written (with the start-up write of an empty model_list, or after it:
+    # the bridge coalesces changes within 0.2 s, so one write or more; test_litellm_bridge
+    # checks the empty start-up write on its own).
+    assert before["ok"] is True and before["config_writes"] >= 1
     assert before["loaded"] is False
     assert "LiteLLM reads the file when it starts" in before["load_error"]
     # LiteLLM serves them from its first start: a deployment created before it is answered.

@@ -29,9 +29,10 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from actors.errors import ActorError, CommandRefused, EngineUnreachable, RuntimeFailure
+from actors.errors import ActorError, CommandRefused, RuntimeFailure
 from actors.memory_broker import Candidate, MemoryBroker, gib
-from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
+from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Runtime
+from actors.readiness import BootOutcome, wait_until_ready
 from actors.runtime import Actor, Clock, TimerHandle
 from events import model as m
 from events.state import DeploymentState, IllegalTransition, Lifecycle, evolve_deployment
@@ -43,7 +44,6 @@ log = structlog.get_logger("dgxmm.deployment")
 BACKOFF_S = (60, 120, 240, 480, 900)
 METRICS_EVERY_S = 5.0
 IDLE_CHECK_EVERY_S = 15.0
-READINESS_POLL_S = 1.0
 IDLE_SLACK_S = 1e-6  # the idle timer fires at last use + timeout; float rounding must not miss it
 WRITE_RETRY_S = 2.0  # an engine's report whose event could not be written is tried again
 HEALTH_FAILURE_WINDOW_S = 30.0  # a ready engine failing its health probe this long is lost
@@ -507,33 +507,26 @@ class DeploymentActor(Actor):
                 self._handle = handle
                 self._broker.launched(self.deployment_id)
                 self.tell(_Launched(handle=handle, attempt=attempt))
-                deadline = self.clock.now() + spec.startup_timeout_s
-                while True:
-                    if not await self._runtime.is_running(handle):
-                        tail = await self._runtime.logs_tail(handle, 20)
-                        self.tell(
-                            _BootFailed(reason=_reason("the engine exited", tail), attempt=attempt)
-                        )
-                        return
-                    try:
-                        ready = await self._probe.readiness(spec.engine, handle)
-                    except EngineUnreachable:
-                        ready = Readiness.DOWN
-                    if ready is Readiness.READY:
-                        self.tell(_Booted(attempt=attempt))
-                        return
-                    if self.clock.now() >= deadline:
-                        tail = await self._runtime.logs_tail(handle, 20)
-                        self.tell(
-                            _BootFailed(
-                                reason=_reason(
-                                    f"not ready after {spec.startup_timeout_s:g} s", tail
-                                ),
-                                attempt=attempt,
-                            )
-                        )
-                        return
-                    await self.clock.sleep(READINESS_POLL_S)
+                launched_at = self.clock.now()
+                outcome = await wait_until_ready(
+                    runtime=self._runtime,
+                    probe=self._probe,
+                    clock=self.clock,
+                    engine=spec.engine,
+                    handle=handle,
+                    launched_at=launched_at,
+                    deadline=launched_at + spec.startup_timeout_s,
+                )
+                if outcome is BootOutcome.READY:
+                    self.tell(_Booted(attempt=attempt))
+                    return
+                why = (
+                    "the engine exited"
+                    if outcome is BootOutcome.EXITED
+                    else f"not ready after {spec.startup_timeout_s:g} s"
+                )
+                tail = await self._runtime.logs_tail(handle, 20)
+                self.tell(_BootFailed(reason=_reason(why, tail), attempt=attempt))
         except asyncio.CancelledError:
             raise
         except LookupError:

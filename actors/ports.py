@@ -26,6 +26,7 @@ class LaunchSpec(msgspec.Struct, frozen=True, kw_only=True):
     memory_bytes: int = 0
     gpu: bool = False  # request the GPU (docker: device request for all GPUs)
     volumes: dict[str, str] = {}  # host path -> container path (model caches)
+    read_only_volumes: dict[str, str] = {}  # host path -> container path (a local model)
     startup_timeout_s: float = 1200.0
 
 
@@ -56,6 +57,13 @@ class Runtime(Protocol):
 
     async def is_running(self, handle: EngineHandle) -> bool:
         """Whether the container/process still runs."""
+        ...
+
+    async def wait_exited(self, handle: EngineHandle) -> None:
+        """Return once the engine has exited (at once if it is gone); cancel to stop waiting.
+
+        Raises `actors.errors.RuntimeFailure` when the runtime cannot watch it.
+        """
         ...
 
     async def list_engines(self) -> list[EngineHandle]:

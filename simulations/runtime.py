@@ -8,6 +8,7 @@ running/waiting requests in its metrics.  Nothing here touches a socket.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable
 
@@ -40,6 +41,18 @@ class SimEngine:
         self.waiting_requests = 0
         self.sleeping = False
         self.logs: list[str] = [f"starting {spec.engine} for {spec.name}"]
+        self.ended = asyncio.Event()  # set when stopped or killed
+
+    def time_left(self, now: float) -> float:
+        """Seconds until its scripted exit (a failed start or a death); a day if none."""
+        b = self.behaviour
+        if b.fail_at_start is not None:
+            end = self.started + b.startup_s
+        elif b.die_after_s is not None:
+            end = self.started + b.startup_s + b.die_after_s
+        else:
+            return 86400.0
+        return max(0.0, end - now)
 
     def alive(self, now: float) -> bool:
         """Whether the process still exists at `now`."""
@@ -97,11 +110,28 @@ class SimRuntime:
         engine = self.engines.get(handle.runtime_id)
         if engine is not None:
             engine.stopped = True
+            engine.ended.set()
 
     async def is_running(self, handle: EngineHandle) -> bool:
         """Whether it still runs."""
         engine = self.engines.get(handle.runtime_id)
         return engine is not None and engine.alive(self.clock.now())
+
+    async def wait_exited(self, handle: EngineHandle) -> None:
+        """Return once it has exited: at its scripted end, or when stopped or killed."""
+        engine = self.engines.get(handle.runtime_id)
+        if engine is None:
+            return
+        while engine.alive(self.clock.now()):
+            waits = {
+                asyncio.ensure_future(engine.ended.wait()),
+                asyncio.ensure_future(self.clock.sleep(engine.time_left(self.clock.now()))),
+            }
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in waits:
+                    waiting.cancel()
 
     async def list_engines(self) -> list[EngineHandle]:
         """Engines still running."""
@@ -131,6 +161,7 @@ class SimRuntime:
         engine = self.engine_of(deployment_id)
         if engine is not None:
             engine.killed = True
+            engine.ended.set()
 
     def running(self) -> list[str]:
         """Deployment ids with a live engine."""

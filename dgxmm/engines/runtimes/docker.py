@@ -12,7 +12,8 @@ What a container gets:
 - `spec.gpu`: a device request for every NVIDIA GPU, and the host's IPC namespace (vLLM and
   SGLang share tensors through /dev/shm).  `spec.memory_bytes`: the container's memory limit
   (`enforce_memory_limit=False` turns that off).  `spec.volumes`: read-write binds
-  (host path or volume name -> container path); `extra_mounts` / `extra_env`: added to every
+  (host path or volume name -> container path), `spec.read_only_volumes` read-only ones (a
+  model given by its host path); `extra_mounts` / `extra_env`: added to every
   container (e.g. a shared model directory).
 - `image_overlays`: mounts, environment and working directory added to the containers of one
   image only.  By default `dgxmm-sim:local` (scripts/make-sim-image: a nearly empty image) gets
@@ -224,6 +225,16 @@ class DockerRuntime:
         info = await self._inspect(handle.runtime_id)
         return info is not None and bool(info.get("State", {}).get("Running"))
 
+    async def wait_exited(self, handle: EngineHandle) -> None:
+        """Return once the container has stopped or is gone (Docker's `wait` endpoint)."""
+        container = self._docker().containers.container(handle.runtime_id)
+        try:
+            # No deadline of our own: the wait lasts as long as the engine runs.
+            async with self._mapped(f"wait for container {handle.runtime_id[:12]}", math.inf):
+                await container.wait(condition="not-running")
+        except _NotFound:
+            return
+
     async def list_engines(self) -> list[EngineHandle]:
         """Running containers labelled `dgxmm.managed=1`, with their published ports."""
         docker = self._docker()
@@ -288,7 +299,7 @@ class DockerRuntime:
         """Bound the call with a deadline; turn every library error into RuntimeFailure."""
         deadline = self._api_timeout_s + extra_s
         try:
-            async with asyncio.timeout(deadline):
+            async with asyncio.timeout(None if math.isinf(deadline) else deadline):
                 yield
         except DockerError as exc:
             if exc.status == 404:
@@ -373,6 +384,7 @@ class DockerRuntime:
         }
         binds = [m.bind() for m in [*overlay.mounts, *self._extra_mounts]]
         binds += [f"{src}:{dst}:rw" for src, dst in spec.volumes.items()]
+        binds += [f"{src}:{dst}:ro" for src, dst in spec.read_only_volumes.items()]
         host_config: dict[str, Any] = {
             "PortBindings": {port_key: [{"HostIp": self._host_ip, "HostPort": str(host_port)}]},
             "Binds": binds,

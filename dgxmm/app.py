@@ -128,11 +128,14 @@ class App:
             "sim_image": cfg.sim_image,
             "startup_timeout_s": cfg.startup_timeout_s,
             "extra_env": cfg.extra_env,
+            "gpu": cfg.gpu,
         }
         if cfg.cache_root:
             kwargs["cache_root"] = cfg.cache_root
         if self.runtime_kind == "process":
             kwargs["sim_python"] = sys.executable
+            kwargs["local"] = True
+            kwargs["programs"] = cfg.programs
         return engines.EngineSettings(**kwargs)
 
     async def start(self) -> None:

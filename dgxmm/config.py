@@ -27,6 +27,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+PROGRAM_ENGINES = ("vllm", "llamacpp", "sglang")  # `[engines] programs` keys (the sim is Python)
+
 
 class ConfigError(Exception):
     """The configuration file cannot be used; the message names the file and the key."""
@@ -90,6 +92,8 @@ class EnginesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     cache_root: str | None = None  # default: ~/.cache
     startup_timeout_s: float = 1200.0
     extra_env: dict[str, str] = {}
+    programs: dict[str, str] = {}  # process runtime: engine -> program (default: found on PATH)
+    gpu: bool = True  # request the GPU for vllm/llamacpp/sglang containers
 
 
 class LiteLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -219,3 +223,9 @@ def _check(config: Config, where: str) -> None:
         "unix", "tcp", "http", "https", "npipe",
     ):  # fmt: skip
         raise ConfigError(f"{where}: runtime.docker_url must be unix://, tcp:// or http(s)://")
+    unknown = sorted(set(config.engines.programs) - set(PROGRAM_ENGINES))
+    if unknown:
+        raise ConfigError(
+            f"{where}: engines.programs has no engine {', '.join(unknown)}; "
+            f"expected {', '.join(PROGRAM_ENGINES)}"
+        )

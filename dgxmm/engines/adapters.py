@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ class EngineAdapter:
     caches: tuple[str, ...]  # directories under /root/.cache kept on the host
     env: tuple[tuple[str, str], ...]
     sleep_mode: bool  # serves GET /is_sleeping (vLLM; the sim may be a vLLM)
+    program: str  # argv[0] inside its image (docker runtime)
+    local_program: str  # argv[0] looked up on PATH (process runtime), unless configured
 
 
 ADAPTERS: dict[str, EngineAdapter] = {
@@ -63,6 +66,8 @@ ADAPTERS: dict[str, EngineAdapter] = {
             ("VLLM_CACHE_ROOT", f"{CONTAINER_CACHE}/vllm"),
         ),
         sleep_mode=True,
+        program="vllm",
+        local_program="vllm",
     ),
     "llamacpp": EngineAdapter(
         engine="llamacpp",
@@ -75,6 +80,8 @@ ADAPTERS: dict[str, EngineAdapter] = {
             ("LLAMA_CACHE", f"{CONTAINER_CACHE}/llama.cpp"),
         ),
         sleep_mode=False,
+        program="/app/llama-server",
+        local_program="llama-server",
     ),
     "sglang": EngineAdapter(
         engine="sglang",
@@ -84,6 +91,8 @@ ADAPTERS: dict[str, EngineAdapter] = {
         caches=("huggingface",),
         env=(("HF_HOME", f"{CONTAINER_CACHE}/huggingface"),),
         sleep_mode=False,
+        program="python3",
+        local_program="python3",
     ),
     "sim": EngineAdapter(
         engine="sim",
@@ -93,6 +102,8 @@ ADAPTERS: dict[str, EngineAdapter] = {
         caches=(),
         env=(("PYTHONUNBUFFERED", "1"),),
         sleep_mode=True,
+        program="python3",  # `EngineSettings.sim_python` decides
+        local_program="python3",
     ),
 }
 
@@ -107,9 +118,39 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     cache_root: str = DEFAULT_CACHE_ROOT  # host directory holding huggingface/, vllm/, ...
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     extra_env: dict[str, str] = {}  # e.g. HF_TOKEN, added to every engine
+    # Process runtime: engines run on this host, their programs found on PATH unless
+    # `programs` names them (engine -> path).  Docker: the image's own path, always.
+    local: bool = False
+    programs: dict[str, str] = {}
+    gpu: bool = True  # False: no GPU request even for GPU engines (a host without one)
 
 
 DEFAULT_SETTINGS = EngineSettings()
+
+
+def program(engine: str, settings: EngineSettings = DEFAULT_SETTINGS) -> str:
+    """The engine's argv[0]: its path in the image, or the configured / PATH-found program."""
+    spec = adapter(engine)
+    if engine == "sim":
+        return settings.sim_python
+    if not settings.local:
+        return spec.program
+    return settings.programs.get(engine) or spec.local_program
+
+
+def program_problem(engine: str, argv0: str, path: str | None = None) -> str | None:
+    """Why `argv0` cannot run on this host (None if it can); says which key to set.
+
+    `path` is the PATH it is looked up on (default: this process's).
+    """
+    found = shutil.which(argv0, path=path)
+    if found is not None:
+        return None
+    key = f'[engines] programs = {{{engine} = "/path/to/{os.path.basename(argv0)}"}}'
+    if os.sep in argv0:
+        why = "not an executable file" if os.path.exists(argv0) else "no such file"
+        return f"cannot run {argv0!r}: {why}; fix {key} in the configuration"
+    return f"cannot run {argv0!r}: not found on PATH; install it or set {key} in the configuration"
 
 
 def adapter(engine: str) -> EngineAdapter:
@@ -141,15 +182,16 @@ def command_line(
     user = list(args)
     match engine:
         case "vllm":
-            return ["vllm", "serve", model, *listen, *user]
+            return [program(engine, settings), "serve", model, *listen, *user]
         case "llamacpp":
             local = model.startswith(("/", "./")) or model.endswith(".gguf")
             metrics = [] if _has_flag(args, "--metrics") else ["--metrics"]
-            return ["/app/llama-server", "-m" if local else "-hf", model, *listen, *metrics, *user]
+            argv0 = program(engine, settings)
+            return [argv0, "-m" if local else "-hf", model, *listen, *metrics, *user]
         case "sglang":
             metrics = [] if _has_flag(args, "--enable-metrics") else ["--enable-metrics"]
-            launch = ["python3", "-m", "sglang.launch_server", "--model-path", model]
-            return [*launch, *listen, *metrics, *user]
+            launch = [program(engine, settings), "-m", "sglang.launch_server"]
+            return [*launch, "--model-path", model, *listen, *metrics, *user]
         case _:
             flavour = (
                 []
@@ -173,22 +215,27 @@ def launch_spec(
     args: Sequence[str] = (),
     *,
     port: int | None = None,
+    image: str | None = None,
     settings: EngineSettings = DEFAULT_SETTINGS,
 ) -> LaunchSpec:
     """Everything a runtime needs to start `model` on `engine` for one deployment.
 
     `port` overrides the adapter's container port (docker); the process runtime picks its own.
+    `image` (the deployment's own) overrides the configured and the default image.
     """
     spec = adapter(engine)
     env = dict(spec.env)
     if engine == "vllm" and _has_flag(args, "--enable-sleep-mode"):
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up, /is_sleeping
     env.update(settings.extra_env)
-    image = settings.sim_image if engine == "sim" else settings.images.get(engine, spec.image)
+    if image is None:
+        image = settings.sim_image if engine == "sim" else settings.images.get(engine, spec.image)
     volumes = {
         os.path.join(settings.cache_root, cache): f"{CONTAINER_CACHE}/{cache}"
         for cache in spec.caches
     }
+    # A model given by its absolute host path is visible in the container at the same path.
+    model_mount = {} if engine == "sim" or settings.local else _model_mount(model)
     return LaunchSpec(
         deployment_id=deployment_id,
         name=name,
@@ -198,10 +245,21 @@ def launch_spec(
         port=port or spec.port,
         env=env,
         memory_bytes=memory_bytes,
-        gpu=spec.gpu,
+        gpu=spec.gpu and settings.gpu,
         volumes=volumes,
+        read_only_volumes=model_mount,
         startup_timeout_s=settings.startup_timeout_s,
     )
+
+
+def _model_mount(model: str) -> dict[str, str]:
+    """The read-only bind that shows a host model path in a container: a file's directory
+    (`/models/gemma.gguf` -> `/models`), or the model directory itself."""
+    if not os.path.isabs(model):
+        return {}  # a hub id or a path inside the image
+    path = os.path.normpath(model)
+    where = os.path.dirname(path) if os.path.splitext(path)[1] else path
+    return {} if where == "/" else {where: where}
 
 
 # --------------------------------------------------------------------------- parsers
@@ -427,5 +485,6 @@ def launch_spec_for(
         dep.model,
         dep.memory_bytes,
         dep.args,
+        image=dep.image,
         settings=settings,
     )

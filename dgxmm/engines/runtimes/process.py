@@ -1,7 +1,9 @@
 """Process runtime: each engine is a local subprocess (hosts without Docker, and tests).
 
 How it runs an engine:
-- `spec.argv` is executed as is (no shell) after placeholder expansion (see `runtimes`):
+- `spec.argv` is executed as is (no shell) after placeholder expansion (see `runtimes`); its
+  program is looked up on PATH, and a missing one fails the launch with a message naming the
+  `[engines] programs` key to set (`dgxmm.engines.adapters.program_problem`).  Placeholders:
   `{host}` becomes the runtime's host (127.0.0.1 by default); `{port}` a free TCP port the
   runtime picks there.  Without a `{port}` in argv or env, the engine is taken to listen on
   `spec.port` (the caller chose it, e.g. with `dgxmm.engines.runtimes.free_port()`), which must be
@@ -40,6 +42,7 @@ import structlog
 
 from actors.errors import RuntimeFailure
 from actors.ports import EngineHandle, LaunchSpec
+from dgxmm.engines.adapters import program_problem
 from dgxmm.engines.runtimes import (
     expand_argv,
     expand_env,
@@ -145,6 +148,9 @@ class ProcessRuntime:
             port = spec.port
         argv = expand_argv(spec.argv, host=self._host, port=port)
         env = {**os.environ, **expand_env(spec.env, host=self._host, port=port)}
+        problem = program_problem(spec.engine, argv[0], env.get("PATH", os.defpath))
+        if problem is not None:
+            raise RuntimeFailure(f"deployment {spec.deployment_id}: {problem}")
         log_path = self.log_path(spec.deployment_id)
         try:
             log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -216,6 +222,18 @@ class ProcessRuntime:
         if not running:
             await self._reap(pid)
         return running
+
+    async def wait_exited(self, handle: EngineHandle) -> None:
+        """Return once the engine's process has exited: our child's exit, else its pidfd."""
+        pid = _pid_of(handle)
+        record = next((r for r in self._load_state().engines if r.pid == pid), None)
+        if record is None:
+            return
+        proc = self._children.get(pid)
+        if proc is not None:
+            await proc.wait()
+        else:
+            await _wait_pid_exit(record)
 
     async def list_engines(self) -> list[EngineHandle]:
         """Engines started by this runtime (or a previous one on this data dir) still running."""

@@ -18,6 +18,13 @@ PYTEST_ARGS ?=
 LITELLM_BIN ?= $(CURDIR)/.venv-litellm/bin/litellm
 export LITELLM_BIN
 
+# The real llama.cpp engine and its model (scripts/build-llama-server caches them outside the
+# repository); the real-engine tests read LLAMA_SERVER and LLAMA_MODEL.
+LLAMA_PATHS := $(shell scripts/build-llama-server --print 2>/dev/null)
+LLAMA_SERVER ?= $(patsubst LLAMA_SERVER=%,%,$(filter LLAMA_SERVER=%,$(LLAMA_PATHS)))
+LLAMA_MODEL ?= $(patsubst LLAMA_MODEL=%,%,$(filter LLAMA_MODEL=%,$(LLAMA_PATHS)))
+export LLAMA_SERVER LLAMA_MODEL
+
 .PHONY: help demo test lint bootstrap venv
 
 help:

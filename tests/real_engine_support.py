@@ -252,6 +252,8 @@ class Serve:
     build: LlamaBuild
     total_gib: float = 8.0
     extra_config: str = ""
+    programs: bool = True  # name the built llama-server in [engines] programs
+    path: str | None = None  # PATH of DGXMM (and of its engines); default: the test's
     proc: subprocess.Popen[bytes] | None = None
     admin_port: int = 0
     gateway_port: int = 0
@@ -274,7 +276,7 @@ class Serve:
     def config_text(self) -> str:
         """The TOML configuration this DGXMM runs with."""
         images = f'images = {{llamacpp = "{LLAMA_IMAGE}"}}\n' if self.runtime == "docker" else ""
-        programs = f'programs = {{llamacpp = "{self.build.server}"}}\n'
+        programs = f'programs = {{llamacpp = "{self.build.server}"}}\n' if self.programs else ""
         return (
             "[server]\n"
             f'data_dir = "{self.data_dir}"\n'
@@ -296,7 +298,7 @@ class Serve:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dgxmm.cli", "serve", "--config", str(config)],
             cwd=self.workdir,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env=self._env(),
             stdout=subprocess.PIPE,
             stderr=log,
         )
@@ -318,6 +320,12 @@ class Serve:
         self.cookie = login.headers["set-cookie"].split(";", 1)[0]
         self.csrf = login.json()["csrf_token"]
         return self
+
+    def _env(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        if self.path is not None:
+            env["PATH"] = self.path
+        return env
 
     def _read_banner(self) -> str:
         assert self.proc is not None and self.proc.stdout is not None

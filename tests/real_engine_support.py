@@ -374,19 +374,29 @@ class Serve:
         assert got.status in (200, 201, 202), (method, path, got.status, got.body)
         return got.json()
 
-    def deploy(self, name: str, *, memory_gib: float = 1.0, mode: str = "on_demand") -> str:
-        """Create a llama.cpp deployment of the Gemma model; its id."""
+    def deploy(
+        self,
+        name: str,
+        *,
+        memory_gib: float = 1.0,
+        mode: str = "on_demand",
+        engine: str = "llamacpp",
+        model: str | None = None,
+        args: list[str] | None = None,
+        idle_timeout_s: int = 60,
+    ) -> str:
+        """Create a deployment (default: llama.cpp serving the Gemma model); its id."""
         created = self.api(
             "POST",
             "/deployments",
             {
                 "name": name,
-                "engine": "llamacpp",
-                "model": str(self.build.model),
+                "engine": engine,
+                "model": model or str(self.build.model),
                 "memory_gib": memory_gib,
                 "mode": mode,
-                "idle_timeout_s": 60,
-                "args": ENGINE_ARGS,
+                "idle_timeout_s": idle_timeout_s,
+                "args": ENGINE_ARGS if args is None else args,
             },
         )
         dep_id = str(created.get("id") or created["deployment"]["id"])

@@ -116,6 +116,15 @@ def docker_containers_of(deployment_id: str) -> list[str]:
     return out.stdout.split()
 
 
+def remove_containers_of(deployment_ids: Iterable[str]) -> None:
+    """`docker rm -f` every container (running or not) of these deployments."""
+    for dep_id in deployment_ids:
+        for container in docker_containers_of(dep_id):
+            subprocess.run(
+                ["docker", "rm", "-f", container], capture_output=True, timeout=60, check=False
+            )
+
+
 class OwnedDockerRuntime(DockerRuntime):
     """The real docker runtime, seeing only the containers of deployments this box knows.
 
@@ -284,14 +293,7 @@ class Box:
 
     def _remove_engines(self) -> None:
         if self.kind == "docker":
-            for dep_id in self.owned:
-                for container in docker_containers_of(dep_id):
-                    subprocess.run(
-                        ["docker", "rm", "-f", container],
-                        capture_output=True,
-                        timeout=60,
-                        check=False,
-                    )
+            remove_containers_of(self.owned)
             return
         state = self.root / "engines" / "process-engines.json"
         if not state.exists():

@@ -35,7 +35,8 @@ from typing import Any, Literal
 
 import pytest
 
-from tests.e2e_support import docker_containers_of, docker_problem
+from tests.e2e_support import docker_problem, remove_containers_of
+from tests.litellm_support import Response, http_request
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_IMAGE = "dgxmm-llama:local"
@@ -126,19 +127,6 @@ def poll(predicate: Callable[[], Any], what: str, timeout_s: float = READY_S) ->
 # --- HTTP ------------------------------------------------------------------------------------
 
 
-@dataclass
-class Answer:
-    """A whole HTTP answer."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        """The body as JSON."""
-        return json.loads(self.body)
-
-
 def call(
     port: int,
     method: str,
@@ -146,17 +134,9 @@ def call(
     body: object | None = None,
     headers: dict[str, str] | None = None,
     timeout_s: float = READY_S,
-) -> Answer:
+) -> Response:
     """One request to 127.0.0.1:`port` on a fresh connection; the whole answer."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        sent = {"content-type": "application/json"} if data is not None else {}
-        conn.request(method, path, body=data, headers={**sent, **(headers or {})})
-        got = conn.getresponse()
-        return Answer(got.status, {k.lower(): v for k, v in got.getheaders()}, got.read())
-    finally:
-        conn.close()
+    return http_request(f"http://127.0.0.1:{port}", method, path, body, headers, timeout_s)
 
 
 class SseStream:
@@ -420,6 +400,12 @@ class Serve:
             timeout_s,
         )
 
+    def chat(self, name: str) -> Response:
+        """A short non-streaming chat completion for `name` through the gateway."""
+        return call(
+            self.gateway_port, "POST", self.gateway_path(name), chat_body(name, stream=False)
+        )
+
     def gateway_path(self, name: str, endpoint: str = "chat/completions") -> str:
         """The gateway path LiteLLM would call for `name`."""
         return f"/d/{self.deployments[name]}/v1/{endpoint}"
@@ -505,14 +491,7 @@ class Serve:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(int(record["pid"]), signal.SIGKILL)
         if self.runtime == "docker":
-            for dep_id in self.deployments.values():
-                for container in docker_containers_of(dep_id):
-                    subprocess.run(
-                        ["docker", "rm", "-f", container],
-                        capture_output=True,
-                        timeout=60,
-                        check=False,
-                    )
+            remove_containers_of(self.deployments.values())
 
 
 @contextlib.contextmanager

@@ -72,12 +72,7 @@ def test_a_cold_start_through_the_gateway_gives_real_tokens_and_the_engines_stre
 ) -> None:
     with serving(tmp_path, runtime) as serve:
         ready_then_asleep(serve, "gemma")
-        answer = call(
-            serve.gateway_port,
-            "POST",
-            serve.gateway_path("gemma"),
-            chat_body("gemma", stream=False),
-        )
+        answer = serve.chat("gemma")
         assert answer.status == 200, answer.body
         assert_real_tokens(answer.json(), serve)
         assert serve.state("gemma") == "ready"
@@ -103,12 +98,7 @@ def test_a_direct_call_keeps_a_real_engine_awake_while_a_queued_model_waits_then
         serve.wait_state("first", "ready")
         serve.deploy("second")  # 1 + 1 GiB > 1.5: it stays stopped
         assert serve.state("second") == "stopped"
-        used = call(
-            serve.gateway_port,
-            "POST",
-            serve.gateway_path("first"),
-            chat_body("first", stream=False),
-        )
+        used = serve.chat("first")
         assert used.status == 200, used.body
         last_use = time.monotonic()
 
@@ -180,12 +170,7 @@ def test_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_starts_
         assert error["error"]["message"], error
 
         serve.wait_state("gemma", "stopped", "failed")
-        answer = call(
-            serve.gateway_port,
-            "POST",
-            serve.gateway_path("gemma"),
-            chat_body("gemma", stream=False),
-        )
+        answer = serve.chat("gemma")
         assert answer.status == 200, answer.body
         assert_real_tokens(answer.json(), serve)
         assert serve.state("gemma") == "ready"
@@ -207,7 +192,10 @@ def test_a_request_through_a_real_litellm_for_a_sleeping_real_model_gets_real_to
     )
     with serving(tmp_path, runtime, extra_config=extra) as serve:
         ready_then_asleep(serve, "gemma")
-        poll(lambda: "gemma" in litellm_config.read_text(), "DGXMM to write LiteLLM's config")
+        poll(
+            lambda: litellm_config.exists() and "gemma" in litellm_config.read_text(),
+            "DGXMM to write LiteLLM's config",
+        )
         proxy.start()
         try:
             poll(lambda: models_of(proxy) and "gemma" in models_of(proxy), "LiteLLM to list gemma")

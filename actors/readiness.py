@@ -8,8 +8,11 @@ vLLM load of several minutes costs one cheap `GET /health` a second.  The detect
 stays under about 2.5 % of the start time after the first seconds.
 
 Probes fall on a grid of the engine's age (multiples of the current period), so a long start
-is probed at whole seconds of age, as it always was; the tests' virtual clocks rely on that.
-`next_probe_age` is the schedule, a pure function of the age.
+is probed at whole seconds of age, as it always was.  `next_probe_age` is the schedule, a pure
+function of the age.  A probe may bring its own schedule (an attribute `probe_schedule`, same
+signature): the simulated engines of the virtual-clock harness become ready at known virtual
+instants, so their probe asks on whole seconds (`whole_seconds`) and a simulated hour stays
+cheap; the real probe keeps the default.
 
 An engine that exits while loading is noticed at once, not at the next probe: the wait races
 every probe and every pause against `Runtime.wait_exited` (a pidfd or the child's exit for
@@ -25,7 +28,7 @@ import contextlib
 import enum
 import functools
 import math
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import structlog
@@ -59,6 +62,14 @@ def next_probe_age(age_s: float) -> float:
     return (math.floor(age_s / period + 1e-9) + 1) * period
 
 
+def whole_seconds(age_s: float) -> float:
+    """A coarse schedule: the next whole second of age."""
+    return float(math.floor(age_s + 1e-9) + 1)
+
+
+Schedule = Callable[[float], float]
+
+
 class BootOutcome(enum.Enum):
     """How waiting for an engine ended."""
 
@@ -76,8 +87,13 @@ async def wait_until_ready(
     handle: EngineHandle,
     launched_at: float,
     deadline: float,
+    schedule: Schedule | None = None,
 ) -> BootOutcome:
-    """Probe `handle` on the schedule until it is ready, exits, or `deadline` passes."""
+    """Probe `handle` on the schedule until it is ready, exits, or `deadline` passes.
+
+    `schedule`: default the probe's own `probe_schedule` if it has one, else `next_probe_age`.
+    """
+    next_age: Schedule = schedule or getattr(probe, "probe_schedule", None) or next_probe_age
     exited: asyncio.Future[None] = asyncio.ensure_future(runtime.wait_exited(handle))
     exited.add_done_callback(functools.partial(_log_watch_failure, handle))
     try:
@@ -94,7 +110,7 @@ async def wait_until_ready(
             now = clock.now()
             if now >= deadline:
                 return BootOutcome.TIMED_OUT
-            pause = min(launched_at + next_probe_age(now - launched_at) - now, deadline - now)
+            pause = min(launched_at + next_age(now - launched_at) - now, deadline - now)
             pause = max(0.0, pause) + SLACK_S
             if await _race(exited, _slept(clock, pause)) is None:
                 return BootOutcome.EXITED

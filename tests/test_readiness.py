@@ -26,6 +26,7 @@ from actors.readiness import (
     next_probe_age,
     probe_interval_s,
     wait_until_ready,
+    whole_seconds,
 )
 from actors.runtime import VirtualClock
 from dgxmm.engines.adapters import HttpEngineProbe
@@ -69,6 +70,12 @@ def test_probes_fall_on_a_grid_of_the_age_so_a_long_start_is_probed_at_whole_sec
     assert 30.0 in [round(p, 9) for p in probes]
 
 
+def test_the_simulated_probe_asks_on_whole_seconds_to_keep_simulations_cheap() -> None:
+    assert SimProbe.probe_schedule(0.0) == 1.0
+    assert SimProbe.probe_schedule(29.000001) == 30.0
+    assert whole_seconds(30.0) == 31.0
+
+
 def test_the_next_probe_is_strictly_later_even_on_a_grid_point() -> None:
     for age in (0.0, 0.025, 5.0, 10.0, 40.0, 41.0, 1000.0):
         assert age < next_probe_age(age) <= age + probe_interval_s(age) + 1e-9
@@ -104,6 +111,7 @@ def _wait(
             handle=handle,
             launched_at=clock.now(),
             deadline=clock.now() + deadline,
+            schedule=next_probe_age,  # the real schedule, not the simulated probe's own
         )
     )
 

@@ -177,7 +177,7 @@ def test_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_starts_
 
 
 @pytest.mark.litellm
-@pytest.mark.timeout(600)  # LiteLLM alone takes 13 s to start on an idle machine, minutes on a busy one
+@pytest.mark.timeout(600)  # LiteLLM starts in 13 s on an idle machine, minutes on a busy one
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_a_request_through_a_real_litellm_for_a_sleeping_real_model_gets_real_tokens(
     tmp_path: Path, runtime: RuntimeKind, monkeypatch: pytest.MonkeyPatch

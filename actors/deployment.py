@@ -31,7 +31,7 @@ import structlog
 
 from actors.errors import ActorError, CommandRefused, RuntimeFailure
 from actors.memory_broker import Candidate, MemoryBroker, gib
-from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Runtime
+from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
 from actors.readiness import BootOutcome, wait_until_ready
 from actors.runtime import Actor, Clock, TimerHandle
 from events import model as m

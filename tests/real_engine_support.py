@@ -290,14 +290,18 @@ class Serve:
         assert admin and gateway and password, self.banner
         self.admin_port, self.gateway_port = int(admin[1]), int(gateway[1])
         self.password = password[1]
-        login = call(
-            self.admin_port,
-            "POST",
-            "/dgxmm/api/login",
-            {"name": "admin", "password": self.password},
-        )
+        # Several Set-Cookie headers (the session and a "known client" one): read them all.
+        conn = http.client.HTTPConnection("127.0.0.1", self.admin_port, timeout=READY_S)
+        try:
+            body = json.dumps({"name": "admin", "password": self.password}).encode()
+            conn.request("POST", "/dgxmm/api/login", body, {"content-type": "application/json"})
+            answer = conn.getresponse()
+            login = Response(answer.status, {}, answer.read())
+            cookies = [v for k, v in answer.getheaders() if k.lower() == "set-cookie"]
+        finally:
+            conn.close()
         assert login.status == 200, login.body
-        self.cookie = login.headers["set-cookie"].split(";", 1)[0]
+        self.cookie = next(c.split(";", 1)[0] for c in cookies if c.startswith("dgxmm_session="))
         self.csrf = login.json()["csrf_token"]
         return self
 

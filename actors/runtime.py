@@ -265,6 +265,11 @@ class Actor:
         """Whether the actor serves its mailbox."""
         return self._task is not None and not self._stopped
 
+    @property
+    def busy(self) -> bool:
+        """Whether a handler is under way (it may be awaiting I/O or a timer)."""
+        return self._current is not None
+
     # --- messaging -----------------------------------------------------------------------
 
     def tell(self, message: Any) -> None:

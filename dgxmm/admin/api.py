@@ -54,7 +54,12 @@ MAX_BODY_BYTES = 1024 * 1024
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder()
 
-_SERVER_CODES = {400: "bad_request", 408: "request_timeout", 413: "request_too_large"}
+_SERVER_CODES = {
+    400: "bad_request",
+    408: "request_timeout",
+    413: "request_too_large",
+    501: "not_implemented",
+}
 
 
 class Access(enum.Enum):

@@ -95,6 +95,8 @@ class DeploymentRecord(msgspec.Struct, frozen=True, kw_only=True):
     args: list[str]
     make_room_after_s: int | None = None
     effective_make_room_after_s: int = 0
+    # Why a deployment created (or started by an admin) did not start, until it starts.
+    not_started: str | None = None
 
 
 class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +163,7 @@ class Controller:
         )
         self.queue.on_change = self._on_queue_change
         self._listeners: list[Callable[[str, str], None]] = []
+        self._not_started: dict[str, str] = {}  # deployment id -> why it did not start
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -402,6 +405,8 @@ class Controller:
                 log.exception("listener_failed")
 
     def _on_changed(self, dep: DeploymentState, outcome: str | None, detail: str) -> None:
+        if dep.lifecycle is not Lifecycle.STOPPED or outcome == "removed":
+            self._not_started.pop(dep.deployment_id, None)
         self.queue.deployment_changed(dep.deployment_id, outcome, detail)
         if outcome == "removed":
             actor = self.actors.pop(dep.deployment_id, None)
@@ -469,12 +474,18 @@ class Controller:
             await dep_actor.ask(StartDeployment(reason="admin", actor=actor))
         except Refusal as exc:
             log.info("created_not_started", deployment=dep_id, reason=exc.message)
+            self._not_started[dep_id] = exc.message
         return self.record(dep_actor)
 
     async def start(self, deployment_id: str, actor: str) -> DeploymentRecord:
         """An administrator's Start (also resets a failed deployment's backoff)."""
         dep_actor = self._actor(deployment_id)
-        await dep_actor.ask(StartDeployment(reason="admin", actor=actor))
+        try:
+            await dep_actor.ask(StartDeployment(reason="admin", actor=actor))
+        except Refusal as exc:
+            if dep_actor.state.lifecycle is Lifecycle.STOPPED:
+                self._not_started[deployment_id] = exc.message
+            raise
         return self.record(dep_actor)
 
     async def stop(self, deployment_id: str, actor: str) -> DeploymentRecord:
@@ -594,6 +605,7 @@ class Controller:
             effective_make_room_after_s=dep.effective_make_room_after_s(
                 default_idle, self.default_make_room_s()
             ),
+            not_started=self._not_started.get(dep.deployment_id),
         )
 
     def records(self) -> list[DeploymentRecord]:

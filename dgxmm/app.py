@@ -232,6 +232,7 @@ class App:
         auth = Auth(self.controller, self.store, self.clock, auth_config, secret=secret)
         bridge = self.litellm
         gateway = self.gateway
+        ops, latencies = self._operators()
         api = AdminApi(
             controller=self.controller,
             store=self.store,
@@ -242,10 +243,50 @@ class App:
             litellm_configure=(bridge.configure if bridge else None),
             web_root=WEB_ROOT if WEB_ROOT.is_dir() else None,
             gateway_statistics=(gateway.statistics if gateway else None),
+            metrics_public=cfg.server.metrics_public,
+            ops=ops,
+            latencies=latencies,
         )
+        ops.admin_server = lambda: api.server
         self.api = api
         self.admin = await api.serve(
             cfg.server.admin_host, cfg.server.admin_port, _http_config(cfg, api.max_body_bytes)
+        )
+        auth.local_token = await asyncio.to_thread(
+            write_cli_file, Path(cfg.server.data_dir), cfg.server.admin_host, self.admin.port
+        )
+
+    def _operators(self) -> tuple[Any, Any]:
+        """Engine logs, start progress, the queue, /healthz, and the latency histograms."""
+        from dgxmm.admin.histograms import Latencies
+        from dgxmm.admin.ops import OpsApi
+        from dgxmm.engines.logs import EngineLogs, Redactor
+
+        controller, store, gateway = self.controller, self.store, self.gateway
+        assert controller is not None and store is not None
+        latencies = Latencies()
+        store.add_listener(latencies.recorded)
+        if gateway is not None:
+            gateway.on_first_byte = latencies.first_byte.observe
+
+        def handle_of(deployment_id: str) -> Any:
+            actor = controller.actors.get(deployment_id)
+            return actor.engine_handle if actor is not None else None
+
+        logs = None
+        if self.runtime is not None:
+            redactor = Redactor(self.config.engines.extra_env.values())
+            logs = EngineLogs(self.runtime, redactor, handle_of=handle_of)
+        cfg = self.config.server
+
+        def gateway_address() -> tuple[str, int] | None:
+            server = gateway.server if gateway is not None else None
+            if server is None or server.closing:
+                return None
+            return cfg.gateway_host, server.port
+
+        return OpsApi(controller, store, self.clock, logs, gateway_address=gateway_address), (
+            latencies
         )
 
     def _demo_password(self, created: str | None) -> str | None:
@@ -340,6 +381,38 @@ def _http_config(cfg: Config, max_body_bytes: int) -> HTTPConfig:
         body_timeout_s=cfg.server.body_timeout_s,
         fast_path=cfg.server.gateway_fast_path,
     )
+
+
+CLI_FILE = "cli.json"
+
+
+def write_cli_file(data_dir: Path, host: str, port: int) -> str:
+    """Write `<data_dir>/cli.json` (mode 0600): the admin address and a fresh token for the
+    CLI on this box (`dgxmm ps`, `start`, `stop`, `logs`); returns the token.
+
+    Only the owner of the data dir (root, or the service user) can read it, so an operator
+    on the box needs no login; the token lives in this file and in memory, never in the log,
+    and a restart replaces it.
+    """
+    import json
+    import os
+    import secrets
+
+    token = "dgxmm_local_" + secrets.token_urlsafe(32)
+    shown = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    body = json.dumps({"url": f"http://{shown}:{port}", "token": token, "pid": os.getpid()})
+    path = data_dir / CLI_FILE
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, body.encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
 
 
 async def _step(what: str, work: Awaitable[Any]) -> None:

@@ -50,6 +50,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     gateway_fast_path: bool = True  # plainly valid request heads skip h11 (both listeners)
     cookie_secure: bool = False  # mark the session cookie Secure (DGXMM behind HTTPS)
     shutdown_grace_s: float = 30.0  # on SIGTERM, how long answers in flight may still run
+    metrics_public: bool = False  # /metrics without a login, for clients on loopback only
 
     @property
     def db_path(self) -> Path:

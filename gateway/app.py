@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from gateway.upstream import UpstreamConfig, UpstreamPool, UpstreamResponse
 log = structlog.get_logger("gateway")
 
 STATE_HEADER = b"x-dgxmm-ondemand-state"
+# Every answer names its request: the id queue events record, so `dgxmm replay --request`
+# finds a complaint's story.  Ids start at the wall clock's microsecond count, so they stay
+# unique across restarts (unless a run averaged a million requests a second).
+REQUEST_ID_HEADER = b"x-dgxmm-request-id"
 # Request headers never passed to an engine: hop-by-hop ones, Host and Content-Length (the
 # pool sets them), Expect (the body is already complete: no 100-continue upstream), the probe.
 _DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-dgxmm-health-check"}
@@ -93,6 +98,8 @@ class Gateway:
         self.engine_failures = 0
         self.closing = False  # set by `shutdown`: cut streams say why
         self._answers: set[UpstreamResponse] = set()  # engines' answers being relayed
+        # Called with (deployment id, seconds from arrival to the engine's answer head).
+        self.on_first_byte: Callable[[str, float], None] | None = None
 
     # --- serving -------------------------------------------------------------------------
 
@@ -102,6 +109,8 @@ class Gateway:
         """Start an HTTP server for the gateway; returns it (see `HTTPServer.port`)."""
         server_config = config or ServerConfig(max_body_bytes=self.config.max_body_bytes)
         server = HTTPServer(self.handle, server_config, render_error=self.render_error)
+        server.request_id_header = REQUEST_ID_HEADER
+        server.request_ids = itertools.count(int(time.time()) * 1_000_000)
         await server.start(host, port)
         self.server = server
         return server
@@ -210,6 +219,7 @@ class Gateway:
         route: Route,
         target: bytes,
     ) -> None:
+        arrived = time.monotonic()
         body = await request.read_body()
         if route.health_check:
             if view.mode == "always_on" and view.state != "failed":
@@ -224,12 +234,13 @@ class Gateway:
                 await self._relay(
                     handle.host, handle.port, request, body, responder, view, target,
                     _Mode.PASS, route.endpoint,
+                    arrived=arrived,
                 )  # fmt: skip
             finally:
                 lease.release()
             self.relayed += 1
             return
-        await self._wait_then_relay(request, responder, view, route, body, target)
+        await self._wait_then_relay(request, responder, view, route, body, target, arrived)
 
     async def _health(
         self, responder: Responder, view: DeploymentView, route: Route, body: bytes
@@ -286,6 +297,7 @@ class Gateway:
         route: Route,
         body: bytes,
         target: bytes,
+        arrived: float = 0.0,
     ) -> None:
         endpoint = route.endpoint
         traits = body_traits(endpoint, body)
@@ -340,8 +352,9 @@ class Gateway:
                 mode = _Mode.PASS
             handle = lease.handle
             await self._relay(
-                handle.host, handle.port, request, body, responder, view, target, mode, endpoint
-            )
+                handle.host, handle.port, request, body, responder, view, target, mode, endpoint,
+                arrived=arrived,
+            )  # fmt: skip
         finally:
             lease.release()
 
@@ -390,6 +403,8 @@ class Gateway:
         target: bytes,
         mode: _Mode = _Mode.PASS,
         endpoint: Endpoint | None = None,
+        *,
+        arrived: float = 0.0,
     ) -> None:
         headers = strip_hop_by_hop(request.headers, _DROP_REQUEST)
         try:
@@ -411,6 +426,8 @@ class Gateway:
                 await _reply(responder, reply)
             return
         self._answers.add(answer)
+        if arrived and self.on_first_byte is not None:
+            self.on_first_byte(view.deployment_id, time.monotonic() - arrived)
         try:
             if mode is _Mode.PASS:
                 await self._pass(answer, responder, view, endpoint)

@@ -202,8 +202,11 @@ class Responder:
         """Begin the response; nothing is written until `send`, `end` or `flush`."""
         if self.started:
             raise ResponseStateError("response already started")
-        if self._conn.server.closing:
+        server = self._conn.server
+        if server.closing:
             headers = [*headers, (b"connection", b"close")]
+        if server.request_id_header is not None and self._conn.request is not None:
+            headers = [*headers, (server.request_id_header, b"%d" % self._conn.request.request_id)]
         self._pending = self._conn.session.response_head(status, headers, reason, checked)
         self.started = True
 
@@ -653,6 +656,7 @@ class HTTPServer:
         self.render_error = render_error
         self.closing = False
         self.request_ids = itertools.count(1)
+        self.request_id_header: bytes | None = None  # set: every answer names its request id
         self.requests_total = 0
         self.requests_active = 0
         self.clients_gone = 0

@@ -37,6 +37,8 @@ from dgxmm.admin.accounts import AccountRoutes
 from dgxmm.admin.auth import Auth, AuthError, Principal
 from dgxmm.admin.errors import ApiError, error_body, from_refusal
 from dgxmm.admin.guards import MAX_JSON_DEPTH, json_too_deep, memory_problem, redact_record
+from dgxmm.admin.histograms import Latencies
+from dgxmm.admin.ops import LOG_TAIL_DEFAULT, LOG_TAIL_MAX, OpsApi
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
 from dgxmm.config import http_url_problem
 from dgxmm.litellm.sync import HINT
@@ -109,6 +111,10 @@ ROUTES: tuple[Route, ...] = (
     Route("PATCH", ("litellm",), "litellm_configure", Access.ADMIN),
     Route("POST", ("litellm", "sync"), "litellm_sync", Access.ADMIN),
     Route("GET", ("events", "stream"), "event_stream", Access.VIEWER),
+    # Operators' routes (dgxmm/admin/ops.py).
+    Route("GET", ("deployments", "{id}", "logs"), "deployment_logs", Access.VIEWER),
+    Route("GET", ("deployments", "{id}", "progress"), "deployment_progress", Access.VIEWER),
+    Route("GET", ("queue",), "queue", Access.VIEWER),
 )
 
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -248,6 +254,8 @@ class AdminApi:
         metrics_public: bool = False,
         max_body_bytes: int = MAX_BODY_BYTES,
         hub_config: HubConfig | None = None,
+        ops: OpsApi | None = None,
+        latencies: Latencies | None = None,
     ) -> None:
         self.controller = controller
         self.store = store
@@ -259,6 +267,8 @@ class AdminApi:
         self.web_root = web_root.resolve() if web_root is not None else None
         self.gateway_statistics = gateway_statistics
         self.metrics_public = metrics_public
+        self.ops = ops or OpsApi(controller, store, clock, None, admin_server=lambda: self.server)
+        self.latencies = latencies
         self.max_body_bytes = max_body_bytes
         self.hub = EventHub(controller, clock, hub_config)
         self.accounts = AccountRoutes(auth, store)
@@ -309,6 +319,9 @@ class AdminApi:
             rest = path[len("/api") :]
         elif path == "/metrics":
             await self._metrics(request, responder)
+            return
+        elif path == "/healthz":
+            await self._healthz(request, responder)
             return
         elif path in ("/", "/dgxmm"):
             await self._send(responder, 308, b"", [(b"location", b"/dgxmm/")])
@@ -740,7 +753,7 @@ class AdminApi:
     async def _metrics(self, request: Request, responder: Responder) -> None:
         if request.method not in (b"GET", b"HEAD"):
             raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
-        if not self.metrics_public:
+        if not (self.metrics_public and _loopback(request.client)):
             try:
                 await self.auth.authenticate(request.headers)
             except AuthError as exc:
@@ -750,12 +763,38 @@ class AdminApi:
             gateway_statistics=self.gateway_statistics,
             extra=[*self._api_families(), *self._litellm_families()],
         )
+        if self.latencies is not None:
+            names = self._names()
+            text += self.latencies.render(lambda dep_id: names.get(dep_id, dep_id))
         await self._send(
             responder,
             200,
             text.encode(),
             [(b"content-type", metrics.CONTENT_TYPE), (b"cache-control", b"no-store")],
         )
+
+    # --- operators' routes (dgxmm/admin/ops.py) ----------------------------------------
+
+    async def _h_deployment_logs(self, call: _Call) -> Reply | None:
+        actor = self._actor(call)
+        tail = _int_query(call.query, "tail", LOG_TAIL_DEFAULT, 0, LOG_TAIL_MAX)
+        if call.query.get("follow") in ("1", "true", "yes"):
+            self.replies[200] += 1
+            await self.ops.log_follow(actor, tail, call.request, call.responder)
+            return None
+        return 200, await self.ops.log_tail(actor, tail)
+
+    async def _h_deployment_progress(self, call: _Call) -> Reply:
+        return 200, await self.ops.progress(self._actor(call))
+
+    async def _h_queue(self, call: _Call) -> Reply:
+        return 200, self.ops.queue()
+
+    async def _healthz(self, request: Request, responder: Responder) -> None:
+        if request.method not in (b"GET", b"HEAD"):
+            raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
+        status, data = await self.ops.health()
+        await self._send_json(responder, status, data)
 
     # --- static files --------------------------------------------------------------------
 
@@ -766,6 +805,14 @@ class AdminApi:
             raise ApiError(404, "not_found", "the web UI is not installed")
         body, headers = await static.read(self.web_root, rel)
         await self._send(responder, 200, body, headers)
+
+
+def _loopback(client: tuple[str, int] | None) -> bool:
+    """Whether the peer address is on this host (127.0.0.0/8 or ::1)."""
+    if client is None:
+        return False
+    host = client[0]
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1")
 
 
 def _from_auth(exc: AuthError) -> ApiError:

@@ -126,6 +126,7 @@ CSRF_HEADER = b"x-csrf-token"
 DEFAULT_DB = Path("dgxmm-data") / "dgxmm.db"
 ROLES = ("admin", "viewer")
 INVALID_LOGIN = "invalid name or password"
+LOCAL_USER = "local"  # the CLI on the box, through the token file of the running server
 
 
 def fold_users(records: Iterable[m.Recorded]) -> dict[str, UserRecord]:
@@ -235,6 +236,8 @@ class Auth:
         self._file_state: SystemState = EMPTY
         self._file_seq = 0
         self._lock = asyncio.Lock()
+        # The running server's own CLI token (`dgxmm ps` and friends), kept in memory only.
+        self.local_token: str | None = None
         self._dummy_hash = hash_password(secrets.token_urlsafe(16), n=self.config.scrypt_n)
         c = self.config
         self._by_name = Backoff(
@@ -457,6 +460,10 @@ class Auth:
         return Principal(user=user.name, role=user.role, via="session", session=session)
 
     async def _token_principal(self, token: str) -> Principal:
+        local = self.local_token
+        if local is not None and hmac.compare_digest(token.encode(), local.encode()):
+            self.stats["token_auths"] += 1
+            return Principal(user=LOCAL_USER, role="admin", via="token", token_id="local")
         parsed = parse_api_token(token)
         if parsed is None:
             raise AuthError(401, "invalid_token", "the API token is not valid")

@@ -37,9 +37,9 @@ import math
 import os
 import re
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiodocker
 import aiohttp
@@ -275,6 +275,30 @@ class DockerRuntime:
         except _NotFound:
             return ""
         return "\n".join("".join(chunks).splitlines()[-lines:])
+
+    async def logs_follow(self, deployment_id: str, lines: int) -> AsyncIterator[str]:
+        """The container's last `lines` lines, then what it writes, until it stops.
+
+        Text comes in the pieces Docker sends (not always whole lines).  RuntimeFailure
+        when there is no such container or the engine cannot be reached.
+        """
+        docker = self._docker()
+        container = docker.containers.container(container_name(deployment_id))
+        action = f"follow the logs of {container_name(deployment_id)}"
+        stream = container.log(
+            stdout=True, stderr=True, follow=True, tail=max(0, min(lines, _MAX_LOG_LINES))
+        )
+        try:
+            async for piece in stream:  # no deadline: a quiet engine writes nothing for hours
+                yield piece
+        except DockerError as exc:
+            if exc.status == 404:
+                raise _NotFound(f"docker: {action}: {_docker_message(exc)}") from exc
+            raise RuntimeFailure(f"docker: {action}: {_docker_message(exc)}") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise RuntimeFailure(f"docker: {action}: {exc or type(exc).__name__}") from exc
+        finally:
+            await cast(AsyncGenerator[str, None], stream).aclose()
 
     async def close(self) -> None:
         """Close the connection to the Docker engine; containers keep running."""

@@ -252,6 +252,8 @@ class App:
         self.admin = await api.serve(
             cfg.server.admin_host, cfg.server.admin_port, _http_config(cfg, api.max_body_bytes)
         )
+        from dgxmm.admin.client import write_cli_file
+
         auth.local_token = await asyncio.to_thread(
             write_cli_file, Path(cfg.server.data_dir), cfg.server.admin_host, self.admin.port
         )
@@ -347,6 +349,11 @@ class App:
         if self.controller is not None:
             self.controller.begin_shutdown()
         if self.api is not None:
+            from dgxmm.admin.client import remove_cli_file
+
+            await _step(
+                "cli_file", asyncio.to_thread(remove_cli_file, Path(self.config.server.data_dir))
+            )
             await _step("admin_api", self.api.close())  # ends the UI's streams, then the server
         elif self.admin is not None:
             await _step("admin_server", self.admin.shutdown(5.0))
@@ -381,38 +388,6 @@ def _http_config(cfg: Config, max_body_bytes: int) -> HTTPConfig:
         body_timeout_s=cfg.server.body_timeout_s,
         fast_path=cfg.server.gateway_fast_path,
     )
-
-
-CLI_FILE = "cli.json"
-
-
-def write_cli_file(data_dir: Path, host: str, port: int) -> str:
-    """Write `<data_dir>/cli.json` (mode 0600): the admin address and a fresh token for the
-    CLI on this box (`dgxmm ps`, `start`, `stop`, `logs`); returns the token.
-
-    Only the owner of the data dir (root, or the service user) can read it, so an operator
-    on the box needs no login; the token lives in this file and in memory, never in the log,
-    and a restart replaces it.
-    """
-    import json
-    import os
-    import secrets
-
-    token = "dgxmm_local_" + secrets.token_urlsafe(32)
-    shown = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
-    if ":" in shown:
-        shown = f"[{shown}]"
-    body = json.dumps({"url": f"http://{shown}:{port}", "token": token, "pid": os.getpid()})
-    path = data_dir / CLI_FILE
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, body.encode() + b"\n")
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return token
 
 
 async def _step(what: str, work: Awaitable[Any]) -> None:

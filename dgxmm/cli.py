@@ -1,4 +1,10 @@
-"""The `dgxmm` command: serve, user, token, replay, events, audit, archive."""
+"""The `dgxmm` command: serve, ps, start, stop, logs, user, token, replay, events, audit,
+archive.
+
+Every command takes `--config FILE` (or `DGXMM_CONFIG`): the database and the admin
+address follow from it; `--db` overrides the database.  `ps`, `start`, `stop` and `logs`
+talk to the running server (see `dgxmm.admin.client` for how they find it).
+"""
 
 from __future__ import annotations
 
@@ -32,14 +38,31 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description="DGXMM: a model manager for one DGX-class box."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    config_help = "the TOML configuration file (default: $DGXMM_CONFIG, else built-in defaults)"
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", metavar="FILE", help=config_help)
+    remote = argparse.ArgumentParser(add_help=False, parents=[common])
+    remote.add_argument("--url", metavar="URL", help="the admin API (default: the running server)")
+    remote.add_argument("--token", metavar="TOKEN", help="an API token (default: the server's)")
 
-    serve = sub.add_parser("serve", help="run DGXMM (gateway, admin API and UI, controllers)")
-    serve.add_argument("--config", metavar="FILE", help="the TOML configuration file")
+    serve = sub.add_parser(
+        "serve", parents=[common], help="run DGXMM (gateway, admin API and UI, controllers)"
+    )
     serve.add_argument("--demo", action="store_true", help="run with simulated engines")
+
+    ps = sub.add_parser("ps", parents=[remote], help="the deployments of the running server")
+    ps.add_argument("--json", action="store_true", help="JSON lines")
+    for verb in ("start", "stop"):
+        cmd = sub.add_parser(verb, parents=[remote], help=f"{verb} a deployment")
+        cmd.add_argument("name", metavar="NAME", help="the deployment's name or id")
+    logs = sub.add_parser("logs", parents=[remote], help="a deployment's engine log")
+    logs.add_argument("name", metavar="NAME", help="the deployment's name or id")
+    logs.add_argument("--tail", metavar="N", type=int, default=100, help="the last N lines")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
 
     user = sub.add_parser("user", help="manage users")
     user_sub = user.add_subparsers(dest="user_command", required=True, metavar="ACTION")
-    add = user_sub.add_parser("add", help="add a user")
+    add = user_sub.add_parser("add", parents=[common], help="add a user")
     add.add_argument("name")
     add.add_argument("--role", choices=["admin", "viewer"], required=True)
     add.add_argument(
@@ -49,13 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     from dgxmm.admin.accounts_cli import add_parsers
 
     add_parsers(user_sub, sub)  # user remove|passwd|list, token create|list|revoke
+    token_sub = next(
+        a for a in sub.choices["token"]._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    for action in (*user_sub.choices.values(), *token_sub.choices.values()):
+        if "--config" not in action._option_string_actions:
+            action.add_argument("--config", metavar="FILE", help=config_help)
 
     when = "ISO 8601 (naive = local time) or epoch seconds"
     relative = "show times as distances (from --until, or from now)"
     replay = sub.add_parser(
-        "replay", help="each deployment's state at a moment, and the timeline that led there"
+        "replay",
+        parents=[common],
+        help="each deployment's state at a moment, and the timeline that led there",
     )
-    replay.add_argument("--db", metavar="FILE", required=True, help="the event log")
+    replay.add_argument("--db", metavar="FILE", help="the event log (default: from the config)")
     replay.add_argument("--until", metavar="TIME", type=_time, help=f"the moment ({when})")
     replay.add_argument("--deployment", metavar="NAME", help="only this deployment (name or id)")
     replay.add_argument("--request", metavar="ID", help="the story of one request instead")
@@ -67,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="JSON lines, streamed")
     replay.add_argument("--relative", action="store_true", help=relative)
 
-    events = sub.add_parser("events", help="the raw event log, one line per event")
-    events.add_argument("--db", metavar="FILE", required=True, help="the event log")
+    events = sub.add_parser(
+        "events", parents=[common], help="the raw event log, one line per event"
+    )
+    events.add_argument("--db", metavar="FILE", help="the event log (default: from the config)")
     events.add_argument(
         "--follow", action="store_true", help="print new events as they come (from now)"
     )
@@ -80,17 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("--json", action="store_true", help="JSON lines")
     events.add_argument("--relative", action="store_true", help=relative)
 
-    audit = sub.add_parser("audit", help="the audit trail")
-    audit.add_argument("--db", metavar="FILE", required=True, help="the event log")
+    audit = sub.add_parser("audit", parents=[common], help="the audit trail")
+    audit.add_argument("--db", metavar="FILE", help="the event log (default: from the config)")
     audit.add_argument("--deployment", metavar="NAME", help="only this deployment (name or id)")
     audit.add_argument("--since", metavar="TIME", type=_time, help=f"from this moment ({when})")
     audit.add_argument("--json", action="store_true", help="JSON lines")
     audit.add_argument("--relative", action="store_true", help=relative)
 
     archive = sub.add_parser(
-        "archive", help="move old queue events to an archive file (the audit trail stays)"
+        "archive",
+        parents=[common],
+        help="move old queue events to an archive file (the audit trail stays)",
     )
-    archive.add_argument("--db", metavar="FILE", required=True, help="the event log")
+    archive.add_argument("--db", metavar="FILE", help="the event log (default: from the config)")
     archive.add_argument(
         "--before", metavar="TIME", type=_time, required=True, help=f"older than ({when})"
     )
@@ -133,6 +168,32 @@ def _run(command: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], args
         return 1
 
 
+def _configure(args: argparse.Namespace) -> str | None:
+    """Load the configuration (`--config`, else `DGXMM_CONFIG`) into `args.loaded_config`
+    and fill `args.config` and `args.db` from it; the error message if it cannot be used."""
+    from dgxmm.config import ConfigError, load_config
+
+    args.config = getattr(args, "config", None) or os.environ.get("DGXMM_CONFIG") or None
+    try:
+        args.loaded_config = load_config(args.config)
+    except ConfigError as exc:
+        return str(exc)
+    args.db_from_config = hasattr(args, "db") and not args.db
+    if args.db_from_config:
+        args.db = str(args.loaded_config.server.db_path)
+    return None
+
+
+def _remote(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    from dgxmm.admin.client import ClientError
+
+    try:
+        return command(args)
+    except ClientError as exc:
+        _error(f"{args.command}: {exc.message}")
+        return exc.status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `dgxmm` console script."""
     from dgxmm.private import private_umask
@@ -146,10 +207,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    problem = _configure(args)
+    if problem is not None:
+        _error(problem)
+        return 2
     try:
         match args.command:
             case "serve":
                 return _delegate("dgxmm.app", "serve_main", args)
+            case "ps":
+                from dgxmm.admin.client import ps_command
+
+                return _remote(ps_command, args)
+            case "start" | "stop":
+                from dgxmm.admin.client import start_stop_command
+
+                return _remote(start_stop_command, args)
+            case "logs":
+                from dgxmm.admin.client import logs_command
+
+                return _remote(logs_command, args)
             case "user" if args.user_command == "add":
                 return _delegate("dgxmm.admin.auth", "add_user_main", args)
             case "user" | "token":

@@ -579,7 +579,7 @@ async def add_user_main(args: argparse.Namespace) -> int:
         _error("user add: no password given")
         return 2
     db = Path(args.db) if args.db else DEFAULT_DB
-    if not args.db:
+    if not args.db or getattr(args, "db_from_config", False):
         await asyncio.to_thread(db.parent.mkdir, parents=True, exist_ok=True)
     try:
         store = await EventStore.open(db)

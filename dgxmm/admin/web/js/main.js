@@ -18,7 +18,7 @@ const ROUTES = [
   { pattern: /^\/$/, page: dashboard, nav: "dashboard" },
   { pattern: /^\/deployments$/, page: deployments, nav: "deployments" },
   { pattern: /^\/deploy$/, page: wizard, nav: "deploy", admin: true },
-  { pattern: /^\/deployments\/([^/]+)(?:\/(events))?$/, page: deployment, nav: "deployments" },
+  { pattern: /^\/deployments\/([^/]+)(?:\/(events|logs))?$/, page: deployment, nav: "deployments" },
   { pattern: /^\/audit$/, page: audit, nav: "audit" },
   { pattern: /^\/settings$/, page: settings, nav: "settings" },
   { pattern: /^\/users$/, page: users, nav: "users", admin: true },

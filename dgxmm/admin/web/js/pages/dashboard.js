@@ -5,6 +5,7 @@ import { h, replace } from "../dom.js";
 import { actionWords, badge, badgeKind, gib, relativeTime } from "../format.js";
 import * as live from "../live.js";
 import { auditTarget, loggedChange, throttle } from "./common.js";
+import { queuePanel } from "./ops.js";
 
 const BADGE_ORDER = ["ready", "starting", "queued", "sleeping", "neutral", "failed"];
 
@@ -12,6 +13,7 @@ export function render() {
   const memoryBody = h("div", { id: "memory" }, h("p.muted", "Loading…"));
   const countsBody = h("div", { id: "badge-counts" }, h("p.muted", "Loading…"));
   const eventsBody = h("div", { id: "recent-events" }, h("p.muted", "Loading…"));
+  const queue = queuePanel();
   const node = h("section.dashboard", [
     h("h1", "Dashboard"),
     h("div.grid", [
@@ -21,6 +23,7 @@ export function render() {
         countsBody,
       ]),
     ]),
+    queue.node,
     h("section.card", { "aria-labelledby": "events-title" }, [h("h2#events-title", "Recent events"), eventsBody]),
   ]);
 
@@ -143,5 +146,5 @@ export function render() {
   }
   if (!live.state.loaded) live.refreshDeployments().catch((err) => replace(countsBody, h("p.error", describeError(err))));
   loadEvents();
-  return { node, title: "Dashboard", destroy: () => { unsubscribe(); loadEventsSoon.cancel(); } };
+  return { node, title: "Dashboard", destroy: () => { unsubscribe(); loadEventsSoon.cancel(); queue.destroy(); } };
 }

@@ -1,4 +1,5 @@
-// One deployment: Overview (status, the Mode card, actions) and the Events tab.
+// One deployment: Overview (status, start progress, the Mode card, actions, its queue), the
+// Events tab and the Logs tab.
 
 import { api, describeError } from "../api.js";
 import { append, field, h, replace } from "../dom.js";
@@ -16,6 +17,7 @@ import {
 } from "../format.js";
 import * as live from "../live.js";
 import { busy, dialog, loggedChange, throttle } from "./common.js";
+import { logsPanel, queuePanel, startProgress } from "./ops.js";
 import { idleSeconds, makeRoomSeconds } from "./wizard.js";
 
 const STATE_WORDS = {
@@ -33,7 +35,7 @@ function findRecord(key) {
 
 export function render({ params, isAdmin, navigate, notify }) {
   const key = decodeURIComponent(params[0]);
-  const tab = params[1] === "events" ? "events" : "overview";
+  const tab = params[1] === "events" || params[1] === "logs" ? params[1] : "overview";
   let rec = findRecord(key);
 
   const title = h("h1", rec ? rec.name : key);
@@ -165,7 +167,12 @@ export function render({ params, isAdmin, navigate, notify }) {
 
   function drawTabs() {
     const base = `#/deployments/${encodeURIComponent(rec ? rec.id : key)}`;
-    replace(tabs, tabLink("overview", "Overview", base), tabLink("events", "Events", `${base}/events`));
+    replace(
+      tabs,
+      tabLink("overview", "Overview", base),
+      tabLink("events", "Events", `${base}/events`),
+      tabLink("logs", "Logs", `${base}/logs`),
+    );
   }
 
   // --- overview --------------------------------------------------------------------------
@@ -178,8 +185,21 @@ export function render({ params, isAdmin, navigate, notify }) {
   const statusBody = h("dl.facts", { id: "status-facts" });
   const statusCard = h("section.card", { "aria-labelledby": "status-title" }, [h("h2#status-title", "Status"), statusBody]);
   const modeCard = buildModeCard();
+  const progress = tab === "overview" ? startProgress(rec ? rec.id : key) : null;
+  const notStarted = h("section.card.failed-card", { id: "not-started-card", hidden: true, role: "alert" });
+  const queue = tab === "overview" ? queuePanel({ deploymentId: rec ? rec.id : key }) : null;
+  const logs = tab === "logs" ? logsPanel(rec ? rec.id : key) : null;
 
   function drawOverview() {
+    if (progress) progress.update(rec);
+    notStarted.hidden = !rec.not_started;
+    if (rec.not_started) {
+      replace(notStarted, [
+        h("h2", "Not started"),
+        h("p.reason", `Why: ${rec.not_started}`),
+        h("p.hint", "Free memory (stop or shrink another deployment), then start it."),
+      ]);
+    }
     failedBox.hidden = rec.state !== "failed";
     failedReason.textContent = rec.last_error ? `Why: ${rec.last_error}` : "It did not say why.";
     failedRetry.textContent =
@@ -388,12 +408,20 @@ export function render({ params, isAdmin, navigate, notify }) {
   }
 
   if (tab === "overview") {
-    append(panel, [failedBox, h("div.grid", [statusCard, modeCard ? modeCard.card : null])]);
+    append(panel, [
+      progress.node,
+      notStarted,
+      failedBox,
+      h("div.grid", [statusCard, modeCard ? modeCard.card : null]),
+      queue.node,
+    ]);
     if (isAdmin) {
       panel.append(
         h("p.hint", { id: "stop-hint", hidden: true }, "Stop on an on-demand deployment puts it to sleep: the next request starts it again. To keep it down, switch it to always on first, then stop it."),
       );
     }
+  } else if (tab === "logs") {
+    append(panel, logs.node);
   } else {
     append(panel, [
       h("table.events", { id: "events-table" }, [
@@ -449,6 +477,7 @@ export function render({ params, isAdmin, navigate, notify }) {
     destroy() {
       unsubscribe();
       reloadEventsSoon.cancel();
+      for (const part of [progress, queue, logs]) if (part) part.destroy();
     },
   };
 }

@@ -300,7 +300,11 @@ export function render({ navigate, notify }) {
       const created = rec.deployment || rec;
       if (created && created.id) {
         live.putDeployment(created);
-        notify(`${created.name} is deployed and starting.`);
+        if (created.not_started) {
+          notify(`${created.name} was created but not started: ${created.not_started}`, "error");
+        } else {
+          notify(`${created.name} is deployed and starting.`);
+        }
         navigate(`#/deployments/${encodeURIComponent(created.id)}`);
       } else {
         navigate("#/deployments");

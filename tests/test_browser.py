@@ -22,6 +22,7 @@ from tests.browser_support import (
     CHROMIUM_ARGS,
     PROJECT_DIR,
     ApiClient,
+    ApiFailure,
     Dgxmm,
     ThreadedLiteLLM,
     chromium_executable,
@@ -556,3 +557,126 @@ def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_s
     page.reload()
     expect(page.locator("#litellm-facts")).to_contain_text("Model-management API")
     expect(page.locator("#litellm-facts")).not_to_contain_text("LiteLLM restarts caused")
+
+# --- operators: logs, start progress, the queue, the wizard's truth ---------------------------
+
+
+def free_gib(api: ApiClient) -> float:
+    return float(api.call("GET", "memory")["free_bytes"]) / 1024**3
+
+
+def remove(api: ApiClient, *names: str) -> None:
+    for name in names:
+        try:
+            api.call("DELETE", f"deployments/{name}")
+        except ApiFailure as exc:
+            if exc.status != 404:
+                raise
+
+
+def test_the_logs_tab_follows_a_live_engine_log_across_a_restart(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    rec = create(admin_api, "logs-live", args=["--startup-delay", "1"])
+    try:
+        wait_state(admin_api, "logs-live", "ready")
+        page = admin_page
+        open_hash(page, dgxmm, f"/deployments/{rec['id']}/logs")
+        lines = page.locator("#log-lines")
+        expect(page.locator("#log-status")).to_have_text("Following the engine's log live.")
+        expect(lines).to_contain_text("Application startup complete")
+        admin_api.call("POST", f"deployments/{rec['id']}/stop")
+        wait_state(admin_api, "logs-live", "stopped")
+        admin_api.call("POST", f"deployments/{rec['id']}/start")
+        # The same page, without a reload, shows the restart and the new engine's lines.
+        expect(lines).to_contain_text("[dgxmm] the engine was restarted", timeout=30_000)
+        expect(lines).to_contain_text(re.compile(r"restarted.*\n.*bound to", re.S))
+        shot(page, "23-deployment-logs")
+    finally:
+        remove(admin_api, "logs-live")
+
+
+def test_the_start_progress_line_shows_elapsed_time_last_cold_start_and_last_log_line(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    rec = create(admin_api, "slow-start", args=["--startup-delay", "6"])
+    try:
+        wait_state(admin_api, "slow-start", "ready")
+        admin_api.call("POST", f"deployments/{rec['id']}/stop")
+        wait_state(admin_api, "slow-start", "stopped")
+        page = admin_page
+        open_hash(page, dgxmm, f"/deployments/{rec['id']}")
+        page.locator("#action-start").click()
+        progress = page.locator("#start-progress")
+        expect(progress).to_be_visible()
+        expect(progress).to_contain_text(re.compile(r"Starting for \d+ s"))
+        expect(progress).to_contain_text(re.compile(r"last cold start took [67] s"))
+        expect(progress).to_contain_text(
+            "engine: INFO:     sim-engine vllm test/slow-start bound to"
+        )
+        shot(page, "24-deployment-start-progress")
+        expect(progress).to_be_hidden(timeout=30_000)
+        expect(page.locator("#deployment-badge")).to_have_text("Ready")
+    finally:
+        remove(admin_api, "slow-start")
+
+
+def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_served(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    holder_gib = round(free_gib(admin_api) - 2, 1)
+    holder = create(admin_api, "q-holder", mode="on_demand", memory_gib=holder_gib)
+    waiter = create(admin_api, "q-waiter", mode="on_demand", memory_gib=4)
+    try:
+        wait_state(admin_api, "q-holder", "ready")
+        assert waiter["not_started"], waiter  # 2 GiB free: it could not start at creation
+        page = admin_page
+        open_hash(page, dgxmm, "/")
+        panel = page.locator("#queue-panel")
+        expect(panel.locator("#queue-empty")).to_be_visible()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(dgxmm.chat, waiter["id"], "test/q-waiter")
+            row = panel.locator("#queue-table tbody tr")
+            expect(row).to_have_count(1)
+            expect(row).to_contain_text("q-waiter")
+            expect(row.locator("td.reason")).to_contain_text(
+                re.compile(
+                    r"needs 4 GiB; 2 GiB free; idle candidates: [^;]+; "
+                    r"waiting for (.+, )?q-holder \(used \d+ s ago\)"
+                )
+            )
+            shot(page, "25-dashboard-queue")
+            admin_api.call("POST", f"deployments/{holder['id']}/stop")  # its memory comes back
+            status, body = answer.result(timeout=60)
+        assert status == 200, body
+        expect(panel.locator("#queue-empty")).to_be_visible()
+    finally:
+        remove(admin_api, "q-waiter", "q-holder")
+
+
+def test_the_wizard_tells_the_truth_for_a_deployment_that_did_not_fit(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    create(admin_api, "filler", memory_gib=round(free_gib(admin_api) - 1, 1))
+    try:
+        wait_state(admin_api, "filler", "ready")
+        page = admin_page
+        open_hash(page, dgxmm, "/deploy")
+        page.get_by_label("Name", exact=True).fill("no-room")
+        page.get_by_label("Engine", exact=True).select_option("sim")
+        page.get_by_label("Model", exact=True).fill("test/no-room")
+        page.get_by_label("Memory (GiB)").fill("3")
+        page.get_by_role("button", name="Next").click()
+        page.get_by_role("radio", name="Always on", exact=True).check()
+        page.get_by_role("button", name="Deploy").click()
+        reason = re.compile(r"no-room needs 3 GiB but only 1 GiB are free")
+        toast = page.get_by_role("alert").filter(has_text="no-room was created but not started")
+        expect(toast).to_contain_text(reason)
+        expect(page.get_by_text("no-room is deployed and starting.")).to_have_count(0)
+        card = page.locator("#not-started-card")
+        expect(card).to_be_visible()
+        expect(card).to_contain_text(reason)
+        shot(page, "26-wizard-not-started")
+        assert admin_api.deployment("no-room")["not_started"]
+    finally:
+        remove(admin_api, "no-room", "filler")

@@ -421,7 +421,7 @@ export function render({ params, isAdmin, navigate, notify }) {
       );
     }
   } else if (tab === "logs") {
-    append(panel, logs.node);
+    append(panel, [logs.node]);
   } else {
     append(panel, [
       h("table.events", { id: "events-table" }, [

@@ -82,11 +82,11 @@ def test_a_histogram_renders_cumulative_buckets_sum_and_count_per_deployment() -
     assert lines == [
         "# HELP x_seconds X.",
         "# TYPE x_seconds histogram",
-        'x_seconds_bucket{deployment="chat",deployment_id="d1",le="1"} 1',
-        'x_seconds_bucket{deployment="chat",deployment_id="d1",le="5"} 2',
-        'x_seconds_bucket{deployment="chat",deployment_id="d1",le="+Inf"} 3',
-        'x_seconds_sum{deployment="chat",deployment_id="d1"} 11.5',
-        'x_seconds_count{deployment="chat",deployment_id="d1"} 3',
+        'x_seconds_bucket{deployment="chat",id="d1",le="1"} 1',
+        'x_seconds_bucket{deployment="chat",id="d1",le="5"} 2',
+        'x_seconds_bucket{deployment="chat",id="d1",le="+Inf"} 3',
+        'x_seconds_sum{deployment="chat",id="d1"} 11.5',
+        'x_seconds_count{deployment="chat",id="d1"} 3',
     ]
 
 

@@ -50,7 +50,7 @@ class Histogram:
         """The exposition lines (cumulative buckets, +Inf, sum, count)."""
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         for dep_id, (counts, total) in sorted(self._series.items()):
-            label = f'deployment="{escape_label(name_of(dep_id))}",deployment_id="{dep_id}"'
+            label = f'deployment="{escape_label(name_of(dep_id))}",id="{dep_id}"'
             running = 0
             for bound, n in zip(self.buckets, counts, strict=False):
                 running += n

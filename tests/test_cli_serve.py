@@ -282,3 +282,39 @@ def test_the_cli_token_file_is_readable_by_its_owner_only(served: Dgxmm) -> None
     assert data["url"] == served.base_url
     with pytest.raises(ApiFailure):
         ApiClient(served.base_url).call("GET", "deployments")  # no token, no session
+
+
+def test_metrics_have_cold_start_queue_wait_and_first_byte_histograms_per_deployment(
+    served: Dgxmm, admin: ApiClient
+) -> None:
+    dep = deploy(admin, "cli-hist", mode="on_demand", gib=2)
+    until_state(admin, "cli-hist", "ready")
+    admin.call("POST", f"deployments/{dep['id']}/stop")
+    until_state(admin, "cli-hist", "stopped")
+    status, _ = served.chat(dep["id"], "test/cli-hist")  # waits for a cold start
+    assert status == 200
+    token = json.loads((served.data_dir / "cli.json").read_text())["token"]
+
+    def scrape() -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", served.admin_port, timeout=10)
+        try:
+            conn.request("GET", "/metrics", headers={"authorization": f"Bearer {token}"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            return resp.read().decode()
+        finally:
+            conn.close()
+
+    def count(text: str, metric: str) -> int:
+        prefix = f'{metric}_count{{deployment="cli-hist",id="{dep["id"]}"}} '
+        line = next((x for x in text.splitlines() if x.startswith(prefix)), None)
+        return int(line.removeprefix(prefix)) if line else 0
+
+    text = wait_for(
+        "the queue wait in the histogram",
+        lambda: t if count(t := scrape(), "dgxmm_queue_wait_seconds") == 1 else None,
+        10,
+    )
+    assert count(text, "dgxmm_cold_start_seconds") == 2  # created, then started for the request
+    assert count(text, "dgxmm_gateway_time_to_first_byte_seconds") == 1
+    assert "# TYPE dgxmm_cold_start_seconds histogram" in text

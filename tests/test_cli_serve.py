@@ -68,6 +68,26 @@ def deploy(
     return created
 
 
+def asleep_on_demand(admin: ApiClient, name: str) -> dict[str, Any]:
+    """An on-demand deployment that has run once (a cold start on record), now stopped."""
+    dep = deploy(admin, name, mode="on_demand", gib=2)
+    until_state(admin, name, "ready")
+    admin.call("POST", f"deployments/{dep['id']}/stop")
+    until_state(admin, name, "stopped")
+    return dep
+
+
+def http_get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, Any, bytes]:
+    """GET on loopback: status, the response (for its headers) and the body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp, resp.read()
+    finally:
+        conn.close()
+
+
 def state_of(admin: ApiClient, name: str) -> str:
     return str(admin.deployment(name)["state"])
 
@@ -189,14 +209,11 @@ def test_user_add_with_config_reaches_the_served_database_and_its_token_works_at
     assert carol.call("GET", "session")["user"] == "carol"
     token = admin.call("POST", "tokens", {"user": "carol"})["token"]
     began = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", served.admin_port, timeout=10)
-    try:
-        conn.request("GET", "/dgxmm/api/session", headers={"authorization": f"Bearer {token}"})
-        reply = conn.getresponse()
-        body = json.loads(reply.read())
-    finally:
-        conn.close()
-    assert reply.status == 200, body  # before the fix: 401 invalid_token for about 2 s
+    status, _, raw = http_get(
+        served.admin_port, "/dgxmm/api/session", {"authorization": f"Bearer {token}"}
+    )
+    body = json.loads(raw)
+    assert status == 200, body  # before the fix: 401 invalid_token for about 2 s
     assert (body["user"], body["via"]) == ("carol", "token")
     assert time.monotonic() - began < 1.0
 
@@ -204,10 +221,7 @@ def test_user_add_with_config_reaches_the_served_database_and_its_token_works_at
 def test_every_gateway_answer_names_its_request_and_a_waited_one_is_in_the_queue_events(
     served: Dgxmm, admin: ApiClient
 ) -> None:
-    dep = deploy(admin, "cli-rid", mode="on_demand", gib=2)
-    until_state(admin, "cli-rid", "ready")
-    admin.call("POST", f"deployments/{dep['id']}/stop")
-    until_state(admin, "cli-rid", "stopped")
+    dep = asleep_on_demand(admin, "cli-rid")
 
     def chat() -> tuple[int, str | None]:
         conn = http.client.HTTPConnection("127.0.0.1", served.gateway_port, timeout=60)
@@ -238,27 +252,16 @@ def test_every_gateway_answer_names_its_request_and_a_waited_one_is_in_the_queue
     ids = wait_for("the queue event", lambda: (lambda s: s if waited_id in s else None)(
         asyncio.run(queue_ids())), 10)  # fmt: skip
     assert served_id not in ids
-    conn = http.client.HTTPConnection("127.0.0.1", served.gateway_port, timeout=10)
-    try:
-        conn.request("GET", "/d/nope/v1/models")
-        missing = conn.getresponse()
-        missing.read()
-    finally:
-        conn.close()
-    assert missing.status == 404 and missing.getheader("x-dgxmm-request-id", "").isdigit()
+    status, missing, _ = http_get(served.gateway_port, "/d/nope/v1/models")
+    assert status == 404 and missing.getheader("x-dgxmm-request-id", "").isdigit()
 
 
 def test_healthz_answers_200_and_503_with_the_reason_when_the_log_is_read_only(
     served: Dgxmm,
 ) -> None:
     def healthz() -> tuple[int, Any]:
-        conn = http.client.HTTPConnection("127.0.0.1", served.admin_port, timeout=10)
-        try:
-            conn.request("GET", "/healthz")
-            resp = conn.getresponse()
-            return resp.status, json.loads(resp.read())
-        finally:
-            conn.close()
+        status, _, raw = http_get(served.admin_port, "/healthz")
+        return status, json.loads(raw)
 
     assert healthz() == (200, {"status": "ok"})
     mode = served.db_path.stat().st_mode
@@ -287,23 +290,17 @@ def test_the_cli_token_file_is_readable_by_its_owner_only(served: Dgxmm) -> None
 def test_metrics_have_cold_start_queue_wait_and_first_byte_histograms_per_deployment(
     served: Dgxmm, admin: ApiClient
 ) -> None:
-    dep = deploy(admin, "cli-hist", mode="on_demand", gib=2)
-    until_state(admin, "cli-hist", "ready")
-    admin.call("POST", f"deployments/{dep['id']}/stop")
-    until_state(admin, "cli-hist", "stopped")
+    dep = asleep_on_demand(admin, "cli-hist")
     status, _ = served.chat(dep["id"], "test/cli-hist")  # waits for a cold start
     assert status == 200
     token = json.loads((served.data_dir / "cli.json").read_text())["token"]
 
     def scrape() -> str:
-        conn = http.client.HTTPConnection("127.0.0.1", served.admin_port, timeout=10)
-        try:
-            conn.request("GET", "/metrics", headers={"authorization": f"Bearer {token}"})
-            resp = conn.getresponse()
-            assert resp.status == 200
-            return resp.read().decode()
-        finally:
-            conn.close()
+        status, _, raw = http_get(
+            served.admin_port, "/metrics", {"authorization": f"Bearer {token}"}
+        )
+        assert status == 200
+        return raw.decode()
 
     def count(text: str, metric: str) -> int:
         prefix = f'{metric}_count{{deployment="cli-hist",id="{dep["id"]}"}} '

@@ -268,3 +268,41 @@ def test_the_user_projection_rereads_the_log_only_when_its_files_changed(tmp_pat
         f.write(b"b")
     assert _file_signature(str(db)) != before
     assert os.path.exists(db)
+
+
+def test_the_log_stream_sends_the_tail_then_new_lines_and_ends_when_the_api_closes(
+    tmp_path: Path,
+) -> None:
+    from dgxmm.engines.logs import EngineLogs, Redactor
+    from dgxmm.engines.runtimes.process import ProcessRuntime
+    from tests.api_support import SseReader
+
+    async def scenario(box: Box) -> None:
+        dep = await box.harness.deploy("chat", 10)
+        runtime = ProcessRuntime(tmp_path / "engines")
+        box.api.ops.logs = EngineLogs(
+            runtime, Redactor(["sk-hidden-value"]), handle_of=lambda _: None, poll_s=0.02
+        )
+        path = runtime.log_path(dep)
+        path.parent.mkdir(parents=True)
+        path.write_text("one\ntwo key=sk-hidden-value\n")
+        viewer = await box.login("victor")
+        plain = await viewer.ok("GET", f"{API}/deployments/chat/logs?tail=1")
+        assert plain == {"deployment_id": dep, "name": "chat", "lines": ["two key=[redacted]"]}
+        stream = await SseReader.open(viewer, f"{API}/deployments/{dep}/logs?tail=5&follow=1")
+        try:
+            assert await stream.next() == ("retry", 2000)
+            assert [await stream.next() for _ in range(2)] == [
+                ("line", "one"),
+                ("line", "two key=[redacted]"),
+            ]
+            with path.open("a") as f:
+                f.write("three\n")
+            assert await stream.next() == ("line", "three")
+            box.api.ops.close()
+            assert await stream.ended()
+        finally:
+            stream.close()
+            await runtime.close()
+
+    run_box(tmp_path, scenario)

@@ -291,6 +291,7 @@ class AdminApi:
     async def close(self, timeout_s: float = 5.0) -> None:
         """End the event streams, then stop the server if `serve` started it."""
         self.hub.close()
+        self.ops.close()
         if self.server is not None:
             await self.server.shutdown(timeout_s)
 

@@ -21,15 +21,17 @@ import asyncio
 import contextlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import structlog
 
 from actors.controller import Controller
 from actors.deployment import DeploymentActor, Refusal
+from actors.errors import RuntimeFailure
 from actors.memory_broker import gib
 from actors.runtime import Clock
 from dgxmm.admin.histograms import last_cold_start
@@ -39,6 +41,7 @@ from events.state import Lifecycle
 from gateway.server import HTTPServer, Request, Responder
 from storage.eventlog import EventStore
 
+log = structlog.get_logger("dgxmm.admin.ops")
 _encoder = msgspec.json.Encoder()
 
 LOG_TAIL_DEFAULT = 200
@@ -165,6 +168,11 @@ class OpsApi:
         self.gateway_address = gateway_address
         self.admin_server = admin_server
         self.log_streams = 0
+        self._closing = asyncio.Event()  # set: every log stream ends (the server stops)
+
+    def close(self) -> None:
+        """End the log streams (before the server shuts down)."""
+        self._closing.set()
 
     # --- engine logs ---------------------------------------------------------------------
 
@@ -194,12 +202,16 @@ class OpsApi:
             try:
                 async for line in logs.follow(actor.deployment_id, tail):
                     await lines.put(line)
+            except RuntimeFailure as exc:  # policy: the stream ends; the client reconnects
+                log.warning(
+                    "engine_log_follow_failed", deployment=actor.deployment_id, error=str(exc)
+                )
             finally:
                 with contextlib.suppress(asyncio.QueueFull):
                     lines.put_nowait(None)
 
         reader = asyncio.ensure_future(pump())
-        gone = asyncio.ensure_future(request.client_gone.wait())
+        gone = asyncio.ensure_future(_first(request.client_gone.wait(), self._closing.wait()))
         try:
             await responder.start(200, list(SSE_HEADERS))
             await responder.send(b"retry: 2000\n\n")
@@ -211,6 +223,8 @@ class OpsApi:
                 if get not in done:
                     get.cancel()
                     if gone in done:
+                        if self._closing.is_set():
+                            await responder.end()
                         return
                     await responder.send(b": heartbeat\n\n")
                     continue
@@ -232,7 +246,7 @@ class OpsApi:
             self.log_streams -= 1
             gone.cancel()
             reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
     # --- start progress ------------------------------------------------------------------
@@ -348,6 +362,16 @@ class OpsApi:
         if problems:
             return 503, {"status": "unavailable", "reasons": problems}
         return 200, {"status": "ok"}
+
+
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Return when the first of `waits` is done; cancel the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _store_closed(store: EventStore) -> bool:

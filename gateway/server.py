@@ -605,6 +605,11 @@ class _Connection:
             return
         if self.session.can_send_error:
             headers, body = self.server.render_error(status, message)
+            rid_header = self.server.request_id_header
+            if rid_header is not None:  # a head refused before its handler gets an id here
+                request = self.request
+                number = request.request_id if request else next(self.server.request_ids)
+                headers = [*headers, (rid_header, b"%d" % number)]
             try:
                 out = self.session.error_reply(status, headers, body)
             except ResponseStateError:

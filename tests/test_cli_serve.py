@@ -252,6 +252,9 @@ def test_every_gateway_answer_names_its_request_and_a_waited_one_is_in_the_queue
     ids = wait_for("the queue event", lambda: (lambda s: s if waited_id in s else None)(
         asyncio.run(queue_ids())), 10)  # fmt: skip
     assert served_id not in ids
+    story = dgxmm(served, "replay", "--request", waited_id)  # the log from the configuration
+    assert story.returncode == 0, story.stderr
+    assert waited_id in story.stdout and "cli-rid" in story.stdout
     status, missing, _ = http_get(served.gateway_port, "/d/nope/v1/models")
     assert status == 404 and missing.getheader("x-dgxmm-request-id", "").isdigit()
 

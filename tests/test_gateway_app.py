@@ -80,7 +80,12 @@ async def rig(
 
 def end_to_end_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
     """Headers a proxy must pass on (hop-by-hop ones removed), names lower-cased."""
-    return [(n.lower(), v) for n, v in reply.headers if n.decode().lower() not in HOP_BY_HOP]
+    # The gateway's own x-dgxmm-request-id aside (tests/test_request_ids.py checks it).
+    return [
+        (n.lower(), v)
+        for n, v in reply.headers
+        if n.decode().lower() not in HOP_BY_HOP and n.lower() != b"x-dgxmm-request-id"
+    ]
 
 
 def sse_events(body: bytes) -> list[bytes]:
@@ -469,7 +474,8 @@ def test_gateway_deadline_gives_the_seed_queue_timeout() -> None:
                     "code": "ondemand_queue_timeout",
                 }
             }
-            assert r.controller.cancelled == ["1"]
+            assert r.controller.cancelled == [w.request_id for w in r.controller.waiters]
+            assert r.controller.cancelled == [reply.header("x-dgxmm-request-id")]
 
     run(main())
 
@@ -511,7 +517,8 @@ def test_client_hanging_up_while_queued_leaves_the_queue() -> None:
             await r.controller.until(lambda: len(r.controller.pending("a")) == 1)
             r.controller.queue("a")
             client.close()
-            await r.controller.until(lambda: r.controller.cancelled == ["1"])
+            await r.controller.until(lambda: len(r.controller.cancelled) == 1)
+            assert r.controller.cancelled == [w.request_id for w in r.controller.waiters]
             assert r.engine.seen == []
 
     run(main())
@@ -522,7 +529,8 @@ def test_client_hanging_up_after_the_queued_chunk_leaves_the_queue() -> None:
         async with rig(state="stopped") as r:
             client, _ = await queued_stream(r, CHAT, {"messages": [], "stream": True})
             client.close()
-            await r.controller.until(lambda: r.controller.cancelled == ["1"])
+            await r.controller.until(lambda: len(r.controller.cancelled) == 1)
+            assert r.controller.cancelled == [w.request_id for w in r.controller.waiters]
 
     run(main())
 

@@ -574,6 +574,11 @@ def remove(api: ApiClient, *names: str) -> None:
                 raise
 
 
+def stop_and_wait(api: ApiClient, rec: dict[str, Any]) -> None:
+    api.call("POST", f"deployments/{rec['id']}/stop")
+    wait_state(api, rec["name"], "stopped")
+
+
 def test_the_logs_tab_follows_a_live_engine_log_across_a_restart(
     admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
 ) -> None:
@@ -585,8 +590,7 @@ def test_the_logs_tab_follows_a_live_engine_log_across_a_restart(
         lines = page.locator("#log-lines")
         expect(page.locator("#log-status")).to_have_text("Following the engine's log live.")
         expect(lines).to_contain_text("Application startup complete")
-        admin_api.call("POST", f"deployments/{rec['id']}/stop")
-        wait_state(admin_api, "logs-live", "stopped")
+        stop_and_wait(admin_api, rec)
         admin_api.call("POST", f"deployments/{rec['id']}/start")
         # The same page, without a reload, shows the restart and the new engine's lines.
         expect(lines).to_contain_text("[dgxmm] the engine was restarted", timeout=30_000)
@@ -602,8 +606,7 @@ def test_the_start_progress_line_shows_elapsed_time_last_cold_start_and_last_log
     rec = create(admin_api, "slow-start", args=["--startup-delay", "6"])
     try:
         wait_state(admin_api, "slow-start", "ready")
-        admin_api.call("POST", f"deployments/{rec['id']}/stop")
-        wait_state(admin_api, "slow-start", "stopped")
+        stop_and_wait(admin_api, rec)
         page = admin_page
         open_hash(page, dgxmm, f"/deployments/{rec['id']}")
         page.locator("#action-start").click()

@@ -11,6 +11,7 @@ import asyncio
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,33 +69,33 @@ def _spec(deployment_id: str, marker: str, image: str = "ignored") -> LaunchSpec
     )
 
 
-def test_process_logs_are_tailed_followed_across_a_restart_and_redacted(tmp_path: Path) -> None:
-    async def scenario() -> None:
-        runtime = ProcessRuntime(tmp_path)
-        current: dict[str, EngineHandle | None] = {"handle": None}
-        logs = EngineLogs(
-            runtime, Redactor([SECRET]), handle_of=lambda _: current["handle"], poll_s=0.05
-        )
-        current["handle"] = await runtime.launch(_spec("dep1", "first-run"))
-        follow = logs.follow("dep1", 10)
-        try:
-            seen = await _next_until(follow, "first-run")
-            assert seen == ["loading weights", "token is [redacted]", "first-run"]
-            tail = await logs.tail("dep1", 2)
-            assert tail == ["token is [redacted]", "first-run"]
+async def _follow_across_a_restart(runtime: Any, dep: str, image: str) -> list[str]:
+    """Launch CHATTY, follow its log, relaunch it; the lines after the restart."""
+    current: dict[str, EngineHandle | None] = {"handle": None}
+    logs = EngineLogs(
+        runtime, Redactor([SECRET]), handle_of=lambda _: current["handle"], poll_s=0.05
+    )
+    current["handle"] = await runtime.launch(_spec(dep, "first-run", image))
+    follow = logs.follow(dep, 10)
+    try:
+        seen = await _next_until(follow, "first-run")
+        assert seen == ["loading weights", "token is [redacted]", "first-run"]
+        assert await logs.tail(dep, 2) == ["token is [redacted]", "first-run"]
+        await runtime.stop(current["handle"], 5)
+        current["handle"] = await runtime.launch(_spec(dep, "second-run", image))
+        after = await _next_until(follow, "second-run")
+        assert await logs.last_line(dep) == "second-run"
+        return after
+    finally:
+        await follow.aclose()  # type: ignore[attr-defined]
+        if current["handle"] is not None:
             await runtime.stop(current["handle"], 5)
-            current["handle"] = await runtime.launch(_spec("dep1", "second-run"))
-            after = await _next_until(follow, "second-run")
-            assert after[0] == RESTARTED
-            assert after[1:] == ["loading weights", "token is [redacted]", "second-run"]
-            assert await logs.last_line("dep1") == "second-run"
-        finally:
-            await follow.aclose()  # type: ignore[attr-defined]
-            if current["handle"] is not None:
-                await runtime.stop(current["handle"], 5)
-            await runtime.close()
+        await runtime.close()
 
-    run(scenario())
+
+def test_process_logs_are_tailed_followed_across_a_restart_and_redacted(tmp_path: Path) -> None:
+    after = run(_follow_across_a_restart(ProcessRuntime(tmp_path), "dep1", "ignored"))
+    assert after == [RESTARTED, "loading weights", "token is [redacted]", "second-run"]
 
 
 def test_the_log_of_a_deployment_that_never_ran_is_empty(tmp_path: Path) -> None:
@@ -114,29 +115,6 @@ def test_docker_logs_follow_a_container_and_its_replacement_with_secrets_redacte
     from tests.e2e_support import require_docker
 
     require_docker()
-    dep = "logs-test"
-
-    async def scenario() -> None:
-        runtime = DockerRuntime()
-        current: dict[str, EngineHandle | None] = {"handle": None}
-        logs = EngineLogs(
-            runtime, Redactor([SECRET]), handle_of=lambda _: current["handle"], poll_s=0.1
-        )
-        current["handle"] = await runtime.launch(_spec(dep, "first-run", SIM_IMAGE))
-        follow = logs.follow(dep, 10)
-        try:
-            seen = await _next_until(follow, "first-run")
-            assert seen == ["loading weights", "token is [redacted]", "first-run"]
-            assert await logs.tail(dep, 1) == ["first-run"]
-            await runtime.stop(current["handle"], 2)
-            current["handle"] = await runtime.launch(_spec(dep, "second-run", SIM_IMAGE))
-            after = await _next_until(follow, "second-run")
-            assert after[0] == RESTARTED and after[-1] == "second-run"
-            assert "token is [redacted]" in after and SECRET not in "".join(after)
-        finally:
-            await follow.aclose()  # type: ignore[attr-defined]
-            if current["handle"] is not None:
-                await runtime.stop(current["handle"], 2)
-            await runtime.close()
-
-    run(scenario())
+    after = run(_follow_across_a_restart(DockerRuntime(), "logs-test", SIM_IMAGE))
+    assert after[0] == RESTARTED and after[-1] == "second-run"
+    assert "token is [redacted]" in after and SECRET not in "".join(after)

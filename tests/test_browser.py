@@ -595,7 +595,7 @@ def test_the_logs_tab_follows_a_live_engine_log_across_a_restart(
         # The same page, without a reload, shows the restart and the new engine's lines.
         expect(lines).to_contain_text("[dgxmm] the engine was restarted", timeout=30_000)
         expect(lines).to_contain_text(re.compile(r"restarted.*\n.*bound to", re.S))
-        shot(page, "23-deployment-logs")
+        shot(page, "24-deployment-logs")
     finally:
         remove(admin_api, "logs-live")
 
@@ -617,7 +617,7 @@ def test_the_start_progress_line_shows_elapsed_time_last_cold_start_and_last_log
         expect(progress).to_contain_text(
             "engine: INFO:     sim-engine vllm test/slow-start bound to"
         )
-        shot(page, "24-deployment-start-progress")
+        shot(page, "25-deployment-start-progress")
         expect(progress).to_be_hidden(timeout=30_000)
         expect(page.locator("#deployment-badge")).to_have_text("Ready")
     finally:
@@ -648,7 +648,7 @@ def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_
                     r"waiting for (.+, )?q-holder \(used \d+ s ago\)"
                 )
             )
-            shot(page, "25-dashboard-queue")
+            shot(page, "26-dashboard-queue")
             admin_api.call("POST", f"deployments/{holder['id']}/stop")  # its memory comes back
             status, body = answer.result(timeout=60)
         assert status == 200, body
@@ -679,7 +679,7 @@ def test_the_wizard_tells_the_truth_for_a_deployment_that_did_not_fit(
         card = page.locator("#not-started-card")
         expect(card).to_be_visible()
         expect(card).to_contain_text(reason)
-        shot(page, "26-wizard-not-started")
+        shot(page, "27-wizard-not-started")
         assert admin_api.deployment("no-room")["not_started"]
     finally:
         remove(admin_api, "no-room", "filler")

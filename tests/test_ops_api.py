@@ -137,6 +137,7 @@ def test_the_queue_lists_a_waiting_request_with_its_reason_and_clears_when_it_is
         assert row["reason"] == (
             "needs 60 GiB; 40 GiB free; idle candidates: none; waiting for big (1 in flight)"
         )
+        assert row["waiting_for"] == ["big"]
         await box.advance(600 + 60 + 15 + STARTUP_S + 5)  # big ends, idles, sleeps; other starts
         assert (await viewer.ok("GET", f"{API}/queue"))["requests"] == []
 

@@ -102,7 +102,8 @@ def wait_reason(
                 said.append(f"{h.name} ({h.in_flight} in flight)")
             else:
                 said.append(f"{h.name} (used {human_duration(h.idle_for_s)} ago)")
-        parts.append("waiting for " + ", ".join(said))
+        more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
+        parts.append("waiting for " + ", ".join(said) + more)
     if ahead:
         parts.append(f"behind {ahead} earlier request{'s' if ahead != 1 else ''}")
     return "; ".join(parts)
@@ -340,6 +341,7 @@ class OpsApi:
                     "deadline_in_s": round(max(0.0, w.deadline - now), 1),
                     "idle_timeout_s": dep.effective_idle_timeout_s(default_idle),
                     "reason": reason,
+                    "waiting_for": [h.name for h in holders] if w.kind == "queued" else [],
                 }
             )
         return {"requests": rows, "count": len(rows), "memory": broker.snapshot()}

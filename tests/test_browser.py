@@ -575,6 +575,25 @@ def remove(api: ApiClient, *names: str) -> None:
                 raise
 
 
+def others_asleep(api: ApiClient) -> None:
+    """Put every on-demand model to sleep, so that none frees memory in the middle of a test."""
+    for rec in api.call("GET", "deployments")["deployments"]:
+        if rec["mode"] == "on_demand" and rec["state"] in ("starting", "ready", "asleep"):
+            api.call("POST", f"deployments/{rec['id']}/stop")
+    wait_for(
+        "every on-demand model asleep",
+        lambda: (
+            True
+            if all(
+                d["mode"] != "on_demand" or d["state"] in ("stopped", "failed")
+                for d in api.call("GET", "deployments")["deployments"]
+            )
+            else None
+        ),
+        30,
+    )
+
+
 def stop_and_wait(api: ApiClient, rec: dict[str, Any]) -> None:
     api.call("POST", f"deployments/{rec['id']}/stop")
     wait_state(api, rec["name"], "stopped")
@@ -628,6 +647,7 @@ def test_the_start_progress_line_shows_elapsed_time_last_cold_start_and_last_log
 def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_served(
     admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
 ) -> None:
+    others_asleep(admin_api)
     holder_gib = round(free_gib(admin_api) - 2, 1)
     holder = create(admin_api, "q-holder", mode="on_demand", memory_gib=holder_gib)
     waiter = create(admin_api, "q-waiter", mode="on_demand", memory_gib=4)
@@ -643,17 +663,14 @@ def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_
             row = panel.locator("#queue-table tbody tr")
             expect(row).to_have_count(1)
             expect(row).to_contain_text("q-waiter")
-            # Other tests' on-demand models may hold memory too: the line names up to three,
-            # those idle longest first; the API lists them all.
             expect(row.locator("td.reason")).to_contain_text(
-                re.compile(r"needs 4 GiB; 2 GiB free; idle candidates: [^;]+; waiting for .+ ago")
+                re.compile(
+                    r"needs 4 GiB; 2 GiB free; idle candidates: none; "
+                    r"waiting for q-holder \(used \d+ s ago\)"
+                )
             )
             (queued,) = admin_api.call("GET", "queue")["requests"]
-            assert "q-holder" in queued["waiting_for"], queued
-            if len(queued["waiting_for"]) <= 3:
-                expect(row.locator("td.reason")).to_contain_text(
-                    re.compile(r"q-holder \(used \d+ s ago\)")
-                )
+            assert queued["waiting_for"] == ["q-holder"], queued
             shot(page, "26-dashboard-queue")
             admin_api.call("POST", f"deployments/{holder['id']}/stop")  # its memory comes back
             status, body = answer.result(timeout=60)
@@ -666,6 +683,7 @@ def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_
 def test_the_wizard_tells_the_truth_for_a_deployment_that_did_not_fit(
     admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
 ) -> None:
+    others_asleep(admin_api)
     create(admin_api, "filler", memory_gib=round(free_gib(admin_api) - 1, 1))
     try:
         wait_state(admin_api, "filler", "ready")

@@ -258,19 +258,6 @@ def test_logs_of_a_box_without_an_engine_runtime_say_so(tmp_path: Path) -> None:
     run_box(tmp_path, scenario)
 
 
-def test_the_user_projection_rereads_the_log_only_when_its_files_changed(tmp_path: Path) -> None:
-    from dgxmm.admin.auth import _file_signature
-
-    db = tmp_path / "x.db"
-    db.write_bytes(b"a")
-    before = _file_signature(str(db))
-    assert _file_signature(str(db)) == before
-    with db.open("ab") as f:
-        f.write(b"b")
-    assert _file_signature(str(db)) != before
-    assert os.path.exists(db)
-
-
 def test_the_log_stream_sends_the_tail_then_new_lines_and_ends_when_the_api_closes(
     tmp_path: Path,
 ) -> None:

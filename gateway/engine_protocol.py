@@ -235,6 +235,7 @@ class ClientSession:
         length: int | None = None
         chunked = False
         keep_alive = version == b"1.1"
+        unusual_length = False
         if end - line_end > 4:
             headers = field_lines(buf[line_end + 2 : end - 4])
             for name, value in headers:
@@ -243,6 +244,7 @@ class ClientSession:
                         length = int(value)  # the usual case: one plain value
                     else:
                         length = self._content_length(length, value)
+                        unusual_length = True
                 elif name == b"transfer-encoding":
                     if chunked or value.lower() != b"chunked":
                         raise self._error("only one Transfer-Encoding: chunked is supported")
@@ -251,6 +253,8 @@ class ClientSession:
                     keep_alive = False
         if chunked and length is not None:
             raise self._error("both Content-Length and Transfer-Encoding")
+        if unusual_length and length is not None:
+            headers = _one_content_length(headers, length)
         if not keep_alive:
             self._keep_alive = False
         if status in _NO_BODY_STATUS or self._head_only:
@@ -380,6 +384,21 @@ class ClientSession:
         self._state = _State.ERROR
         self._keep_alive = False
         return UpstreamProtocolError(f"invalid answer from engine: {reason}")
+
+
+def _one_content_length(headers: Headers, length: int) -> Headers:
+    """Equal repeats of Content-Length (`3, 3`, or the header twice) as one, where the first
+    stood: what h11 makes of them, so both parsers hand the relay the same headers."""
+    out: Headers = []
+    seen = False
+    for name, value in headers:
+        if name == b"content-length":
+            if seen:
+                continue
+            seen = True
+            value = str(length).encode()
+        out.append((name, value))
+    return out
 
 
 def _may_become_head(partial: bytes) -> bool:

@@ -428,3 +428,24 @@ def test_malformed_answers_raise_our_errors_and_never_accept_what_h11_refuses(
     # Whatever we accept as a whole answer, h11 accepts too and reads the same way (h11 stops
     # at the end of the first answer, as we do).
     assert h11_parse(raw, b"POST") == (head.status, head.reason, head.headers, body)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        b"content-length: 3\r\ncontent-length: 3\r\n",
+        b"content-length: 3, 3\r\n",
+        b"content-length: 3\r\nx-a: 1\r\ncontent-length: 3\r\n",
+    ],
+)
+def test_equal_repeats_of_content_length_come_out_as_one_header_as_h11_makes_them(
+    lengths: bytes,
+) -> None:
+    raw = b"HTTP/1.1 200 OK\r\n" + lengths + b"\r\nabc"
+    session = ClientSession(max_header_bytes=65536)
+    session.request(b"GET", b"/", [(b"host", b"x")], b"")
+    session.receive(raw)
+    head = session.next_event()
+    assert isinstance(head, ResponseHead)
+    assert head.headers == h11_parse(raw, b"GET")[2]
+    assert session.next_event() == b"abc"

@@ -10,13 +10,16 @@ actor `admin:<user>`, so the event log, and with it the audit trail, records who
 `/metrics` needs a viewer (a session, or better a Bearer token in the scraper's
 `authorization` setting) unless the API is built with `metrics_public=True`: deployment
 names and memory figures are not for anyone who can reach the port.
+
+About 700 lines: the request cycle (route, authorize, read the body, answer) and one thin
+handler per route, which share that cycle's helpers.  What stands on its own lives beside
+it: `routes` (the table), `bodies` (request bodies), `errors`, `static` (the UI's files),
+`accounts` (users and tokens), `ops` (logs, progress, queue, health), `metrics`.
 """
 
 from __future__ import annotations
 
 import collections
-import datetime as dt
-import enum
 import math
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,6 +42,15 @@ from dgxmm.admin.errors import ApiError, error_body, from_refusal
 from dgxmm.admin.guards import MAX_JSON_DEPTH, json_too_deep, memory_problem, redact_record
 from dgxmm.admin.histograms import Latencies
 from dgxmm.admin.ops import LOG_TAIL_DEFAULT, LOG_TAIL_MAX, OpsApi
+from dgxmm.admin.routes import (
+    SAFE_METHODS,
+    Access,
+    Route,
+    int_query,
+    iso,
+    match_route,
+    parse_time_query,
+)
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
 from dgxmm.config import http_url_problem
 from dgxmm.litellm.sync import HINT
@@ -62,121 +74,6 @@ _SERVER_CODES = {
     413: "request_too_large",
     501: "not_implemented",
 }
-
-
-class Access(enum.Enum):
-    """Who may call a route."""
-
-    PUBLIC = "public"
-    VIEWER = "viewer"
-    ADMIN = "admin"
-
-
-@dataclass(frozen=True)
-class Route:
-    """One API route: method, path pattern (`{id}` is a parameter), handler, access."""
-
-    method: str
-    pattern: tuple[str, ...]
-    handler: str
-    access: Access
-
-
-ROUTES: tuple[Route, ...] = (
-    Route("POST", ("login",), "login", Access.PUBLIC),
-    Route("POST", ("logout",), "logout", Access.VIEWER),
-    Route("GET", ("session",), "session", Access.VIEWER),
-    Route("POST", ("tokens",), "accounts.create_token", Access.ADMIN),
-    Route("GET", ("tokens",), "accounts.list_tokens", Access.ADMIN),
-    Route("DELETE", ("tokens", "{id}"), "accounts.revoke_token", Access.ADMIN),
-    Route("GET", ("users",), "accounts.list_users", Access.ADMIN),
-    Route("POST", ("users",), "accounts.add_user", Access.ADMIN),
-    Route("PATCH", ("users", "{name}"), "accounts.change_user", Access.ADMIN),
-    Route("DELETE", ("users", "{name}"), "accounts.remove_user", Access.ADMIN),
-    Route("POST", ("session", "password"), "accounts.change_own_password", Access.VIEWER),
-    Route("GET", ("deployments",), "list_deployments", Access.VIEWER),
-    Route("POST", ("deployments",), "create_deployment", Access.ADMIN),
-    Route("GET", ("deployments", "{id}"), "get_deployment", Access.VIEWER),
-    Route("DELETE", ("deployments", "{id}"), "remove_deployment", Access.ADMIN),
-    Route("POST", ("deployments", "{id}", "start"), "start_deployment", Access.ADMIN),
-    Route("POST", ("deployments", "{id}", "stop"), "stop_deployment", Access.ADMIN),
-    Route("POST", ("deployments", "{id}", "switch-model"), "switch_model", Access.ADMIN),
-    Route("PATCH", ("deployments", "{id}", "mode"), "change_mode", Access.ADMIN),
-    Route("GET", ("deployments", "{id}", "events"), "deployment_events", Access.VIEWER),
-    Route("GET", ("audit",), "audit", Access.VIEWER),
-    Route("GET", ("memory",), "memory", Access.VIEWER),
-    Route("GET", ("settings",), "get_settings", Access.VIEWER),
-    Route("PATCH", ("settings",), "change_settings", Access.ADMIN),
-    Route("GET", ("litellm",), "litellm_status", Access.VIEWER),
-    Route("PATCH", ("litellm",), "litellm_configure", Access.ADMIN),
-    Route("POST", ("litellm", "sync"), "litellm_sync", Access.ADMIN),
-    Route("GET", ("events", "stream"), "event_stream", Access.VIEWER),
-    # Operators' routes (dgxmm/admin/ops.py).
-    Route("GET", ("deployments", "{id}", "logs"), "deployment_logs", Access.VIEWER),
-    Route("GET", ("deployments", "{id}", "progress"), "deployment_progress", Access.VIEWER),
-    Route("GET", ("queue",), "queue", Access.VIEWER),
-)
-
-_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-
-def match_route(method: str, parts: list[str]) -> tuple[Route, dict[str, str]]:
-    """The route for `method` and path `parts`; ApiError 404 or 405 (with Allow) if none."""
-    allowed: list[str] = []
-    for route in ROUTES:
-        if len(route.pattern) != len(parts):
-            continue
-        params: dict[str, str] = {}
-        for want, got in zip(route.pattern, parts, strict=True):
-            if want.startswith("{"):
-                if not got:
-                    break
-                params[want[1:-1]] = got
-            elif want != got:
-                break
-        else:
-            if route.method == method or (method == "HEAD" and route.method == "GET"):
-                return route, params
-            allowed.append(route.method)
-    if allowed:
-        raise ApiError(
-            405,
-            "method_not_allowed",
-            f"{method} is not allowed here (allowed: {', '.join(allowed)})",
-            headers=[(b"allow", ", ".join(allowed).encode())],
-        )
-    raise ApiError(404, "not_found", "no such API route")
-
-
-# --- queries (pure) ------------------------------------------------------------------------
-
-
-def _iso(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="milliseconds")
-
-
-def _parse_time(text: str, key: str) -> float:
-    from dgxmm.replay import parse_time
-
-    try:
-        return parse_time(text)
-    except ValueError:
-        raise ApiError(
-            422, "invalid_query", f"{key}: ISO 8601 or epoch seconds", param=key
-        ) from None
-
-
-def _int_query(query: Mapping[str, str], key: str, default: int | None, lo: int, hi: int) -> Any:
-    text = query.get(key)
-    if text is None or text == "":
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = lo - 1
-    if not lo <= value <= hi:
-        raise ApiError(422, "invalid_query", f"{key}: an integer from {lo} to {hi}", param=key)
-    return value
 
 
 def _plain(value: Any) -> Any:
@@ -345,7 +242,7 @@ class AdminApi:
         route, params = match_route(request.method.decode("latin-1").upper(), parts)
         principal = await self._authorize(request, route)
         call = _Call(request, responder, principal, params, query)
-        if route.method not in _SAFE_METHODS:
+        if route.method not in SAFE_METHODS:
             call.body = await self._read_json(request)
         owner, _, name = route.handler.rpartition(".")
         handler = getattr(self.accounts, name) if owner else getattr(self, "_h_" + name)
@@ -377,7 +274,7 @@ class AdminApi:
             return None
         try:
             principal = await self.auth.authenticate(request.headers)
-            if request.method.decode("latin-1").upper() not in _SAFE_METHODS:
+            if request.method.decode("latin-1").upper() not in SAFE_METHODS:
                 self.auth.check_csrf(principal, request.headers)
         except AuthError as exc:
             raise _from_auth(exc) from None
@@ -589,8 +486,8 @@ class AdminApi:
 
     async def _h_deployment_events(self, call: _Call) -> Reply:
         dep_id = self._deployment_id(call.params["id"])
-        limit = _int_query(call.query, "limit", 200, 1, 5000)
-        before = _int_query(call.query, "before", None, 1, 2**62)
+        limit = int_query(call.query, "limit", 200, 1, 5000)
+        before = int_query(call.query, "before", None, 1, 2**62)
         # The Events tab's read model: an indexed page, never a scan of the log.  The API
         # shows the models put to sleep to make room for this one on its tab too.
         rows = await self.store.timeline_page(
@@ -603,7 +500,7 @@ class AdminApi:
                 {
                     "seq": r.seq,
                     "ts": r.ts,
-                    "time": _iso(r.ts),
+                    "time": iso(r.ts),
                     "actor": r.actor,
                     "title": r.title,
                     "type": r.type,
@@ -617,10 +514,10 @@ class AdminApi:
 
     async def _h_audit(self, call: _Call) -> Reply:
         q = call.query
-        limit = _int_query(q, "limit", 100, 1, 1000)
-        before = _int_query(q, "before", None, 1, 2**62)
-        since = _parse_time(q["since"], "since") if q.get("since") else None
-        until = _parse_time(q["until"], "until") if q.get("until") else None
+        limit = int_query(q, "limit", 100, 1, 1000)
+        before = int_query(q, "before", None, 1, 2**62)
+        since = parse_time_query(q["since"], "since") if q.get("since") else None
+        until = parse_time_query(q["until"], "until") if q.get("until") else None
         target = None
         if q.get("deployment"):
             target = m.deployment_stream(self._deployment_id(q["deployment"]))
@@ -643,7 +540,7 @@ class AdminApi:
                 {
                     "seq": row.seq,
                     "ts": row.ts,
-                    "time": _iso(row.ts),
+                    "time": iso(row.ts),
                     "actor": row.actor,
                     "action": row.action,
                     "target": row.target,
@@ -778,7 +675,7 @@ class AdminApi:
 
     async def _h_deployment_logs(self, call: _Call) -> Reply | None:
         actor = self._actor(call)
-        tail = _int_query(call.query, "tail", LOG_TAIL_DEFAULT, 0, LOG_TAIL_MAX)
+        tail = int_query(call.query, "tail", LOG_TAIL_DEFAULT, 0, LOG_TAIL_MAX)
         if call.query.get("follow") in ("1", "true", "yes"):
             self.replies[200] += 1
             await self.ops.log_follow(actor, tail, call.request, call.responder)

@@ -230,15 +230,7 @@ class Box:
 
     def launch_spec(self, dep: DeploymentState) -> LaunchSpec:
         """The real launch spec, as `dgxmm.app.App` builds it."""
-        return engines.launch_spec(
-            dep.deployment_id,
-            dep.name,
-            dep.engine,
-            dep.model,
-            dep.memory_bytes,
-            dep.args,
-            settings=self.settings,
-        )
+        return engines.launch_spec_for(dep, self.settings)
 
     def _make_runtime(self) -> Runtime:
         if self.kind == "docker":

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from dgxmm.engines.runtimes import process
 from events import model as m
 from storage.eventlog import EventStore
 from tests.api_support import ApiClient, login
@@ -169,9 +170,14 @@ class Serve:
         finally:
             await store.close()
 
+    @property
+    def engines_state(self) -> Path:
+        """The process runtime's state file."""
+        return self.root / "data" / "engines" / "process-engines.json"
+
     def engines(self) -> list[dict[str, Any]]:
         """The process runtime's record of the engines it launched."""
-        path = self.root / "data" / "engines" / "process-engines.json"
+        path = self.engines_state
         if not path.exists():
             return []
         raw: dict[str, Any] = msgspec.json.decode(path.read_bytes())
@@ -187,8 +193,9 @@ class Serve:
         return alive
 
     def kill_engines(self) -> None:
-        """Remove every engine (teardown)."""
-        for pid in self.live_engine_pids():
+        """Remove every engine (teardown), recorded or not (DGXMM killed before recording)."""
+        marked = process.marked_pids(f"{process.MARKER}={self.engines_state}".encode())
+        for pid in set(self.live_engine_pids()) | marked:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
 

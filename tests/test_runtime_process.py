@@ -165,6 +165,30 @@ def test_a_new_runtime_on_the_same_data_dir_adopts_a_running_engine(tmp_path: Pa
     run(scenario())
 
 
+def test_an_engine_launched_but_never_recorded_is_stopped_when_a_runtime_looks(
+    tmp_path: Path,
+) -> None:
+    # DGXMM killed between starting an engine and recording it: the state file forgets it, but
+    # its environment still says whose it is.
+    async def scenario() -> None:
+        first = ProcessRuntime(tmp_path)
+        handle = await first.launch(http_server_spec())
+        await first.close()
+        first.state_path.write_bytes(msgspec.json.encode({"version": 1, "engines": []}))
+        pid = pid_of(handle)
+        other_dir = tmp_path / "other"
+        assert await ProcessRuntime(other_dir).list_engines() == []
+        assert pid_exists(pid), "another data dir's runtime leaves it alone"
+        assert await ProcessRuntime(tmp_path).list_engines() == []
+
+        async def gone() -> bool:
+            return not pid_exists(pid)
+
+        await eventually(gone, "the unrecorded engine is stopped")
+
+    run(scenario())
+
+
 def test_a_recorded_pid_that_now_belongs_to_another_process_is_not_adopted(
     tmp_path: Path,
 ) -> None:

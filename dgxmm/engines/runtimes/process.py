@@ -20,6 +20,11 @@ How it runs an engine:
   time (from /proc, which tells a reused pid apart).  A new `ProcessRuntime` on the same data
   dir, e.g. after a DGXMM restart, re-adopts every recorded engine whose pid is alive with the
   same start time and command line; it forgets the others.  One DGXMM per data dir.
+- Every engine carries `DGXMM_ENGINE_OF=<state file>` in its environment.  DGXMM can be
+  killed between starting an engine and recording it; such an engine was never told to anyone
+  (no handle, no event), so `list_engines` stops every marked process of this data dir that the
+  state file does not name (`unrecorded_engine_stopped`) instead of leaving it running beside
+  the engine the restart launches.
 
 Linux only (/proc).  Errors are `actors.errors.RuntimeFailure`.
 """
@@ -54,6 +59,7 @@ from dgxmm.engines.runtimes import (
 log = structlog.get_logger(__name__)
 
 STATE_FILE = "process-engines.json"
+MARKER = "DGXMM_ENGINE_OF"
 LOG_DIR = "engine-logs"
 _TAIL_READ_BYTES = 256 * 1024  # logs_tail never reads more than this from the file's end
 _KILL_GRACE_S = 5.0  # how long to wait for the kernel after SIGKILL
@@ -148,6 +154,7 @@ class ProcessRuntime:
             port = spec.port
         argv = expand_argv(spec.argv, host=self._host, port=port)
         env = {**os.environ, **expand_env(spec.env, host=self._host, port=port)}
+        env[MARKER] = str(self.state_path)
         problem = program_problem(spec.engine, argv[0], env.get("PATH", os.defpath))
         if problem is not None:
             raise RuntimeFailure(f"deployment {spec.deployment_id}: {problem}")
@@ -238,6 +245,10 @@ class ProcessRuntime:
     async def list_engines(self) -> list[EngineHandle]:
         """Engines started by this runtime (or a previous one on this data dir) still running."""
         live = self._live_records()
+        known = {r.pid for r in live} | set(self._children)
+        for pid in marked_pids(f"{MARKER}={self.state_path}".encode()) - known:
+            log.warning("unrecorded_engine_stopped", pid=pid, cmdline=_cmdline(pid))
+            _signal_group(pid, signal.SIGKILL)
         for record in live:
             self._trim_log(Path(record.log_path))
         return [_handle(record, self._host) for record in live]
@@ -395,6 +406,24 @@ def _alive(record: _Record) -> bool:
     if state in ("Z", "X", "x"):
         return False
     return record.start_ticks in (0, ticks)
+
+
+def marked_pids(marker: bytes) -> set[int]:
+    """Processes whose environment holds `marker` exactly (`NAME=value`); not zombies."""
+    found: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue  # gone, or not ours to read
+        if marker in environ.split(b"\0"):
+            stat = _proc_stat(pid)
+            if stat is not None and stat[0] not in ("Z", "X", "x"):
+                found.add(pid)
+    return found
 
 
 def _cmdline(pid: int) -> list[str] | None:

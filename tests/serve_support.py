@@ -200,6 +200,30 @@ class Serve:
                 os.killpg(pid, signal.SIGKILL)
 
 
+
+def start_demo(tmp_path: Path, deadline_s: float = 60.0) -> tuple[subprocess.Popen[str], str]:
+    """`dgxmm serve --demo` on ephemeral ports in tmp_path (so it never collides with a demo a
+    developer runs), and its banner up to the printed curl command."""
+    (tmp_path / "ports.toml").write_text("[server]\nadmin_port = 0\ngateway_port = 0\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", "ports.toml"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    banner = ""
+    deadline = time.monotonic() + deadline_s
+    while "curl -s" not in banner:
+        assert time.monotonic() < deadline, banner
+        line = proc.stdout.readline()
+        assert line, f"dgxmm exited: {banner}"
+        banner += line
+    return proc, banner
+
+
 def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
     """Read the process's stdout for its whole life (so it never blocks on a full pipe)."""
     with contextlib.suppress(Exception):

@@ -26,6 +26,7 @@ from events import model as m
 from events.state import SystemState, fold
 from storage.eventlog import EventStore
 from tests.replay_support import replay_document
+from tests.serve_support import start_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_796_035_320.0  # 2026-11-30T10:42:00Z
@@ -602,28 +603,6 @@ def test_usage_errors_exit_2() -> None:
 # --- events --follow against a real `dgxmm serve` -------------------------------------------
 
 
-def start_demo(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
-    """`dgxmm serve --demo` on ephemeral ports in tmp_path, and its banner."""
-    (tmp_path / "ports.toml").write_text("[server]\nadmin_port = 0\ngateway_port = 0\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", "ports.toml"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    banner = ""
-    deadline = time.monotonic() + DEADLINE_S
-    while "curl -s" not in banner:
-        assert time.monotonic() < deadline, banner
-        line = proc.stdout.readline()
-        assert line, f"dgxmm exited: {banner}"
-        banner += line
-    return proc, banner
-
-
 def http(
     url: str, body: Any = None, headers: dict[str, str] | None = None
 ) -> tuple[int, dict[str, str], Any]:
@@ -643,7 +622,7 @@ def http(
 def test_events_follow_of_one_deployment_prints_only_its_new_events_from_a_running_serve(
     tmp_path: Path,
 ) -> None:
-    proc, banner = start_demo(tmp_path)
+    proc, banner = start_demo(tmp_path, DEADLINE_S)
     db = tmp_path / "dgxmm-data" / "dgxmm.db"
     follow: subprocess.Popen[bytes] | None = None
     try:

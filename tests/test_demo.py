@@ -3,41 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parent.parent
+from tests.serve_support import start_demo
+
 DEADLINE_S = 60.0
 
 
 def test_the_demo_prints_a_login_and_a_curl_command_that_gets_a_chat_completion(
     tmp_path: Path,
 ) -> None:
-    # Ephemeral ports so the test never collides with a demo a developer runs.
-    (tmp_path / "ports.toml").write_text("[server]\nadmin_port = 0\ngateway_port = 0\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", "ports.toml"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(PROJECT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    proc, banner = start_demo(tmp_path, DEADLINE_S)
     try:
-        assert proc.stdout is not None
-        banner = ""
-        deadline = time.monotonic() + DEADLINE_S
-        while "curl -s" not in banner:
-            assert time.monotonic() < deadline, banner
-            line = proc.stdout.readline()
-            assert line, f"dgxmm exited: {banner}"
-            banner += line
         assert re.search(r"admin login    : admin / \S{12,}", banner)
         assert "web UI and API : http://127.0.0.1:" in banner
         url = re.search(r"curl -s (\S+)", banner)

@@ -224,6 +224,16 @@ def start_demo(tmp_path: Path, deadline_s: float = 60.0) -> tuple[subprocess.Pop
     return proc, banner
 
 
+def stop_demo(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM the demo: it must exit 0 within 30 s (killed if it does not)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
     """Read the process's stdout for its whole life (so it never blocks on a full pipe)."""
     with contextlib.suppress(Exception):

@@ -26,7 +26,7 @@ from events import model as m
 from events.state import SystemState, fold
 from storage.eventlog import EventStore
 from tests.replay_support import replay_document
-from tests.serve_support import start_demo
+from tests.serve_support import start_demo, stop_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_796_035_320.0  # 2026-11-30T10:42:00Z
@@ -663,12 +663,7 @@ def test_events_follow_of_one_deployment_prints_only_its_new_events_from_a_runni
     finally:
         if follow is not None:
             stop_follower(follow)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop_demo(proc)
     # The other deployment's stop was recorded after the follower started.
     stops = ok("events", "--db", str(db), "--deployment", "demo-always", "--type", "StopRequested")
     assert [int(line.split()[0]) > start for line in stops.splitlines()] == [True]

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import urllib.request
 from pathlib import Path
 
-from tests.serve_support import start_demo
+from tests.serve_support import start_demo, stop_demo
 
 DEADLINE_S = 60.0
 
@@ -36,9 +35,4 @@ def test_the_demo_prints_a_login_and_a_curl_command_that_gets_a_chat_completion(
         assert reply["choices"][0]["message"]["content"]
         assert (tmp_path / "dgxmm-data" / "dgxmm.db").exists()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop_demo(proc)

@@ -1,15 +1,22 @@
-"""Helpers the runtime tests share (Docker and process)."""
+"""Helpers the runtime and crash tests share (Docker, process, child Pythons)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
 T = TypeVar("T")
+
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -42,3 +49,14 @@ async def http_status(host: str, port: int, path: str = "/") -> int | None:
         writer.close()
     parts = status_line.split()
     return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+
+
+def python_child(code: str, *args: str) -> subprocess.Popen[bytes]:
+    """`python -c code args...` run from the project, stdout and stderr piped (crash tests)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
+        cwd=PROJECT_ROOT,
+    )

@@ -20,6 +20,7 @@ from events.state import fold
 from storage.eventlog import EventStore
 from storage.snapshots import load_state
 from tests.perf.bench_storage import write_log
+from tests.runtime_support import python_child
 
 ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 60.0
@@ -102,14 +103,7 @@ def reap(proc: subprocess.Popen[bytes]) -> None:
 
 def run_then_kill(path: Path, snapshots: int) -> None:
     """Start the child, wait until it wrote `snapshots` snapshots, SIGKILL it mid-write."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=ROOT,
-    )
+    proc = python_child(CHILD, str(path))
     assert proc.stdout is not None
     buffer = b""
     deadline = time.monotonic() + DEADLINE_S

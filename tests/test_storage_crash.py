@@ -7,15 +7,13 @@ import os
 import select
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from events import model as m
 from storage.eventlog import EventStore
+from tests.runtime_support import python_child
 
-ROOT = Path(__file__).resolve().parent.parent
 DEADLINE_S = 60.0
 
 # The child: many appenders in a burst, each printing the seqs of an append as soon as the
@@ -47,14 +45,7 @@ asyncio.run(main())
 
 def burst_then_kill(path: Path, kill_after: int) -> set[int]:
     """Start the child, read acknowledged seqs until `kill_after`, SIGKILL it; the acked seqs."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=ROOT,
-    )
+    proc = python_child(CHILD, str(path))
     assert proc.stdout is not None
     acked: set[int] = set()
     buffer = b""

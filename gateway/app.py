@@ -22,9 +22,10 @@ from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
 from gateway import health, queued
 from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
 from gateway.errors import UpstreamError
-from gateway.messages import HOP_BY_HOP, Headers, header_value, strip_hop_by_hop
+from gateway.express import Exchange
+from gateway.messages import NOT_FORWARDED, Headers, RequestHead, header_value, strip_hop_by_hop
 from gateway.queued import ErrorReply
-from gateway.server import HTTPServer, Request, Responder, ServerConfig
+from gateway.server import Connection, HTTPServer, Request, Responder, ServerConfig
 from gateway.upstream import UpstreamConfig, UpstreamPool, UpstreamResponse
 
 log = structlog.get_logger("gateway")
@@ -34,9 +35,6 @@ STATE_HEADER = b"x-dgxmm-ondemand-state"
 # finds a complaint's story.  Ids start at the wall clock's microsecond count, so they stay
 # unique across restarts (unless a run averaged a million requests a second).
 REQUEST_ID_HEADER = b"x-dgxmm-request-id"
-# Request headers never passed to an engine: hop-by-hop ones, Host and Content-Length (the
-# pool sets them), Expect (the body is already complete: no 100-continue upstream), the probe.
-_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-dgxmm-health-check"}
 _STATUS_CODES = {
     400: "bad_request",
     404: "not_found",
@@ -56,6 +54,7 @@ class GatewayConfig:
     max_rewrite_bytes: int = 32 * 1024 * 1024  # largest answer buffered to add the queued line
     wait_deadline_s: float = 1800.0  # safety net above the controller's own queue timeout
     max_engine_error_bytes: int = 64 * 1024  # engine error body turned into a stream event
+    express: bool = True  # plain requests to ready models take the express lane (see there)
 
 
 CUT_SLACK_S = 5.0  # after the grace, how long cut streams get to write their error event
@@ -90,6 +89,7 @@ class Gateway:
         self.clock = clock
         self.server: HTTPServer | None = None
         self.relayed = 0
+        self.relayed_express = 0  # of them, on the express lane
         self.waited = 0
         self.queued_lines = 0
         self.health_checks = 0
@@ -98,6 +98,7 @@ class Gateway:
         self.engine_failures = 0
         self.closing = False  # set by `shutdown`: cut streams say why
         self._answers: set[UpstreamResponse] = set()  # engines' answers being relayed
+        self.exchanges: set[Exchange] = set()  # ... and those on the express lane
         # Called with (deployment id, seconds from arrival to the engine's answer head).
         self.on_first_byte: Callable[[str, float], None] | None = None
 
@@ -111,6 +112,8 @@ class Gateway:
         server = HTTPServer(self.handle, server_config, render_error=self.render_error)
         server.request_id_header = REQUEST_ID_HEADER
         server.request_ids = itertools.count(int(time.time()) * 1_000_000)
+        if self.config.express and server_config.fast_path:
+            server.express = self.express
         await server.start(host, port)
         self.server = server
         return server
@@ -131,6 +134,8 @@ class Gateway:
     def _cut_answers(self) -> None:
         for answer in list(self._answers):
             answer.abort()
+        for exchange in list(self.exchanges):
+            exchange.cut()
 
     def render_error(self, status: int, message: str) -> tuple[Headers, bytes]:
         """Errors produced by the HTTP server itself, in the gateway's OpenAI style."""
@@ -144,6 +149,7 @@ class Gateway:
         """Counters of the gateway, its server and its engine pools."""
         return {
             "relayed": self.relayed,
+            "relayed_express": self.relayed_express,
             "waited": self.waited,
             "queued_lines": self.queued_lines,
             "health_checks": self.health_checks,
@@ -156,20 +162,29 @@ class Gateway:
 
     # --- routing -------------------------------------------------------------------------
 
+    def express(self, conn: Connection, head: RequestHead, request_id: int) -> Exchange | None:
+        """The express lane's routing (`gateway.express`): an exchange for an inference
+        request to a deployment that exists and is not a probe; None leaves it to `handle`."""
+        parts = _split_target(head.target)
+        if parts is None:
+            return None
+        deployment_id, upstream_target, path = parts
+        view = self.controller.view(deployment_id)
+        if view is None:
+            return None
+        route = classify_route(head.method, path, head.headers)
+        if route.kind is not RouteKind.INFERENCE or route.health_check:
+            return None
+        return Exchange(self, conn, head, request_id, view, route.endpoint, upstream_target)
+
     async def handle(self, request: Request, responder: Responder) -> None:
         """Answer one request (the `HTTPServer` handler)."""
         target = request.target
-        if not target.startswith(b"/d/"):
+        parts = _split_target(target)
+        if parts is None:
             await _reply(responder, queued.route_not_found(_text(request.method), _text(target)))
             return
-        slash = target.find(b"/", 3)
-        query = target.find(b"?")
-        if slash < 0 or (0 <= query < slash):
-            await _reply(responder, queued.route_not_found(_text(request.method), _text(target)))
-            return
-        deployment_id = _text(target[3:slash])
-        upstream_target = target[slash:]
-        path = _text(upstream_target if query < 0 else target[slash:query])
+        deployment_id, upstream_target, path = parts
         view = self.controller.view(deployment_id)
         if view is None:
             await _reply(responder, queued.deployment_not_found(deployment_id))
@@ -406,19 +421,14 @@ class Gateway:
         *,
         arrived: float = 0.0,
     ) -> None:
-        headers = strip_hop_by_hop(request.headers, _DROP_REQUEST)
+        headers = strip_hop_by_hop(request.headers, NOT_FORWARDED)
         try:
             # Method, target and headers came out of h11's parser: no need to validate again.
             answer = await self.upstream.request(
                 host, port, request.method, target, headers, body, checked=True
             )
         except UpstreamError as exc:
-            self.engine_failures += 1
-            log.warning("engine_request_failed", deployment=view.deployment_id, error=exc.detail)
-            self.controller.engine_unreachable(view.deployment_id)
-            reply = queued.engine_error(
-                502, "engine_unreachable", f"the engine of {view.model_name} did not answer"
-            )
+            reply = self.engine_unreachable(view, exc)
             if mode is _Mode.CONTINUE_SSE:
                 await responder.send(reply.sse())
                 await responder.end()
@@ -460,7 +470,7 @@ class Gateway:
                     break
                 await responder.send(chunk)
         except UpstreamError as exc:
-            self._engine_failed(view, exc)
+            self.engine_failed(view, exc)
             await self._end_cut_stream(responder, headers, chunk, view, endpoint)
             return
         await responder.end(chunk)  # the last piece and the end in one write
@@ -473,20 +483,29 @@ class Gateway:
         view: DeploymentView,
         endpoint: Endpoint | None,
     ) -> None:
-        """The engine failed mid-answer: never a silent clean end.  An event stream gets a
-        final error event in its own format (and `[DONE]` where it has one), then the chunked
-        terminator; any other answer is left incomplete (the server closes the connection),
-        which the client sees as an error."""
+        """The engine failed mid-answer: never a silent clean end (see `cut_stream_event`);
+        any answer but an event stream is left incomplete (the server closes the
+        connection), which the client sees as an error."""
+        event = self.cut_stream_event(headers, last, view, endpoint)
+        if event is not None:
+            await responder.send(event)
+            await responder.end()
+
+    def cut_stream_event(
+        self, headers: Headers, last: bytes, view: DeploymentView, endpoint: Endpoint | None
+    ) -> bytes | None:
+        """The end of an event stream whose engine failed after `last`: a final error event
+        in the stream's own format (and `[DONE]` where it has one), to be followed by the
+        chunked terminator; None when the answer (`headers`) is not an event stream."""
         content_type = header_value(headers, b"content-type") or b""
         if header_value(headers, b"content-length") is not None:
-            return
+            return None
         if not content_type.lower().startswith(b"text/event-stream"):
-            return
+            return None
         event = queued.stream_error(endpoint, *self._cut_reason(view))
         if last and not last.endswith((b"\n\n", b"\r\n\r\n")):
             event = b"\n\n" + event  # close the engine's last, partial event first
-        await responder.send(event)
-        await responder.end()
+        return event
 
     async def _continue_sse(
         self, answer: UpstreamResponse, responder: Responder, view: DeploymentView
@@ -512,7 +531,7 @@ class Gateway:
                 tail = data[cut:]
                 await responder.send(data[:cut])
         except UpstreamError as exc:
-            self._engine_failed(view, exc)
+            self.engine_failed(view, exc)
             await responder.send(queued.sse_error(*self._cut_reason(view)))
             await responder.end()
             return
@@ -538,7 +557,7 @@ class Gateway:
                 chunks.append(chunk)
                 size += len(chunk)
         except UpstreamError as exc:
-            self._engine_failed(view, exc)
+            self.engine_failed(view, exc)
             await _reply(
                 responder,
                 queued.engine_error(
@@ -563,7 +582,7 @@ class Gateway:
             while chunk := await answer.receive():
                 await responder.send(chunk)
         except UpstreamError as exc:
-            self._engine_failed(view, exc)
+            self.engine_failed(view, exc)
             return
         await responder.end()
 
@@ -573,7 +592,17 @@ class Gateway:
             return "dgxmm_shutting_down", "DGXMM is shutting down; the answer was cut short"
         return "engine_failed", f"the engine of {view.model_name} failed while answering"
 
-    def _engine_failed(self, view: DeploymentView, exc: UpstreamError) -> None:
+    def engine_unreachable(self, view: DeploymentView, exc: UpstreamError) -> ErrorReply:
+        """The engine did not answer: counted, logged, the controller told; the 502."""
+        self.engine_failures += 1
+        log.warning("engine_request_failed", deployment=view.deployment_id, error=exc.detail)
+        self.controller.engine_unreachable(view.deployment_id)
+        return queued.engine_error(
+            502, "engine_unreachable", f"the engine of {view.model_name} did not answer"
+        )
+
+    def engine_failed(self, view: DeploymentView, exc: UpstreamError) -> None:
+        """The engine failed while answering: counted, logged, the controller told."""
         self.engine_failures += 1
         log.warning("engine_failed_mid_answer", deployment=view.deployment_id, error=exc.detail)
         if not self.closing:
@@ -617,6 +646,20 @@ def _events_end(data: bytes) -> int:
         if at >= 0:
             end = max(end, at + len(sep))
     return end
+
+
+def _split_target(target: bytes) -> tuple[str, bytes, str] | None:
+    """`/d/<deployment id>/<rest>`: the id, the target for the engine (the rest, from its
+    slash, query included) and its path; None for any other target."""
+    if not target.startswith(b"/d/"):
+        return None
+    slash = target.find(b"/", 3)
+    query = target.find(b"?")
+    if slash < 0 or (0 <= query < slash):
+        return None
+    upstream_target = target[slash:]
+    path = upstream_target if query < 0 else target[slash:query]
+    return _text(target[3:slash]), upstream_target, _text(path)
 
 
 def _text(raw: bytes) -> str:

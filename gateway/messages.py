@@ -62,6 +62,11 @@ class ResponseHead(msgspec.Struct, frozen=True, gc=False):
     http_version: bytes
 
 
+# Request headers never passed to an engine: hop-by-hop ones, Host and Content-Length (the
+# pool sets them), Expect (the body is already complete: no 100-continue upstream), the probe.
+NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-dgxmm-health-check"}
+
+
 def field_lines(block: bytes) -> Headers:
     """(lower-case name, value without OWS) of CRLF-separated header lines already validated."""
     fields: Headers = []

@@ -38,7 +38,7 @@ from gateway.messages import (
     header_value,
     strip_hop_by_hop,
 )
-from gateway.request_head import may_complete, parse_head
+from gateway.request_head import FastHead, may_complete, parse_head
 
 __all__ = [
     "HOP_BY_HOP",
@@ -192,6 +192,27 @@ class ServerSession:
         head = parse_head(buf, end + 4, self._max_head)
         if head is None:
             return self._to_h11()
+        return self._begin(head, buf)
+
+    def express_head(self, data: bytes) -> RequestHead | None:
+        """The head at the start of `data`, when a cycle starts with nothing buffered and the
+        fast path takes it whole with an acceptable body size (the express lane,
+        `gateway.express`); None changes nothing: `data` is for `receive` as usual."""
+        if not self._pending_head or self._buf or self._eof:
+            return None
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        head = parse_head(data, end + 4, self._max_head)
+        if head is None or (
+            head.content_length is not None and int(head.content_length) > self._max_body
+        ):
+            return None
+        self.cycle_bytes += len(data)
+        return self._begin(head, data)
+
+    def _begin(self, head: FastHead, buf: bytes) -> RequestHead:
+        """Start the cycle of a head the fast path took from `buf` (body bytes follow it)."""
         method, length = head.method, head.content_length
         # As on the h11 path: the response is framed for this request even when refused.
         self._method, self._version, self._keep_alive = method, b"1.1", head.keep_alive
@@ -319,6 +340,27 @@ class ServerSession:
         if self._buf:
             return Signal.PAUSED
         return Signal.CLOSED if self._eof else Signal.NEED_DATA
+
+    @property
+    def body_buffered(self) -> bool:
+        """The whole Content-Length body of the current request is buffered (see `take_body`)."""
+        return self._own_body and not self._body_ended and len(self._buf) >= self._body_left
+
+    def take_body(self) -> bytes:
+        """The buffered body, read to its end at once (only when `body_buffered`)."""
+        left, buf = self._body_left, self._buf
+        data, self._buf = (buf, b"") if len(buf) == left else (buf[:left], buf[left:])
+        self.body_bytes += left
+        self._body_left = 0
+        self._body_ended = True
+        self._expect_continue = False
+        return data
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes (or the end) of the next request are buffered, after `start_next_cycle` on
+        the fast path."""
+        return bool(self._buf) or self._eof
 
     @property
     def waiting_for_continue(self) -> bool:

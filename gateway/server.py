@@ -43,6 +43,7 @@ import itertools
 import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -109,6 +110,7 @@ class Request:
     __slots__ = (
         "_complete",
         "_conn",
+        "_early",
         "_error",
         "_gone",
         "_gone_event",
@@ -120,7 +122,9 @@ class Request:
         "target",
     )
 
-    def __init__(self, conn: _Connection, head: RequestHead, request_id: int) -> None:
+    def __init__(
+        self, conn: _Connection, head: RequestHead, request_id: int, body: bytes | None = None
+    ) -> None:
         self._conn = conn
         self.method = head.method
         self.target = head.target
@@ -130,8 +134,9 @@ class Request:
         self.client = conn.peer
         self._gone = False
         self._gone_event: asyncio.Event | None = None  # made when someone asks for it
-        self._complete = not head.has_body
+        self._complete = not head.has_body or body is not None
         self._error: ClientError | None = None
+        self._early = body or b""  # the body, when the express lane had read it already
 
     @property
     def client_gone(self) -> asyncio.Event:
@@ -160,7 +165,8 @@ class Request:
     async def receive(self) -> bytes:
         """The next chunk of the body, b"" once it is complete."""
         if self._complete:
-            return b""
+            early, self._early = self._early, b""
+            return early
         if self._error is not None:
             raise self._error
         try:
@@ -172,6 +178,9 @@ class Request:
     async def read_body(self) -> bytes:
         """The whole body (bounded by the server's `max_body_bytes`)."""
         chunks: list[bytes] = []
+        if self._early:
+            chunks.append(self._early)
+            self._early = b""
         if not self._complete and self._error is None:
             try:  # what already arrived, without a coroutine per piece
                 self._conn.buffered_body(self, chunks)
@@ -202,12 +211,9 @@ class Responder:
         """Begin the response; nothing is written until `send`, `end` or `flush`."""
         if self.started:
             raise ResponseStateError("response already started")
-        server = self._conn.server
-        if server.closing:
-            headers = [*headers, (b"connection", b"close")]
-        if server.request_id_header is not None and self._conn.request is not None:
-            headers = [*headers, (server.request_id_header, b"%d" % self._conn.request.request_id)]
-        self._pending = self._conn.session.response_head(status, headers, reason, checked)
+        request = self._conn.request
+        rid = request.request_id if request is not None else None
+        self._pending = self._conn.answer_head(status, headers, reason, checked, rid)
         self.started = True
 
     async def send(self, data: bytes) -> None:
@@ -241,16 +247,40 @@ class Responder:
 
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
         """A complete response with a Content-Length body, in one write."""
-        await self.start(status, [*headers, (b"content-length", str(len(body)).encode())])
-        session = self._conn.session
-        out = self._pending + (session.body(body) if body else b"") + session.end()
-        self._pending = b""
-        self.finished = True
-        if self._conn.write_now(out):
-            await self._conn.drain()
+        if self.started:
+            raise ResponseStateError("response already started")
+        conn = self._conn
+        rid = conn.request.request_id if conn.request is not None else None
+        out = conn.complete_answer(status, headers, body, rid)
+        self.started = self.finished = True
+        if conn.write_now(out):
+            await conn.drain()
 
 
 Handler = Callable[[Request, Responder], Coroutine[object, object, None]]
+
+
+class Exchange(Protocol):
+    """A request the express lane (`gateway.express`) relays in callbacks, seen from here."""
+
+    head: RequestHead
+    request_id: int
+    reading: bool  # its body is still arriving: the task may take the request over
+
+    def start(self, body: bytes) -> None:
+        """The whole body is in: relay the request (or hand it over, `Connection.hand_over`)."""
+
+    def abort(self) -> None:
+        """The connection ends under it: drop the engine's answer, free what it holds."""
+
+
+# Given the connection, a head the fast path took and its request id: an exchange, or None
+# to leave the request to the handler.
+ExpressLane = Callable[["_Connection", RequestHead, int], Exchange | None]
+# Why the express lane woke the connection's task.
+_HANDOVER = "handover"  # a request for the handler: `_Connection.handover`
+_NEXT = "next"  # an exchange ended; bytes of the next request wait (pipelined)
+_END = "end"  # an exchange ended the connection
 
 
 class _Expired(Exception):
@@ -267,6 +297,8 @@ class _Connection:
         "cancelled_for_gone",
         "config",
         "deadline",
+        "exchange",
+        "handover",
         "idle",
         "in_handler",
         "peer",
@@ -277,6 +309,7 @@ class _Connection:
         "stream",
         "task",
         "transport",
+        "woke",
         "writing",
     )
 
@@ -303,6 +336,11 @@ class _Connection:
         self.deadline = 0.0  # loop time by which the pending read or write must finish
         self.body_deadline = 0.0  # loop time by which the current request's body must be in
         self.writing = False
+        # The express lane: the request it relays now, why it woke our task, and a request
+        # it handed over (head, request id, the body when it was read).
+        self.exchange: Exchange | None = None
+        self.woke: str | None = None
+        self.handover: tuple[RequestHead, int, bytes | None] | None = None
         stream.on_closed = self._peer_closed
 
     # --- the connection's own task -------------------------------------------------------
@@ -320,6 +358,8 @@ class _Connection:
             log.error("connection_failed", peer=self.peer, error=repr(exc))
         finally:
             self.deadline = 0.0
+            self.stream.on_data = None
+            self._drop_exchange()
             if self.broken:
                 self.transport.abort()
             else:
@@ -342,6 +382,8 @@ class _Connection:
     def expire(self) -> None:
         """The sweeper found our deadline passed: fail the pending read or write."""
         if self.writing:
+            if self.exchange is not None:  # no drain pending: the express lane's write
+                self._write_failed()
             self.transport.abort()  # the pending drain fails: `_write_failed` does the rest
         else:
             self.stream.set_exception(_Expired())
@@ -369,6 +411,8 @@ class _Connection:
                 if self.server.closing:
                     return None
                 timeout = self.config.keepalive_timeout_s
+                if self.server.express is not None:  # until the task wakes
+                    self.stream.on_data = self._express_data
             else:
                 self.idle = False
                 now = self.server.loop_time()
@@ -377,6 +421,27 @@ class _Connection:
                 config = self.config
                 timeout = started + min(config.header_timeout_s, config.body_timeout_s) - now
             data = await self._read(timeout)
+            self.stream.on_data = None  # the task has the connection again
+            if self.woke is not None or self.exchange is not None:
+                woke, self.woke = self.woke, None
+                if woke == _NEXT:
+                    if data:
+                        session.receive(data)
+                    continue
+                if woke == _END:
+                    return None
+                if woke != _HANDOVER:  # the client left, or a deadline passed, mid-exchange
+                    exchange = self.exchange
+                    assert exchange is not None
+                    if not exchange.reading:
+                        self._drop_exchange()
+                        return None
+                    self.exchange = None  # its body was arriving: the handler reads the rest
+                    self.server.requests_active -= 1
+                    self.handover = (exchange.head, exchange.request_id, None)
+                self.idle = False
+                assert self.handover is not None
+                return self.handover[0]
             if data is None:
                 if session.cycle_bytes:
                     await self._error_and_close(408, "request head not received in time")
@@ -390,12 +455,16 @@ class _Connection:
         (`_client_gone`), and that one cancellation is taken back here with `uncancel()`.
         """
         server = self.server
-        request = Request(self, head, next(server.request_ids))
+        handover, self.handover = self.handover, None
+        if handover is None:
+            request = Request(self, head, next(server.request_ids))
+            server.requests_total += 1
+        else:  # counted by the express lane
+            request = Request(self, head, handover[1], handover[2])
         responder = Responder(self)
         self.request, self._responder = request, responder
-        if not head.has_body:
+        if not head.has_body and (handover is None or handover[2] is None):
             self._pull_body_end(request)
-        server.requests_total += 1
         server.requests_active += 1
         error: BaseException | None = None
         self.in_handler = True
@@ -531,10 +600,97 @@ class _Connection:
                 raise ClientDisconnected("client closed the connection during the body")
             session.receive(data)
 
+    # --- the express lane (`gateway.express`) ---------------------------------------------
+
+    def _express_data(self, data: bytes) -> bool:
+        """Bytes from the client while the task waits for a head; False leaves them to it."""
+        try:
+            return self._express(data)
+        except Exception as exc:  # a bug: this connection ends, the server goes on
+            log.error("express_failed", peer=self.peer, error=repr(exc))
+            self._drop_exchange()
+            self.broken = True
+            self._wake(_END)
+            return True
+
+    def _express(self, data: bytes) -> bool:
+        exchange = self.exchange
+        session = self.session
+        if exchange is None:
+            head = session.express_head(data)
+            if head is None:
+                return False
+            server = self.server
+            rid = next(server.request_ids)
+            server.requests_total += 1
+            server.requests_active += 1
+            self.idle = False
+            self.body_deadline = self.deadline = server.loop_time() + self.config.body_timeout_s
+            assert server.express is not None
+            exchange = server.express(self, head, rid)
+            if exchange is None:
+                self.hand_over(head, rid, None)
+                return True
+            self.exchange = exchange
+        elif exchange.reading:
+            session.receive(data)
+        else:
+            self.stream.hold(data)  # the next request (pipelined): after this answer
+            return True
+        if session.body_buffered:
+            self.deadline = 0.0  # the engine's answer has its own deadlines
+            exchange.reading = False
+            exchange.start(session.take_body())
+        elif session.waiting_for_continue:
+            self.hand_over(exchange.head, exchange.request_id, None)  # the handler says 100
+        return True
+
+    def hand_over(self, head: RequestHead, request_id: int, body: bytes | None) -> None:
+        """The express lane leaves this request to the handler (run by our task)."""
+        self.exchange = None
+        self.server.requests_active -= 1  # counted again by `_serve`
+        self.handover = (head, request_id, body)
+        self._wake(_HANDOVER)
+
+    def express_done(self, keep: bool) -> None:
+        """The express lane answered (`keep`: the connection may serve another request)."""
+        self.exchange = None
+        server = self.server
+        server.requests_active -= 1
+        session = self.session
+        if keep and not self.broken and not server.closing and session.reusable:
+            session.start_next_cycle()
+            self.idle = True
+            if not session.buffered and not self.stream.holding:
+                self.deadline = server.loop_time() + self.config.keepalive_timeout_s
+                return  # still armed: the next request comes to `_express_data`
+            self._wake(_NEXT)
+        else:
+            self._wake(_END)
+
+    def _wake(self, why: str) -> None:
+        self.woke = why
+        self.stream.on_data = None
+        self.stream.wake()
+
+    def _drop_exchange(self) -> None:
+        """The connection ends under an exchange: it drops its engine answer."""
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            self.server.requests_active -= 1
+            exchange.abort()
+
     # --- hang-up detection ---------------------------------------------------------------
 
     def _peer_closed(self) -> None:
         """EOF or reset from the client: a handler past its body must learn it at once."""
+        exchange = self.exchange
+        if exchange is not None:
+            if not exchange.reading:  # stop the engine now; its task ends the connection
+                self.server.clients_gone += 1
+                self._drop_exchange()
+                self._wake(_END)
+            return  # its body was arriving: the handler takes the request over
         request = self.request
         if self.in_handler and request is not None and request.body_complete:
             self._client_gone()
@@ -556,6 +712,32 @@ class _Connection:
             task.cancel()
 
     # --- writing -------------------------------------------------------------------------
+
+    def answer_head(
+        self,
+        status: int,
+        headers: Headers,
+        reason: bytes = b"",
+        checked: bool = False,
+        request_id: int | None = None,
+    ) -> bytes:
+        """The bytes of a response head (see `Responder.start`): Connection: close while the
+        server closes, and the request id when the server names requests."""
+        server = self.server
+        if server.closing:
+            headers = [*headers, (b"connection", b"close")]
+        if server.request_id_header is not None and request_id is not None:
+            headers = [*headers, (server.request_id_header, b"%d" % request_id)]
+        return self.session.response_head(status, headers, reason, checked)
+
+    def complete_answer(
+        self, status: int, headers: Headers, body: bytes, request_id: int | None
+    ) -> bytes:
+        """The bytes of a whole response with a Content-Length body (`Responder.respond`)."""
+        length = (b"content-length", b"%d" % len(body))
+        session = self.session
+        head = self.answer_head(status, [*headers, length], request_id=request_id)
+        return head + (session.body(body) if body else b"") + session.end()
 
     async def write(self, data: bytes) -> None:
         """Write bytes to the client with backpressure; failures become `ClientDisconnected`."""
@@ -640,6 +822,8 @@ class _Connection:
             budget -= len(data)
 
 
+Connection = _Connection  # what the express lane sees of a connection
+
 _BUSY_MESSAGE = "too many connections; retry shortly"
 _BUSY_RETRY_AFTER_S = 1
 _MAX_REFUSING = 64  # over-cap connections answered at once; more are dropped unanswered
@@ -662,6 +846,7 @@ class HTTPServer:
         self.closing = False
         self.request_ids = itertools.count(1)
         self.request_id_header: bytes | None = None  # set: every answer names its request id
+        self.express: ExpressLane | None = None  # set: plain requests may skip the handler
         self.requests_total = 0
         self.requests_active = 0
         self.clients_gone = 0

@@ -6,6 +6,11 @@ writes; a lost connection wakes a pending drain), for less per read: received by
 kept as they came (no copy into and out of a bytearray), one future per wait, and the peer
 closing or resetting is reported at once to `on_closed`.  Every buffer is bounded: above
 twice `limit` unread bytes the transport stops reading until the reader catches up.
+
+The gateway's express lane (`gateway.express`) relays in callbacks instead of a task: while
+`on_data` is set, received bytes go to it first (it returns False to leave them to `read`),
+`hold` keeps bytes for a later `read` without waking it, and `on_drained` hears that the
+transport's write buffer went below its low-water mark.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class ByteStream(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.task: asyncio.Task[None] | None = None
         self.on_closed: Callable[[], None] | None = None  # EOF or reset from the peer
+        self.on_data: Callable[[bytes], bool] | None = None  # True: it took the bytes
+        self.on_drained: Callable[[], None] | None = None  # writing may go on
 
     # --- protocol callbacks ----------------------------------------------------------------
 
@@ -48,13 +55,13 @@ class ByteStream(asyncio.Protocol):
             self.task = self._loop.create_task(self._on_connect(self))
 
     def data_received(self, data: bytes) -> None:
-        """Keep the bytes for `read`; stop reading while too much is unread."""
-        self._chunks.append(data)
-        self._size += len(data)
+        """Give the bytes to `on_data`, else keep them for `read`; stop reading while too
+        much is unread."""
+        on_data = self.on_data
+        if on_data is not None and on_data(data):
+            return
+        self.hold(data)
         self._wake()
-        if self._size > 2 * self._limit and not self._reading_paused and self.transport:
-            self._reading_paused = True
-            self.transport.pause_reading()
 
     def eof_received(self) -> bool:
         """The peer closed its side; we may still write (True keeps the transport open)."""
@@ -81,6 +88,28 @@ class ByteStream(asyncio.Protocol):
         if self.on_closed is not None:
             self.on_closed()
 
+    def hold(self, data: bytes) -> None:
+        """Keep bytes for a later `read` without waking a pending one (see `wake`)."""
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size > 2 * self._limit and not self._reading_paused and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    @property
+    def writing_paused(self) -> bool:
+        """The transport asked us to stop writing (until `on_drained`)."""
+        return self._writing_paused
+
+    @property
+    def holding(self) -> bool:
+        """Bytes are kept for `read`."""
+        return bool(self._chunks)
+
+    def wake(self) -> None:
+        """End a pending `read` now: with the bytes held, else as if at EOF (b"")."""
+        self._wake()
+
     def pause_writing(self) -> None:
         """The transport's write buffer is over its high-water mark."""
         self._writing_paused = True
@@ -91,6 +120,8 @@ class ByteStream(asyncio.Protocol):
         for waiter in self._drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        if self.on_drained is not None:
+            self.on_drained()
 
     # --- reading -------------------------------------------------------------------------
 

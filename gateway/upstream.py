@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.deadlines import Sweeper, sweep_interval
@@ -97,6 +98,7 @@ class _Connection:
         "expired",
         "last_used",
         "loop",
+        "on_expired",
         "session",
         "stream",
         "transport",
@@ -115,6 +117,7 @@ class _Connection:
         self.deadline = 0.0  # loop time by which the pending read or write must finish
         self.writing = False
         self.expired = False
+        self.on_expired: Callable[[], None] | None = None  # an express exchange's answer
 
     @property
     def alive(self) -> bool:
@@ -124,7 +127,9 @@ class _Connection:
     def expire(self) -> None:
         """The sweeper found our deadline passed: fail the pending read or write."""
         self.expired = True
-        if self.writing:
+        if self.on_expired is not None:
+            self.on_expired()
+        elif self.writing:
             self.transport.abort()
         else:
             self.stream.set_exception(_Expired())
@@ -186,6 +191,10 @@ class _Connection:
     def abort(self) -> None:
         """Drop the connection at once (RST): the engine sees the client gone."""
         self.transport.abort()
+
+
+Engine = _EnginePool  # what the express lane holds of a pool (`UpstreamPool.send_now`)
+EngineConnection = _Connection
 
 
 class UpstreamResponse:
@@ -285,6 +294,14 @@ class UpstreamPool:
             self._expire_idle,
         )
 
+    def _engine(self, host: str, port: int) -> _EnginePool:
+        engine = self._engines.get((host, port))
+        if engine is None:
+            engine = self._engines[(host, port)] = _EnginePool(
+                host, port, self.config.max_connections_per_engine
+            )
+        return engine
+
     def _busy_connections(self) -> list[_Connection]:
         return [conn for engine in self._engines.values() for conn in engine.busy]
 
@@ -315,12 +332,7 @@ class UpstreamPool:
         if self._closed:
             raise UpstreamConnectError("upstream pool is closed")
         self._sweeper.start()
-        key = (host, port)
-        engine = self._engines.get(key)
-        if engine is None:
-            engine = self._engines[key] = _EnginePool(
-                host, port, self.config.max_connections_per_engine
-            )
+        engine = self._engine(host, port)
         if engine.slots_free and not engine.slot_waiters:
             engine.slots_free -= 1
         else:
@@ -364,6 +376,72 @@ class UpstreamPool:
             engine.active -= 1
             self._release_slot(engine)
             raise
+
+    async def open_idle(self, host: str, port: int) -> None:
+        """Open a connection to an engine ahead of any request and keep it idle (so that
+        the first request may take the express lane; tests use it for that)."""
+        engine = self._engine(host, port)
+        self._sweeper.start()
+        conn = await self._connect(host, port)
+        engine.connected += 1
+        conn.last_used = conn.loop.time()
+        engine.idle.append(conn)
+
+    def can_send_now(self, host: str, port: int) -> bool:
+        """Whether `send_now` would find a free slot and an idle connection (it checks again:
+        an idle connection may turn out closed)."""
+        engine = self._engines.get((host, port))
+        return (
+            engine is not None
+            and bool(engine.idle and engine.slots_free)
+            and not (engine.slot_waiters)
+        )
+
+    def send_now(
+        self, host: str, port: int, method: bytes, target: bytes, headers: Headers, body: bytes
+    ) -> tuple[_EnginePool, _Connection] | None:
+        """Send a request at once on an idle connection, for the express lane: the engine
+        and the connection, now busy (`finish` them), or None when it would have to wait
+        (no free slot or no idle connection) or the write failed: then nothing changed.
+
+        Method, target and headers came out of the client side's parser (not revalidated);
+        the read deadline covers the whole answer, from now on.
+        """
+        engine = self._engines.get((host, port))
+        if engine is None or self._closed or not engine.slots_free or engine.slot_waiters:
+            return None
+        conn, _ = self._checkout(engine)
+        if conn is None:
+            return None
+        if conn.stream.holding:  # bytes nobody asked for: not a connection to use
+            conn.abort()
+            engine.discarded += 1
+            return None
+        request = conn.session.request(
+            method,
+            target,
+            [(b"host", engine.host_header), *headers, (b"content-length", b"%d" % len(body))],
+            body,
+            True,
+        )
+        try:
+            conn.write(request)
+        except UpstreamClosed:
+            conn.abort()
+            engine.discarded += 1
+            return None
+        engine.slots_free -= 1
+        engine.active += 1
+        engine.busy.add(conn)
+        conn.deadline = conn.loop.time() + self.config.read_timeout_s
+        return engine, conn
+
+    def finish(self, engine: _EnginePool, conn: _Connection, *, reuse: bool) -> None:
+        """An express exchange is over with the connection from `send_now`."""
+        conn.deadline = 0.0
+        conn.on_expired = None
+        conn.stream.on_data = conn.stream.on_closed = None
+        self._release(engine, conn, reuse=reuse)
 
     async def _wait_for_slot(self, engine: _EnginePool) -> None:
         """Wait (bounded, in order) until a request to the engine ends and hands its slot on."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,19 @@ class Rig:
         self.controller.make_ready("a", self.engine.handle)
 
 
+# Every test runs twice: with a cold pool (a ready model's first request goes the handler's
+# way) and with an idle engine connection ready (it takes the express lane: gateway.express).
+WARM = False
+
+
+@pytest.fixture(autouse=True, params=["cold", "warm"])
+def _pool(request: pytest.FixtureRequest) -> Iterator[None]:
+    global WARM
+    WARM = request.param == "warm"
+    yield
+    WARM = False
+
+
 @contextlib.asynccontextmanager
 async def rig(
     state: str = "ready",
@@ -70,6 +83,8 @@ async def rig(
         controller.add("a", state=state, handle=engine.handle if state == "ready" else None)
         gateway = Gateway(controller, config=gateway_config, clock=lambda: 1700000000.0)
         server = await gateway.serve("127.0.0.1", 0)
+        if WARM and state == "ready":
+            await gateway.upstream.open_idle("127.0.0.1", engine.port)
         try:
             yield Rig(engine, controller, gateway, server)
         finally:

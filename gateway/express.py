@@ -1,0 +1,320 @@
+"""The express lane: a plain request to a ready model, relayed in callbacks.
+
+Nearly all of the gateway's traffic has one shape: a well-formed POST to `/d/<id>/v1/...`
+for a model that is ready, its whole body in one or two reads, to an engine with an idle
+keep-alive connection.  On the handler's path (`Gateway.handle`) such a request woke the
+connection's task twice, through eight levels of coroutines each time, and built a request,
+a responder and an answer object around bytes that only pass through: two thirds of the
+gateway's CPU per request, against the byte relay that is Python's floor.
+
+The express lane relays exactly that shape without a coroutine.  While a connection's task
+waits for the next head, the client's bytes go first to `_Connection._express_data`
+(`gateway.server`), which takes a head the fast path accepts and asks `Gateway.express`
+whether it is plain; an `Exchange` then waits for the body, takes a lease, sends the request
+on an idle engine connection (`UpstreamPool.send_now`) and pumps the engine's answer back
+from that connection's `data_received`.  It uses the same protocol objects as the handler's
+path (`ServerSession` frames the answer, `ClientSession` parses the engine's), the same
+headers, the same errors and the same counters; `tests/test_gateway_express.py` holds both
+paths to the same bytes.
+
+Whatever is not plain goes to the handler, which stays the judge of it: a route that is
+not inference, a model that is not ready, no idle engine connection, a client waiting for
+100 Continue, and an engine connection that closed before answering (most likely a stale
+keep-alive connection: the handler tries again on a new one, as the pool does).  The lane
+is bounded like the rest: the engine connection stops reading while the client's write
+buffer is over its mark, and both sides keep their deadlines.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from actors.admission import DeploymentView, Lease
+from gateway.classify import Endpoint
+from gateway.errors import (
+    ClientDisconnected,
+    ResponseStateError,
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from gateway.messages import (
+    NOT_FORWARDED,
+    Headers,
+    RequestHead,
+    ResponseHead,
+    Signal,
+    strip_hop_by_hop,
+)
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+    from gateway.server import Connection
+    from gateway.upstream import Engine, EngineConnection
+
+log = structlog.get_logger("gateway")
+
+
+class Exchange:
+    """One request on the express lane, from its head to the end of the engine's answer."""
+
+    __slots__ = (
+        "_answer_headers",
+        "_arrived",
+        "_body",
+        "_conn",
+        "_endpoint",
+        "_engine",
+        "_gateway",
+        "_last",
+        "_lease",
+        "_paused",
+        "_started",
+        "_target",
+        "_upstream",
+        "_view",
+        "head",
+        "reading",
+        "request_id",
+    )
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        conn: Connection,
+        head: RequestHead,
+        request_id: int,
+        view: DeploymentView,
+        endpoint: Endpoint | None,
+        target: bytes,
+    ) -> None:
+        self._gateway = gateway
+        self._conn = conn
+        self.head = head
+        self.request_id = request_id
+        self.reading = True  # the body is arriving (`start` not called yet)
+        self._view = view
+        self._endpoint = endpoint
+        self._target = target  # for the engine: the path after /d/<id>
+        self._arrived = time.monotonic()
+        self._body = b""
+        self._lease: Lease | None = None
+        self._engine: Engine | None = None
+        self._upstream: EngineConnection | None = None
+        self._started = False  # the answer's head went to the client
+        self._answer_headers: Headers = []
+        self._last = b""  # the last piece of body relayed
+        self._paused = False  # the engine connection waits for the client to read
+
+    # --- the request -----------------------------------------------------------------------
+
+    def start(self, body: bytes) -> None:
+        """The whole body is in: send the request, or hand it to the handler."""
+        gateway = self._gateway
+        hint = self._view.engine_handle  # as the head found it: no lease without a chance
+        lease = None
+        if hint is not None and gateway.upstream.can_send_now(hint.host, hint.port):
+            lease = gateway.controller.try_acquire(self._view.deployment_id)
+        if lease is None:
+            self._conn.hand_over(self.head, self.request_id, body)
+            return
+        handle = lease.handle
+        sent = gateway.upstream.send_now(
+            handle.host, handle.port, self.head.method, self._target,
+            strip_hop_by_hop(self.head.headers, NOT_FORWARDED), body,
+        )  # fmt: skip
+        if sent is None:
+            lease.release()
+            self._conn.hand_over(self.head, self.request_id, body)
+            return
+        self._lease = lease
+        self._body = body
+        self._engine, upstream = sent
+        self._upstream = upstream
+        upstream.stream.on_data = self._answer_data
+        upstream.stream.on_closed = self._engine_closed
+        upstream.on_expired = self._expired
+        gateway.exchanges.add(self)
+
+    # --- the answer, from the engine connection's callbacks -------------------------------
+
+    def _answer_data(self, data: bytes) -> bool:
+        upstream = self._upstream
+        if upstream is None:  # pragma: no cover - `finish` unhooks us first
+            return False
+        upstream.deadline = upstream.loop.time() + upstream.config.read_timeout_s
+        try:
+            upstream.session.receive(data)
+            self._pump()
+        except Exception as exc:  # a bug: this exchange ends, the gateway goes on
+            log.error("express_failed", target=self.head.target, error=repr(exc))
+            self._end(keep=False)
+        return True
+
+    def _engine_closed(self) -> None:
+        upstream = self._upstream
+        if upstream is not None:
+            upstream.session.receive(b"")
+            self._pump()
+
+    def _expired(self) -> None:
+        upstream = self._upstream
+        if upstream is not None:
+            seconds = upstream.config.read_timeout_s
+            self._failed(UpstreamTimeout(f"engine sent nothing for {seconds:g} s"))
+
+    def _pump(self) -> None:
+        """Relay what the engine said so far, in one write to the client."""
+        upstream = self._upstream
+        assert upstream is not None
+        session = upstream.session
+        client = self._conn.session
+        out: list[bytes] = []
+        try:
+            while True:
+                event = session.next_event()
+                if type(event) is bytes:
+                    self._last = event
+                    out.append(client.body(event))
+                elif event is Signal.NEED_DATA:
+                    break
+                elif event is Signal.BODY_END:
+                    out.append(client.end())
+                    if self._write(out):
+                        self._finish(keep=True)
+                    return
+                elif type(event) is ResponseHead:
+                    out.append(self._answer_head(event))
+                else:
+                    raise UpstreamClosed("engine answer ended unexpectedly")
+        except UpstreamError as exc:
+            if self._write(out):
+                self._failed(exc)
+            return
+        except ResponseStateError as exc:  # the engine's answer broke our framing
+            log.error("express_answer_failed", target=self.head.target, error=repr(exc))
+            self._end(keep=False)
+            return
+        self._write(out)
+
+    def _answer_head(self, head: ResponseHead) -> bytes:
+        headers = strip_hop_by_hop(head.headers)
+        self._answer_headers = headers
+        self._started = True
+        on_first_byte = self._gateway.on_first_byte
+        if on_first_byte is not None:
+            on_first_byte(self._view.deployment_id, time.monotonic() - self._arrived)
+        return self._conn.answer_head(head.status, headers, head.reason, True, self.request_id)
+
+    # --- writing to the client -------------------------------------------------------------
+
+    def _write(self, out: list[bytes]) -> bool:
+        """Write to the client; False when it is gone (the exchange is over then)."""
+        data = out[0] if len(out) == 1 else b"".join(out)
+        if not data:
+            return True
+        try:
+            if self._conn.write_now(data) and not self._paused:
+                self._pause()
+        except ClientDisconnected:
+            self._end(keep=False)
+            return False
+        return True
+
+    def _pause(self) -> None:
+        """Stop reading the engine until the client took enough (bounded by the write
+        timeout, which ends the connection)."""
+        upstream = self._upstream
+        if upstream is None or not self._conn.stream.writing_paused:
+            return  # under the transport's own mark: it tells us when it is over
+        self._paused = True
+        upstream.transport.pause_reading()
+        conn = self._conn
+        conn.stream.on_drained = self._drained
+        conn.deadline = conn.server.loop_time() + conn.config.write_timeout_s
+        conn.writing = True
+
+    def _drained(self) -> None:
+        self._unpause()
+        upstream = self._upstream
+        if upstream is not None:
+            upstream.transport.resume_reading()
+
+    def _unpause(self) -> None:
+        if self._paused:
+            self._paused = False
+            conn = self._conn
+            conn.stream.on_drained = None
+            conn.deadline = 0.0
+            conn.writing = False
+
+    # --- endings ---------------------------------------------------------------------------
+
+    def _failed(self, exc: UpstreamError) -> None:
+        """The engine failed: before its answer as the handler's path does after its retry,
+        during it with a final error event where the answer is an event stream."""
+        gateway = self._gateway
+        if not self._started:
+            if isinstance(exc, UpstreamClosed) and exc.before_response:
+                # Most likely a keep-alive connection the engine had just closed: the
+                # handler's path tries a new one (`UpstreamPool.request`).
+                self._release(reuse=False)
+                self._conn.hand_over(self.head, self.request_id, self._body)
+                return
+            reply = gateway.engine_unreachable(self._view, exc)
+            self._release(reuse=False)
+            conn = self._conn
+            answer = conn.complete_answer(
+                reply.status, reply.headers(), reply.body(), self.request_id
+            )
+            if self._write([answer]):
+                self._end(keep=True)
+            return
+        gateway.engine_failed(self._view, exc)
+        self._release(reuse=False)
+        event = gateway.cut_stream_event(
+            self._answer_headers, self._last, self._view, self._endpoint
+        )
+        if event is None:  # not an event stream: the client sees the answer incomplete
+            self._end(keep=False)
+            return
+        session = self._conn.session
+        if self._write([session.body(event), session.end()]):
+            self._end(keep=True)
+
+    def _finish(self, *, keep: bool) -> None:
+        self._release(reuse=True)
+        self._end(keep=keep)
+
+    def _end(self, *, keep: bool) -> None:
+        self._release(reuse=False)
+        self._unpause()
+        gateway = self._gateway
+        gateway.relayed += 1
+        gateway.relayed_express += 1
+        self._conn.express_done(keep)
+
+    def _release(self, *, reuse: bool) -> None:
+        """Give back the engine connection (reused only after a complete answer) and the
+        lease; idempotent."""
+        upstream, self._upstream = self._upstream, None
+        if upstream is not None:
+            assert self._engine is not None
+            self._gateway.upstream.finish(self._engine, upstream, reuse=reuse)
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+        self._gateway.exchanges.discard(self)
+
+    def abort(self) -> None:
+        """The client's connection ends under us: reset the engine's (it stops generating)."""
+        self._unpause()
+        self._release(reuse=False)
+
+    def cut(self) -> None:
+        """Shutdown, past its grace: end an answer under way as an engine failure would."""
+        if self._started and self._upstream is not None:
+            self._upstream.abort()

@@ -1,0 +1,582 @@
+"""The express lane (gateway.express) against the handler's path: the same bytes, every time.
+
+Each scenario runs twice against a raw-bytes engine whose answers are scripted request by
+request: once with the express lane and once without it (`GatewayConfig(express=False)`),
+both with an idle engine connection ready so that the lane can take the first request.
+What the client receives (request ids aside), whether its connection stays open, what the
+engine saw and what the controller was told must be equal; and the lane must really have
+carried the requests it should.  Both event loops run every scenario: asyncio's and uvloop,
+which production uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import re
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+import uvloop
+
+from actors.ports import EngineHandle
+from gateway.app import Gateway, GatewayConfig
+from gateway.server import Connection, HTTPServer, ServerConfig
+from gateway.upstream import UpstreamConfig, UpstreamPool
+from tests.gateway_support import ScriptedController, poll
+
+T = TypeVar("T")
+CHAT = b"/d/a/v1/chat/completions"
+JSON_BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+STREAM_BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+ANSWER = json.dumps({"id": "chatcmpl-1", "choices": [{"message": {"content": "Hi"}}]}).encode()
+EVENT = b'data: {"choices":[{"delta":{"content":"t"}}]}\n\n'
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+RID = re.compile(rb"x-dgxmm-request-id: \d+\r\n")
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def request(body: bytes = JSON_BODY, target: bytes = CHAT, extra: bytes = b"") -> bytes:
+    """A POST as a client library writes it."""
+    return (
+        b"POST %s HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n%s"
+        b"content-length: %d\r\n\r\n%s" % (target, extra, len(body), body)
+    )
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+
+@dataclass
+class Engine:
+    """Answers the n-th request with the n-th behaviour (the last one repeats)."""
+
+    behaviours: list[str]
+    seen: list[bytes] = field(default_factory=list)  # request bodies
+    connections: int = 0
+    disconnects: int = 0  # connections lost while an answer was being written or held
+    blocked: asyncio.Event = field(default_factory=asyncio.Event)  # a flood's writes stalled
+    release: asyncio.Event = field(default_factory=asyncio.Event)  # ends a "hold"
+    flooded: int = 0  # bytes of a flood written so far
+    port: int = 0
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, OSError):
+                    return
+                length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))  # type: ignore[union-attr]
+                self.seen.append(await reader.readexactly(length))
+                n = len(self.seen) - 1
+                behaviour = self.behaviours[min(n, len(self.behaviours) - 1)]
+                if not await self.answer(behaviour, reader, writer):
+                    return
+        except OSError:
+            self.disconnects += 1
+        finally:
+            writer.transport.abort()
+
+    async def answer(
+        self, behaviour: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Write one answer; False ends the connection."""
+        sse = SSE_HEAD
+        if behaviour == "ok":
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-engine: raw\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(ANSWER), ANSWER)
+            )
+        elif behaviour == "error":
+            body = b'{"error":{"message":"bad request","code":400}}'
+            writer.write(
+                b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+        elif behaviour == "stream":
+            writer.write(sse + chunk(EVENT) + chunk(EVENT))
+            await writer.drain()
+            writer.write(chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        elif behaviour == "drop":  # a keep-alive connection closed as the request came
+            writer.transport.close()
+            return False
+        elif behaviour == "garbage":
+            writer.write(b"HTTP/1.1 2x0 OK\r\n\r\n")
+        elif behaviour == "silent":
+            await reader.read(1)  # until the gateway gives up on us
+            return False
+        elif behaviour == "cut-stream":
+            writer.write(sse + chunk(EVENT) + chunk(b'data: {"part'))
+            await writer.drain()
+            return False
+        elif behaviour == "cut-length":
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: 100\r\n\r\n" + ANSWER[:10]
+            )
+            await writer.drain()
+            return False
+        elif behaviour == "hold":  # one event, then wait for `release` or the gateway to go
+            writer.write(sse + chunk(EVENT))
+            await writer.drain()
+            released = asyncio.ensure_future(self.release.wait())
+            gone = asyncio.ensure_future(reader.read(1))
+            done, _ = await asyncio.wait((released, gone), return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                released.cancel()
+                self.disconnects += 1
+                return False
+            gone.cancel()
+            writer.write(chunk(EVENT) + b"0\r\n\r\n")
+        elif behaviour == "flood":  # 32 MiB of events, noting when the gateway stops reading
+            piece = chunk(b"data: " + b"x" * (256 * 1024 - 8) + b"\n\n")
+            writer.write(sse)
+            while self.flooded < 32 * 1024 * 1024:
+                writer.write(piece)
+                self.flooded += len(piece)
+                try:
+                    async with asyncio.timeout(0.5):
+                        await writer.drain()
+                except TimeoutError:
+                    self.blocked.set()
+                    await writer.drain()
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+
+# --- the client --------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """What one scenario produced, in the terms both paths must agree on."""
+
+    answers: list[bytes]
+    closed: bool  # the gateway closed the client's connection after the last answer
+    seen: list[bytes]
+    unreachable: list[str]
+    engine_failures: int
+    counters: tuple[int, int, int]  # the server's requests, requests active, clients gone
+    express: int = 0  # requests the express lane relayed (not compared)
+
+    def comparable(self) -> tuple[object, ...]:
+        return (
+            self.answers, self.closed, self.seen, self.unreachable, self.engine_failures,
+            self.counters,
+        )  # fmt: skip
+
+
+async def read_answer(reader: asyncio.StreamReader) -> bytes:
+    """One whole answer (head and framed body) as raw bytes, request id removed; what
+    arrived when the connection ends in the middle of it."""
+    got: list[bytes] = []
+    try:
+        got.append(await reader.readuntil(b"\r\n\r\n"))
+        if got[0].startswith(b"HTTP/1.1 100"):
+            got.append(await reader.readuntil(b"\r\n\r\n"))
+        head = got[-1].lower()
+        if b"transfer-encoding: chunked" in head:
+            while True:
+                line = await reader.readuntil(b"\r\n")
+                got.append(line)
+                size = int(line[:-2], 16)
+                got.append(await reader.readexactly(size + 2))
+                if size == 0:
+                    break
+        else:
+            match = re.search(rb"content-length: (\d+)", head)
+            got.append(await reader.readexactly(int(match.group(1)) if match else 0))
+    except asyncio.IncompleteReadError as exc:
+        got.append(exc.partial)
+    except OSError:
+        pass
+    return RID.sub(b"x-dgxmm-request-id: N\r\n", b"".join(got))
+
+
+def payload(answer: bytes) -> bytes:
+    """The body of a chunked answer without its framing (pieces may be cut anywhere)."""
+    rest = answer.partition(b"\r\n\r\n")[2]
+    out = []
+    while rest:
+        line, _, rest = rest.partition(b"\r\n")
+        size = int(line, 16)
+        out.append(rest[:size])
+        rest = rest[size + 2 :]
+    return b"".join(out)
+
+
+async def at_eof(reader: asyncio.StreamReader) -> bool:
+    """Whether the gateway closed the connection (waits briefly for a close to show)."""
+    try:
+        async with asyncio.timeout(0.2):
+            return await reader.read(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+Client = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Rig"], Awaitable[list[bytes]]]
+
+
+@dataclass
+class Rig:
+    engine: Engine
+    controller: ScriptedController
+    gateway: Gateway
+    http: HTTPServer
+
+
+def connection(rig: Rig) -> Connection:
+    """The gateway's one client connection."""
+    (conn,) = rig.http._connections.values()
+    return conn
+
+
+async def scenario(
+    behaviours: list[str],
+    client: Client,
+    *,
+    express: bool,
+    server: ServerConfig | None = None,
+    upstream: UpstreamConfig | None = None,
+    grace_s: float = 2.0,
+) -> Outcome:
+    """Run `client` on one connection to a gateway in front of a scripted engine."""
+    engine = Engine(behaviours)
+    listener = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
+    engine.port = int(listener.sockets[0].getsockname()[1])
+    controller = ScriptedController()
+    handle = EngineHandle(deployment_id="a", host="127.0.0.1", port=engine.port, runtime_id="t")
+    controller.add("a", handle=handle)
+    gateway = Gateway(
+        controller,
+        config=GatewayConfig(express=express),
+        upstream=UpstreamPool(upstream or UpstreamConfig()),
+        clock=lambda: 1700000000.0,
+    )
+    http = await gateway.serve("127.0.0.1", 0, server)
+    await gateway.upstream.open_idle("127.0.0.1", engine.port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+    try:
+        rig = Rig(engine, controller, gateway, http)
+        answers = await client(reader, writer, rig)
+        closed = await at_eof(reader)
+        await poll(lambda: controller.in_flight["a"] == 0)  # every lease was given back
+        await poll(lambda: http.statistics().requests_active == 0)
+        stats = http.statistics()
+    finally:
+        writer.transport.abort()
+        await gateway.shutdown(grace_s)
+        listener.close()
+        for task in list(engine.tasks):
+            task.cancel()
+        await asyncio.gather(*engine.tasks, return_exceptions=True)
+    return Outcome(
+        answers,
+        closed,
+        engine.seen,
+        controller.unreachable,
+        gateway.engine_failures,
+        (stats.requests_total, stats.requests_active, stats.clients_gone),
+        gateway.relayed_express,
+    )
+
+
+def both(run: Callable[[bool], Coroutine[Any, Any, T]], loop: str) -> tuple[T, T]:
+    """The scenario with the express lane and without, on the named event loop."""
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        fast = runner.run(asyncio.wait_for(run(True), 30))
+        slow = runner.run(asyncio.wait_for(run(False), 30))
+    return fast, slow
+
+
+def sequential(*requests: bytes) -> Client:
+    """Send each request after the previous answer."""
+
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        answers = []
+        for data in requests:
+            writer.write(data)
+            answers.append(await read_answer(reader))
+        return answers
+
+    return client
+
+
+# --- scenarios ---------------------------------------------------------------------------------
+
+SEQUENCES = {
+    # behaviours of the engine, requests of the client, requests the lane must carry
+    "answers": (["ok"], [request()] * 3, 3),
+    "engine errors": (["error", "ok"], [request(), request()], 2),
+    "streams": (["stream"], [request(STREAM_BODY)] * 2, 2),
+    "stale connection, then a new one": (["drop", "ok"], [request(), request()], 1),
+    "garbage head": (["garbage", "ok"], [request(), request()], 1),
+    "stream cut mid-event": (["cut-stream", "ok"], [request(STREAM_BODY), request()], 1),
+    "connection: close": (["ok"], [request(extra=b"connection: close\r\n")], 1),
+    "not inference": (["ok"], [request(target=b"/d/a/v1/models"), request()], 1),
+    "unknown deployment": (["ok"], [request(target=b"/d/zz/v1/chat/completions")], 0),
+    "probe": (["ok"], [request(extra=b"x-dgxmm-health-check: 1\r\n"), request()], 1),
+    "body too large": (["ok"], [request(b"x" * 2048)], 0),
+    "query string": (["ok"], [request(target=CHAT + b"?a=1"), request()], 2),
+}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("name", SEQUENCES)
+def test_the_express_lane_answers_as_the_handler_does(name: str, loop: str) -> None:
+    behaviours, requests, carried = SEQUENCES[name]
+    config = ServerConfig(max_body_bytes=1024)
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(behaviours, sequential(*requests), express=express, server=config)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert (fast.express, slow.express) == (carried, 0)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_stream_cut_with_content_length_closes_the_connection(loop: str) -> None:
+    async def go(express: bool) -> Outcome:
+        return await scenario(["cut-length"], sequential(request()), express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert fast.closed and fast.answers[0].endswith(ANSWER[:10])
+    assert fast.engine_failures == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_engine_silent_past_the_read_timeout_gets_a_502(loop: str) -> None:
+    async def go(express: bool) -> Outcome:
+        config = UpstreamConfig(read_timeout_s=0.3)
+        return await scenario(["silent"], sequential(request()), express=express, upstream=config)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert fast.answers[0].startswith(b"HTTP/1.1 502 ") and b"engine_unreachable" in fast.answers[0]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_pipelined_requests_are_answered_in_order(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request() + request(STREAM_BODY) + request())
+        return [await read_answer(reader) for _ in range(3)]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["ok", "stream", "ok"], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert len(fast.seen) == 3 and fast.express >= 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_that_comes_after_its_head_is_relayed(loop: str) -> None:
+    data = request(JSON_BODY)
+    head, body = data[: -len(JSON_BODY)], JSON_BODY
+
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        answers = []
+        stats = rig.http.statistics
+        for n in range(1, 3):  # each piece in a read of its own, as a client writing twice
+            writer.write(head)
+            await poll(functools.partial(lambda k: stats().requests_total == k, n))
+            writer.write(body[:5])
+            await poll(lambda: connection(rig).session.cycle_bytes == len(head) + 5)
+            writer.write(body[5:])
+            answers.append(await read_answer(reader))
+        return answers
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["ok"], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert fast.express == 2
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_client_waiting_for_100_continue_gets_it(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        data = request(extra=b"expect: 100-continue\r\n")
+        writer.write(data[: -len(JSON_BODY)])
+        interim = await reader.readuntil(b"\r\n\r\n")
+        writer.write(JSON_BODY)
+        return [interim, await read_answer(reader)]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["ok"], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert fast.answers[0] == b"HTTP/1.1 100 \r\n\r\n"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_client_that_hangs_up_mid_stream_stops_the_engine(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request(STREAM_BODY))
+        head = await reader.readuntil(b"\r\n\r\n")
+        first = await reader.readuntil(b"\n\n")
+        writer.transport.abort()
+        await poll(lambda: rig.engine.disconnects == 1)
+        return [RID.sub(b"", head), first]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["hold"], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.answers == slow.answers and fast.seen == slow.seen
+    assert fast.express == 0  # gone, not relayed
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_shutdown_cuts_a_stream_with_an_error_event(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request(STREAM_BODY))
+        await poll(lambda: len(rig.engine.seen) == 1)
+        shutdown = asyncio.ensure_future(rig.gateway.shutdown(0.2))
+        answer = await read_answer(reader)
+        await shutdown
+        return [answer]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["hold"], client, express=express, grace_s=0.1)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert b"dgxmm_shutting_down" in fast.answers[0] and fast.answers[0].endswith(b"0\r\n\r\n")
+    assert fast.closed  # the server is closing: no next request
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_client_that_does_not_read_holds_the_engine_back(loop: str) -> None:
+    """Bounded: the gateway stops reading the engine while the client's writes back up;
+    the whole answer still arrives once the client reads."""
+
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request(STREAM_BODY))
+        await rig.engine.blocked.wait()
+        held = rig.engine.flooded
+        answer = await read_answer(reader)
+        return [b"held %d of 32 MiB" % (held // (1024 * 1024)), b"%d" % len(payload(answer))]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["flood"], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.answers[1] == slow.answers[1]
+    for outcome in (fast, slow):
+        held = int(outcome.answers[0].split()[1])
+        assert held < 24, outcome.answers[0]  # at most both sockets' buffers (about 20 MiB)
+    assert fast.express == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_client_that_never_reads_is_cut_at_the_write_timeout(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request(STREAM_BODY))
+        await rig.engine.blocked.wait()
+        await poll(lambda: rig.engine.disconnects == 1)  # the gateway gave up on us
+        while await reader.read(1 << 20):  # what it had sent, then the end
+            pass
+        return [b"ended"]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(
+            ["flood"], client, express=express, server=ServerConfig(write_timeout_s=0.5)
+        )
+
+    fast, slow = both(go, loop)
+    assert fast.closed and slow.closed
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_not_in_by_its_deadline_gets_a_408(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request()[:-5])  # the head and most of the body, never the rest
+        return [await read_answer(reader)]
+
+    async def go(express: bool) -> Outcome:
+        config = ServerConfig(body_timeout_s=0.3)
+        return await scenario(["ok"], client, express=express, server=config)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert fast.answers[0].startswith(b"HTTP/1.1 408 ") and fast.closed and not fast.seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_client_that_leaves_during_its_body_is_not_relayed(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request()[:-5])
+        await poll(lambda: rig.http.statistics().requests_total == 1)  # the head is in
+        writer.write_eof()
+        return [await read_answer(reader)]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["ok"], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert fast.answers == [b""] and fast.closed and not fast.seen
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_request_sent_while_an_answer_streams_comes_next(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request(STREAM_BODY))
+        await poll(lambda: len(rig.engine.seen) == 1)
+        writer.write(request())  # pipelined behind a stream still running
+        await poll(lambda: connection(rig).stream.holding)
+        rig.engine.release.set()
+        return [await read_answer(reader), await read_answer(reader)]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["hold", "ok"], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert fast.answers[1].endswith(ANSWER) and fast.express == 1

@@ -200,7 +200,6 @@ class Serve:
                 os.killpg(pid, signal.SIGKILL)
 
 
-
 def start_demo(tmp_path: Path, deadline_s: float = 60.0) -> tuple[subprocess.Popen[str], str]:
     """`dgxmm serve --demo` on ephemeral ports in tmp_path (so it never collides with a demo a
     developer runs), and its banner up to the printed curl command."""

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import re
 import resource
 import shutil
 import signal
@@ -518,6 +519,49 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+# --- wrk: a load generator in C ----------------------------------------------------------------
+
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+WRK_SECONDS = 2
+_WRK_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass
+class WrkRun:
+    """What one wrk run measured."""
+
+    p50: float  # seconds
+    p99: float
+    rps: float
+    requests: int
+
+
+def wrk_run(wrk: str, script: Path, port: int, path: str, connections: int) -> WrkRun:
+    """Run wrk (one thread, keep-alive POSTs of the small body) for `WRK_SECONDS`."""
+    out = subprocess.run(
+        [wrk, "-t1", f"-c{connections}", f"-d{WRK_SECONDS}s", "--latency", "-s", str(script),
+         f"http://127.0.0.1:{port}{path}"],
+        capture_output=True, text=True, timeout=WRK_SECONDS + 30, check=True,
+    ).stdout  # fmt: skip
+    if "Non-2xx" in out or "Socket errors" in out:
+        raise RuntimeError(f"wrk saw errors:\n{out}")
+
+    def latency(percent: str) -> float:
+        match = re.search(rf"^\s+{percent}%\s+([\d.]+)(us|ms|s)\s*$", out, re.MULTILINE)
+        if match is None:
+            raise RuntimeError(f"no {percent}% line in wrk's output:\n{out}")
+        return float(match.group(1)) * _WRK_UNITS[match.group(2)]
+
+    total = re.search(r"^\s+(\d+) requests in", out, re.MULTILINE)
+    rps = re.search(r"^Requests/sec:\s+([\d.]+)", out, re.MULTILINE)
+    if total is None or rps is None:
+        raise RuntimeError(f"unexpected wrk output:\n{out}")
+    return WrkRun(latency("50"), latency("99"), float(rps.group(1)), int(total.group(1)))
+
+
 def median(values: list[float]) -> float:
     """The median (the upper one of an even count)."""
     ordered = sorted(values)
@@ -554,6 +598,9 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int) -> None:
     # connections would reuse, in amounts that differ between proxies.
     rss = {name: await idle_rss(targets[name][0], targets[name][1], pids[name], 1000)
            for name in proxies}  # fmt: skip
+    wrk = shutil.which("wrk")
+    script = Path(tempfile.mkdtemp(prefix="bench-wrk-")) / "post.lua"
+    script.write_text(WRK_SCRIPT.format(body=SMALL.decode()))
     for turn in range(rounds):
         order = names[turn % len(names) :] + names[: turn % len(names)]
         lat1, used1 = await turns_run({n: (targets[n][0], targets[n][1]) for n in order}, pids, n1)
@@ -562,8 +609,8 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int) -> None:
             record("c1 p99", name, pct(lat1[name], 0.99))
             if name in pids:
                 record("cpu c1", name, used1[name] / n1)
-                paired = [a - b for a, b in zip(lat1[name], lat1["direct"], strict=True)]
-                record("c1 paired", name, pct(paired, 0.5))
+                diffs = [a - b for a, b in zip(lat1[name], lat1["direct"], strict=True)]
+                record("c1 paired", name, pct(diffs, 0.5))
         for name in order:
             port, target, _, _ = targets[name]
             lat, wall, used = await latency_run(port, target, pids.get(name), 64, per_conn64)
@@ -571,12 +618,24 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int) -> None:
             record("c64 p50", name, pct(lat, 0.5))
             if name in pids:
                 record("cpu c64", name, used / len(lat))
+        if wrk is not None:
+            for connections in (1, 64):
+                for name in order:
+                    port, target, _, _ = targets[name]
+                    before = cpu_seconds(pids[name]) if name in pids else 0.0
+                    done = wrk_run(wrk, script, port, target, connections)
+                    record(f"wrk{connections} p50", name, done.p50)
+                    record(f"wrk{connections} p99", name, done.p99)
+                    record(f"wrk{connections} rps", name, done.rps)
+                    if name in pids:
+                        spent = cpu_seconds(pids[name]) - before
+                        record(f"wrk{connections} cpu", name, spent / done.requests)
         for name in order:
             _, _, port, target = targets[name]
             before = cpu_seconds(pids[name]) if name in pids else 0.0
-            ttfb, rate = await stream_run(port, target, streams, tokens)
+            ttfb, relayed_rate = await stream_run(port, target, streams, tokens)
             record("ttfb p50", name, pct(ttfb, 0.5))
-            record("tokens/s", name, rate)
+            record("tokens/s", name, relayed_rate)
             if name in pids:
                 # per relayed event (tokens and the closing events), warm-up included
                 used = cpu_seconds(pids[name]) - before
@@ -615,6 +674,21 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int) -> None:
     rows.append(("c=1 added, paired p50 (ms)", paired, ratios(paired)))
     rps = {n: med("c64 rps", n) for n in names}
     rows.append(("c=64 requests/s", rps, ratios(rps) + " [target: gw >= 20,000]"))
+    if wrk is not None:
+        for figure, label, goal in (
+            ("wrk1 p50", "wrk c=1 added p50 (ms)", " [target: gw <= 0.08 ms]"),
+            ("wrk1 p99", "wrk c=1 added p99 (ms)", ""),
+        ):
+            values = {n: added(figure, n) * ms for n in proxies}
+            rows.append((label, values, ratios(values) + goal))
+        wrk_rps = {n: med("wrk64 rps", n) for n in names}
+        rows.append(("wrk c=64 requests/s", wrk_rps, ratios(wrk_rps) + " [target: gw >= 20,000]"))
+        for figure, label, goal in (
+            ("wrk1 cpu", "wrk CPU per request, c=1 (us)", ""),
+            ("wrk64 cpu", "wrk CPU per request, c=64 (us)", " [target: gw/relay <= 3x]"),
+        ):
+            values = {n: med(figure, n) * us for n in proxies}
+            rows.append((label, values, ratios(values) + goal))
     for figure, label, goal in (
         ("cpu c1", "proxy CPU per request, c=1 (us)", ""),
         ("cpu c64", "proxy CPU per request, c=64 (us)", " [target: gw/relay <= 3x]"),
@@ -642,7 +716,9 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int) -> None:
         f"\n(medians of {rounds} rounds, each: c=1 {n1} requests/target in turns, c=64"
         f" {64 * per_conn64} requests/target, {streams} streams of {tokens} tokens paced by the"
         " engine; added latency: the round's p(proxy) - p(direct); paired: the median of"
-        " proxy - direct within a turn; CPU: the proxy process's on-CPU time (user+system);"
+        " proxy - direct within a turn; wrk: one thread, targets in turns,"
+        f" {WRK_SECONDS} s each{'' if wrk else ' (not installed: apt-get install wrk)'};"
+        " CPU: the proxy process's on-CPU time (user+system);"
         f" load average at the end: {load}; the machine is shared: run it twice)"
     )
 

@@ -124,6 +124,30 @@ class ClientSession:
             parts.append(body)
         return b"".join(parts)
 
+    def forward(
+        self,
+        method: bytes,
+        target: bytes,
+        host: bytes,
+        headers: Headers,
+        drop: frozenset[bytes],
+        body: bytes,
+    ) -> bytes:
+        """Bytes of a request relayed from a client, in one piece: `request` with our Host
+        first and our Content-Length last, the client's headers (from an HTTP parser, not
+        revalidated) between them minus those named in `drop` (the caller's: Host and
+        Content-Length among them)."""
+        if self._sent or self._state is not _S_HEAD or not self._keep_alive:
+            raise UpstreamProtocolError("cannot send request: the connection is not idle")
+        self._head_only = method == b"HEAD"
+        self._sent = True
+        parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+        for name, value in headers:
+            if name not in drop:
+                parts += (name, b": ", value, b"\r\n")
+        parts += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
+        return b"".join(parts)
+
     def send_failed(self) -> None:
         """The request bytes never reached the engine: never reuse this connection."""
         self._keep_alive = False

@@ -47,6 +47,7 @@ from gateway.messages import (
     RequestHead,
     ResponseHead,
     Signal,
+    not_forwarded,
     strip_hop_by_hop,
 )
 
@@ -56,6 +57,10 @@ if TYPE_CHECKING:
     from gateway.upstream import Engine, EngineConnection
 
 log = structlog.get_logger("gateway")
+
+# Larger bodies go the handler's way, which waits (bounded by the write timeout) until the
+# engine took them; one this size goes out in a single write to a loopback socket.
+MAX_BODY_BYTES = 64 * 1024
 
 
 class Exchange:
@@ -105,7 +110,7 @@ class Exchange:
         self._engine: Engine | None = None
         self._upstream: EngineConnection | None = None
         self._started = False  # the answer's head went to the client
-        self._answer_headers: Headers = []
+        self._answer_headers: Headers = []  # the engine's
         self._last = b""  # the last piece of body relayed
         self._paused = False  # the engine connection waits for the client to read
 
@@ -116,15 +121,20 @@ class Exchange:
         gateway = self._gateway
         hint = self._view.engine_handle  # as the head found it: no lease without a chance
         lease = None
-        if hint is not None and gateway.upstream.can_send_now(hint.host, hint.port):
+        if (
+            hint is not None
+            and len(body) <= MAX_BODY_BYTES
+            and gateway.upstream.can_send_now(hint.host, hint.port)
+        ):
             lease = gateway.controller.try_acquire(self._view.deployment_id)
         if lease is None:
             self._conn.hand_over(self.head, self.request_id, body)
             return
         handle = lease.handle
+        headers = self.head.headers
         sent = gateway.upstream.send_now(
-            handle.host, handle.port, self.head.method, self._target,
-            strip_hop_by_hop(self.head.headers, NOT_FORWARDED), body,
+            handle.host, handle.port, self.head.method, self._target, headers,
+            not_forwarded(headers, NOT_FORWARDED), body,
         )  # fmt: skip
         if sent is None:
             lease.release()
@@ -201,13 +211,15 @@ class Exchange:
         self._write(out)
 
     def _answer_head(self, head: ResponseHead) -> bytes:
-        headers = strip_hop_by_hop(head.headers)
-        self._answer_headers = headers
+        headers = head.headers
+        self._answer_headers = headers  # as the engine sent them (see `_failed`)
         self._started = True
         on_first_byte = self._gateway.on_first_byte
         if on_first_byte is not None:
             on_first_byte(self._view.deployment_id, time.monotonic() - self._arrived)
-        return self._conn.answer_head(head.status, headers, head.reason, True, self.request_id)
+        return self._conn.answer_head(
+            head.status, headers, head.reason, True, self.request_id, not_forwarded(headers)
+        )
 
     # --- writing to the client -------------------------------------------------------------
 
@@ -275,9 +287,8 @@ class Exchange:
             return
         gateway.engine_failed(self._view, exc)
         self._release(reuse=False)
-        event = gateway.cut_stream_event(
-            self._answer_headers, self._last, self._view, self._endpoint
-        )
+        relayed = strip_hop_by_hop(self._answer_headers)  # the headers the client got
+        event = gateway.cut_stream_event(relayed, self._last, self._view, self._endpoint)
         if event is None:  # not an event stream: the client sees the answer incomplete
             self._end(keep=False)
             return
@@ -290,8 +301,10 @@ class Exchange:
         self._end(keep=keep)
 
     def _end(self, *, keep: bool) -> None:
-        self._release(reuse=False)
-        self._unpause()
+        if self._upstream is not None or self._lease is not None:
+            self._release(reuse=False)
+        if self._paused:
+            self._unpause()
         gateway = self._gateway
         gateway.relayed += 1
         gateway.relayed_express += 1

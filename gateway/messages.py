@@ -91,15 +91,23 @@ def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     return tokens
 
 
+def not_forwarded(
+    headers: Sequence[tuple[bytes, bytes]], drop: frozenset[bytes] = HOP_BY_HOP
+) -> frozenset[bytes]:
+    """The names of `headers` not to pass on: `drop` (the hop-by-hop ones) and those the
+    Connection header names."""
+    for name, _ in headers:
+        if name == b"connection":
+            return drop | connection_tokens(headers)
+    return drop
+
+
 def strip_hop_by_hop(
     headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes] = HOP_BY_HOP
 ) -> Headers:
     """The headers minus `drop` (the hop-by-hop ones) and those the Connection header names."""
     items = headers if isinstance(headers, list) else list(headers)
-    for name, _ in items:
-        if name == b"connection":
-            drop = drop | connection_tokens(items)
-            break
+    drop = not_forwarded(items, drop)
     return [(n, v) for n, v in items if n not in drop]
 
 

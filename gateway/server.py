@@ -625,7 +625,7 @@ class _Connection:
             server.requests_total += 1
             server.requests_active += 1
             self.idle = False
-            self.body_deadline = self.deadline = server.loop_time() + self.config.body_timeout_s
+            self.body_deadline = server.loop_time() + self.config.body_timeout_s
             assert server.express is not None
             exchange = server.express(self, head, rid)
             if exchange is None:
@@ -643,6 +643,8 @@ class _Connection:
             exchange.start(session.take_body())
         elif session.waiting_for_continue:
             self.hand_over(exchange.head, exchange.request_id, None)  # the handler says 100
+        else:
+            self.deadline = self.body_deadline
         return True
 
     def hand_over(self, head: RequestHead, request_id: int, body: bytes | None) -> None:
@@ -720,14 +722,20 @@ class _Connection:
         reason: bytes = b"",
         checked: bool = False,
         request_id: int | None = None,
+        drop: frozenset[bytes] | None = None,
     ) -> bytes:
-        """The bytes of a response head (see `Responder.start`): Connection: close while the
-        server closes, and the request id when the server names requests."""
+        """The bytes of a response head (see `Responder.start`) without the headers named in
+        `drop`: Connection: close while the server closes, and the request id when the
+        server names requests."""
         server = self.server
+        if drop is None:
+            headers = [*headers]
+        else:
+            headers = [(name, value) for name, value in headers if name not in drop]
         if server.closing:
-            headers = [*headers, (b"connection", b"close")]
+            headers.append((b"connection", b"close"))
         if server.request_id_header is not None and request_id is not None:
-            headers = [*headers, (server.request_id_header, b"%d" % request_id)]
+            headers.append((server.request_id_header, b"%d" % request_id))
         return self.session.response_head(status, headers, reason, checked)
 
     def complete_answer(

@@ -398,14 +398,21 @@ class UpstreamPool:
         )
 
     def send_now(
-        self, host: str, port: int, method: bytes, target: bytes, headers: Headers, body: bytes
+        self,
+        host: str,
+        port: int,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        drop: frozenset[bytes],
+        body: bytes,
     ) -> tuple[_EnginePool, _Connection] | None:
         """Send a request at once on an idle connection, for the express lane: the engine
         and the connection, now busy (`finish` them), or None when it would have to wait
         (no free slot or no idle connection) or the write failed: then nothing changed.
 
         Method, target and headers came out of the client side's parser (not revalidated);
-        the read deadline covers the whole answer, from now on.
+        those named in `drop` are not passed on.  The read deadline starts now.
         """
         engine = self._engines.get((host, port))
         if engine is None or self._closed or not engine.slots_free or engine.slot_waiters:
@@ -417,13 +424,7 @@ class UpstreamPool:
             conn.abort()
             engine.discarded += 1
             return None
-        request = conn.session.request(
-            method,
-            target,
-            [(b"host", engine.host_header), *headers, (b"content-length", b"%d" % len(body))],
-            body,
-            True,
-        )
+        request = conn.session.forward(method, target, engine.host_header, headers, drop, body)
         try:
             conn.write(request)
         except UpstreamClosed:

@@ -23,6 +23,7 @@ import pytest
 import uvloop
 
 from actors.ports import EngineHandle
+from gateway import express
 from gateway.app import Gateway, GatewayConfig
 from gateway.server import Connection, HTTPServer, ServerConfig
 from gateway.upstream import UpstreamConfig, UpstreamPool
@@ -338,15 +339,19 @@ SEQUENCES = {
     "unknown deployment": (["ok"], [request(target=b"/d/zz/v1/chat/completions")], 0),
     "probe": (["ok"], [request(extra=b"x-dgxmm-health-check: 1\r\n"), request()], 1),
     "body too large": (["ok"], [request(b"x" * 2048)], 0),
+    "body over the lane's bound": (["ok"], [request(b"x" * 1000), request(b"y" * 400)], 1),
     "query string": (["ok"], [request(target=CHAT + b"?a=1"), request()], 2),
 }
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("name", SEQUENCES)
-def test_the_express_lane_answers_as_the_handler_does(name: str, loop: str) -> None:
+def test_the_express_lane_answers_as_the_handler_does(
+    name: str, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     behaviours, requests, carried = SEQUENCES[name]
     config = ServerConfig(max_body_bytes=1024)
+    monkeypatch.setattr(express, "MAX_BODY_BYTES", 512)
 
     async def go(express: bool) -> Outcome:
         return await scenario(behaviours, sequential(*requests), express=express, server=config)

@@ -71,6 +71,7 @@ class Exchange:
         "_arrived",
         "_body",
         "_conn",
+        "_ended",
         "_endpoint",
         "_engine",
         "_gateway",
@@ -113,6 +114,7 @@ class Exchange:
         self._answer_headers: Headers = []  # the engine's
         self._last = b""  # the last piece of body relayed
         self._paused = False  # the engine connection waits for the client to read
+        self._ended = False  # `_end` ran: the connection has been told
 
     # --- the request -----------------------------------------------------------------------
 
@@ -159,22 +161,32 @@ class Exchange:
         try:
             upstream.session.receive(data)
             self._pump()
-        except Exception as exc:  # a bug: this exchange ends, the gateway goes on
-            log.error("express_failed", target=self.head.target, error=repr(exc))
-            self._end(keep=False)
+        except Exception as exc:
+            self._broken(exc)
         return True
 
     def _engine_closed(self) -> None:
         upstream = self._upstream
         if upstream is not None:
-            upstream.session.receive(b"")
-            self._pump()
+            try:
+                upstream.session.receive(b"")
+                self._pump()
+            except Exception as exc:
+                self._broken(exc)
 
     def _expired(self) -> None:
         upstream = self._upstream
         if upstream is not None:
             seconds = upstream.config.read_timeout_s
-            self._failed(UpstreamTimeout(f"engine sent nothing for {seconds:g} s"))
+            try:
+                self._failed(UpstreamTimeout(f"engine sent nothing for {seconds:g} s"), [])
+            except Exception as exc:
+                self._broken(exc)
+
+    def _broken(self, exc: Exception) -> None:
+        """A bug: this exchange ends (its client's connection closes), the gateway goes on."""
+        log.error("express_failed", target=self.head.target, error=repr(exc))
+        self._end(keep=False)
 
     def _pump(self) -> None:
         """Relay what the engine said so far, in one write to the client."""
@@ -201,8 +213,7 @@ class Exchange:
                 else:
                     raise UpstreamClosed("engine answer ended unexpectedly")
         except UpstreamError as exc:
-            if self._write(out):
-                self._failed(exc)
+            self._failed(exc, out)
             return
         except ResponseStateError as exc:  # the engine's answer broke our framing
             log.error("express_answer_failed", target=self.head.target, error=repr(exc))
@@ -265,9 +276,10 @@ class Exchange:
 
     # --- endings ---------------------------------------------------------------------------
 
-    def _failed(self, exc: UpstreamError) -> None:
+    def _failed(self, exc: UpstreamError, out: list[bytes]) -> None:
         """The engine failed: before its answer as the handler's path does after its retry,
-        during it with a final error event where the answer is an event stream."""
+        during it (after `out`, what it said last) with a final error event where the answer
+        is an event stream."""
         gateway = self._gateway
         if not self._started:
             if isinstance(exc, UpstreamClosed) and exc.before_response:
@@ -290,10 +302,11 @@ class Exchange:
         relayed = strip_hop_by_hop(self._answer_headers)  # the headers the client got
         event = gateway.cut_stream_event(relayed, self._last, self._view, self._endpoint)
         if event is None:  # not an event stream: the client sees the answer incomplete
-            self._end(keep=False)
+            if self._write(out):
+                self._end(keep=False)
             return
         session = self._conn.session
-        if self._write([session.body(event), session.end()]):
+        if self._write([*out, session.body(event), session.end()]):
             self._end(keep=True)
 
     def _finish(self, *, keep: bool) -> None:
@@ -301,6 +314,9 @@ class Exchange:
         self._end(keep=keep)
 
     def _end(self, *, keep: bool) -> None:
+        if self._ended:
+            return
+        self._ended = True
         if self._upstream is not None or self._lease is not None:
             self._release(reuse=False)
         if self._paused:
@@ -324,6 +340,7 @@ class Exchange:
 
     def abort(self) -> None:
         """The client's connection ends under us: reset the engine's (it stops generating)."""
+        self._ended = True  # the connection is told nothing more
         self._unpause()
         self._release(reuse=False)
 

@@ -271,15 +271,17 @@ def _body_model(body: bytes) -> str | None:
 
 
 def _install_spy(stack: Stack) -> None:
-    """Record what the gateway sends to engines (wraps its engine pool's `request`)."""
+    """Record what the gateway sends to engines: wraps its engine pool's `request` (the
+    handler's path) and `send_now` (the express lane)."""
     gateway = stack.app.gateway
     assert gateway is not None
     pool = gateway.upstream
     original = pool.request
+    original_now = pool.send_now
     signature = inspect.signature(original)
+    signature_now = inspect.signature(original_now)
 
-    async def request(*args: Any, **kwargs: Any) -> Any:
-        sent = signature.bind(*args, **kwargs).arguments
+    def record(sent: dict[str, Any]) -> None:
         stack.relayed.append(
             Relayed(
                 sent["port"],
@@ -288,9 +290,20 @@ def _install_spy(stack: Stack) -> None:
                 bytes(sent["body"]),
             )
         )
+
+    async def request(*args: Any, **kwargs: Any) -> Any:
+        record(signature.bind(*args, **kwargs).arguments)
         return await original(*args, **kwargs)
 
-    setattr(pool, "request", request)  # noqa: B010 (an instance attribute shadows the method)
+    def send_now(*args: Any, **kwargs: Any) -> Any:
+        sent = original_now(*args, **kwargs)
+        if sent is not None:  # else the handler's path sends it
+            record(signature_now.bind(*args, **kwargs).arguments)
+        return sent
+
+    # Instance attributes shadow the methods.
+    setattr(pool, "request", request)  # noqa: B010
+    setattr(pool, "send_now", send_now)  # noqa: B010
 
 
 def _config(data_dir: Path, config_path: Path, litellm_url: str, litellm: bool) -> Config:

@@ -1,6 +1,6 @@
 """Gateway benchmark: direct vs a bare relay vs nginx vs the gateway, on the same upstreams.
 
-    python -m tests.perf.bench_gateway [--quick] [--rounds N] [--h11] [--baseline DIR]
+    python -m tests.perf.bench_gateway [--quick] [--rounds N] [--h11] [--baseline DIR] [--pin]
 
 Starts (all on loopback, all ended at exit): a static upstream (nginx answering every request
 with a fixed small JSON body, in its own process: so that concurrency 64 measures the proxy,
@@ -14,7 +14,10 @@ wait.
 Fairness: every target is asked through the same client code, after a warm-up, in rounds;
 each round rotates who goes first.  At concurrency 1 the targets take turns request by
 request, so that drifts of the shared machine hit them alike; at 64 and for streams they
-take turns target by target.  CPU is each proxy process's on-CPU time (user and system, ns,
+take turns target by target.  `--pin` puts every proxy on the last CPU and everything else
+on the others ("on one core"; it also makes each hop cross CPUs, which adds latency to
+every target); by default the scheduler places them, as the issue measured.  CPU is each
+proxy process's on-CPU time (user and system, ns,
 from schedstat) over the requests or events it relayed.  Every figure is the median over the
 rounds.  `--h11` adds the gateway with its fast path off (`[server] gateway_fast_path =
 false`); `--baseline DIR` adds a gateway built from the `gateway` package in DIR (e.g.
@@ -332,6 +335,26 @@ def processes(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+PROXIES = ("relay", "nginx", "gateway", "base", "h11")  # the processes measured
+
+
+def pin(rig: Rig) -> str:
+    """Every proxy on the last CPU, the load generator and the upstreams on the others: "on
+    one core", as the issue measures, and without the scheduler's placement (a proxy sharing
+    a core with the load generator one run and not the next) in the figures.  Says how."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return "not pinned (one CPU)"
+    proxy_cpu, others = {cpus[-1]}, set(cpus[:-1])
+    for name, proc in rig.procs.items():
+        for pid in [proc.pid, *children(proc.pid)]:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    os.sched_setaffinity(int(task.name), proxy_cpu if name in PROXIES else others)
+    os.sched_setaffinity(0, others)  # this process, and wrk after it
+    return f"proxies pinned to CPU {cpus[-1]}, load generator and upstreams to {sorted(others)}"
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of one process."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -568,7 +591,7 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-async def measure(rig: Rig, quick: bool, tokens: int, rounds: int) -> None:
+async def measure(rig: Rig, quick: bool, tokens: int, rounds: int, placement: str) -> None:
     """Run every measurement in `rounds` rounds and print the medians and ratios."""
     n1, per_conn64, streams = (200, 10, 64) if quick else (1000, 60, 256)
     path = "/v1/chat/completions"
@@ -718,7 +741,7 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int) -> None:
         " engine; added latency: the round's p(proxy) - p(direct); paired: the median of"
         " proxy - direct within a turn; wrk: one thread, targets in turns,"
         f" {WRK_SECONDS} s each{'' if wrk else ' (not installed: apt-get install wrk)'};"
-        " CPU: the proxy process's on-CPU time (user+system);"
+        f" {placement}; CPU: the proxy process's on-CPU time (user+system);"
         f" load average at the end: {load}; the machine is shared: run it twice)"
     )
 
@@ -729,6 +752,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds (medians over them)")
     parser.add_argument("--h11", action="store_true", help="also the gateway without fast path")
+    parser.add_argument(
+        "--pin", action="store_true", help="proxies on the last CPU, the rest on the others"
+    )
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engines", default="", help=argparse.SUPPRESS)
@@ -758,7 +784,8 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     print(f"load average at the start: {os.getloadavg()}", file=sys.stderr, flush=True)
     with processes(args.stream_tokens, args.token_delay, args.baseline, args.h11) as rig:
-        uvloop.run(measure(rig, args.quick, args.stream_tokens, args.rounds))
+        placement = pin(rig) if args.pin else "placed by the scheduler"
+        uvloop.run(measure(rig, args.quick, args.stream_tokens, args.rounds, placement))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class GatewayConfig:
     express: bool = True  # plain requests to ready models take the express lane (see there)
 
 
+_MAX_TARGETS = 1024  # split targets kept (then they are forgotten all at once)
 CUT_SLACK_S = 5.0  # after the grace, how long cut streams get to write their error event
 
 
@@ -99,6 +100,9 @@ class Gateway:
         self.closing = False  # set by `shutdown`: cut streams say why
         self._answers: set[UpstreamResponse] = set()  # engines' answers being relayed
         self.exchanges: set[Exchange] = set()  # ... and those on the express lane
+        # The express lane's split targets: a few deployments and endpoints take nearly all
+        # requests, and splitting and decoding one cost as much as the rest of its routing.
+        self._targets: dict[bytes, tuple[str, bytes, str]] = {}
         # Called with (deployment id, seconds from arrival to the engine's answer head).
         self.on_first_byte: Callable[[str, float], None] | None = None
 
@@ -165,9 +169,15 @@ class Gateway:
     def express(self, conn: Connection, head: RequestHead, request_id: int) -> Exchange | None:
         """The express lane's routing (`gateway.express`): an exchange for an inference
         request to a deployment that exists and is not a probe; None leaves it to `handle`."""
-        parts = _split_target(head.target)
+        target = head.target
+        parts = self._targets.get(target)
         if parts is None:
-            return None
+            parts = _split_target(target)
+            if parts is None:
+                return None
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()
+            self._targets[target] = parts
         deployment_id, upstream_target, path = parts
         view = self.controller.view(deployment_id)
         if view is None:

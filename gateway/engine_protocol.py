@@ -273,7 +273,11 @@ class ClientSession:
                     if chunked or value.lower() != b"chunked":
                         raise self._error("only one Transfer-Encoding: chunked is supported")
                     chunked = True
-                elif name == b"connection" and b"close" in comma_tokens(value):
+                elif (
+                    name == b"connection"
+                    and value.lower() != b"keep-alive"  # the usual value, quickly
+                    and b"close" in comma_tokens(value)
+                ):
                     keep_alive = False
         if chunked and length is not None:
             raise self._error("both Content-Length and Transfer-Encoding")

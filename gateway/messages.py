@@ -96,8 +96,9 @@ def not_forwarded(
 ) -> frozenset[bytes]:
     """The names of `headers` not to pass on: `drop` (the hop-by-hop ones) and those the
     Connection header names."""
-    for name, _ in headers:
-        if name == b"connection":
+    for name, value in headers:
+        # `Connection: keep-alive` (nginx, llama.cpp) names a header dropped anyway.
+        if name == b"connection" and value.lower() != b"keep-alive":
             return drop | connection_tokens(headers)
     return drop
 

@@ -2,7 +2,7 @@
 #
 #   make demo   project venv only, then `dgxmm serve --demo`
 #   make test   full bootstrap (Debian packages, Docker engine, venvs, sim image), then pytest
-#   make lint   ruff + mypy --strict (configured in pyproject.toml)
+#   make lint   ruff check, ruff format --check, mypy --strict (configured in pyproject.toml)
 #
 # PYTEST_ARGS adds pytest arguments: make test PYTEST_ARGS='-k runtime -x'
 
@@ -41,6 +41,7 @@ demo: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # pytest exits 5 when it collected no test: that is a failure here, never a silent green.

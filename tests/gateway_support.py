@@ -319,15 +319,9 @@ class FakeEngine:
         self, seen: SeenRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
         script = self.script
-        if script.hold is not None:
-            hold = asyncio.ensure_future(script.hold.wait())
-            eof = asyncio.ensure_future(reader.read(1))
-            done, _ = await asyncio.wait((hold, eof), return_when=asyncio.FIRST_COMPLETED)
-            if eof in done:
-                hold.cancel()
-                self.disconnects += 1
-                return False
-            eof.cancel()
+        if script.hold is not None and not await held(script.hold, reader):
+            self.disconnects += 1
+            return False
         try:
             payload = json.loads(seen.body) if seen.body else {}
         except ValueError:
@@ -421,6 +415,18 @@ class FakeEngine:
         writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await writer.drain()
         return True
+
+
+async def held(until: asyncio.Event, reader: asyncio.StreamReader) -> bool:
+    """Wait for `until`; False when the peer went away (or sent more) first."""
+    released = asyncio.ensure_future(until.wait())
+    gone = asyncio.ensure_future(reader.read(1))
+    done, _ = await asyncio.wait((released, gone), return_when=asyncio.FIRST_COMPLETED)
+    if gone in done:
+        released.cancel()
+        return False
+    gone.cancel()
+    return True
 
 
 def _chunk(data: bytes) -> bytes:

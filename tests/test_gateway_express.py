@@ -27,7 +27,7 @@ from gateway import express
 from gateway.app import Gateway, GatewayConfig
 from gateway.server import Connection, HTTPServer, ServerConfig
 from gateway.upstream import UpstreamConfig, UpstreamPool
-from tests.gateway_support import ScriptedController, poll
+from tests.gateway_support import ScriptedController, held, poll
 
 T = TypeVar("T")
 CHAT = b"/d/a/v1/chat/completions"
@@ -136,14 +136,9 @@ class Engine:
         elif behaviour == "hold":  # one event, then wait for `release` or the gateway to go
             writer.write(sse + chunk(EVENT))
             await writer.drain()
-            released = asyncio.ensure_future(self.release.wait())
-            gone = asyncio.ensure_future(reader.read(1))
-            done, _ = await asyncio.wait((released, gone), return_when=asyncio.FIRST_COMPLETED)
-            if gone in done:
-                released.cancel()
+            if not await held(self.release, reader):
                 self.disconnects += 1
                 return False
-            gone.cancel()
             writer.write(chunk(EVENT) + b"0\r\n\r\n")
         elif behaviour == "flood":  # 32 MiB of events, noting when the gateway stops reading
             piece = chunk(b"data: " + b"x" * (256 * 1024 - 8) + b"\n\n")

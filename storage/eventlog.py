@@ -42,6 +42,7 @@ from storage.errors import (
     StorageError,
     StoreClosed,
 )
+from storage.readmodels import ANY_AUDIT, AuditFilter
 from storage.snapshots import decode_snapshot, encode_snapshot
 
 log = structlog.get_logger("dgxmm.storage")
@@ -632,37 +633,18 @@ class EventStore:
         return self._readmodel_seq is not None and self._readmodel_seq >= self._last_seq
 
     async def audit_page(
-        self,
-        *,
-        before: int | None,
-        limit: int,
-        since_ts: float | None = None,
-        until_ts: float | None = None,
-        actor: str | None = None,
-        action: str | None = None,
-        target: str | None = None,
+        self, *, before: int | None, limit: int, where: AuditFilter = ANY_AUDIT
     ) -> list[AuditRow]:
         """A page of the audit trail, newest first (an indexed query: O(page))."""
         try:
-            return await readmodels.audit_page(
-                self._conn,
-                before=before,
-                limit=limit,
-                since_ts=since_ts,
-                until_ts=until_ts,
-                actor=actor,
-                action=action,
-                target=target,
-            )
+            return await readmodels.audit_page(self._conn, before=before, limit=limit, where=where)
         except sqlite3.Error as exc:
             raise _map_error(exc, self.path) from exc
 
-    async def iterate_audit(
-        self, *, since_ts: float | None = None, target: str | None = None
-    ) -> AsyncIterator[AuditRow]:
+    async def iterate_audit(self, where: AuditFilter = ANY_AUDIT) -> AsyncIterator[AuditRow]:
         """The audit trail oldest first, streamed from its table."""
         try:
-            async for row in readmodels.iterate_audit(self._conn, since_ts=since_ts, target=target):
+            async for row in readmodels.iterate_audit(self._conn, where):
                 yield row
         except sqlite3.Error as exc:
             raise _map_error(exc, self.path) from exc

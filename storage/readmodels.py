@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, get_args
 
 import aiosqlite
@@ -183,33 +184,53 @@ async def prepare(conn: aiosqlite.Connection) -> int:
 # --- queries (each costs O(rows returned)) ---------------------------------------------------
 
 
-async def audit_page(
-    conn: aiosqlite.Connection,
-    *,
-    before: int | None,
-    limit: int,
-    since_ts: float | None = None,
-    until_ts: float | None = None,
-    actor: str | None = None,
-    action: str | None = None,
-    target: str | None = None,
-) -> list[AuditRow]:
-    """Audit rows, newest first, older than `before`, at most `limit`."""
-    sql = "SELECT seq, ts, actor, action, target, details FROM audit WHERE seq < ?"
-    params: list[object] = [before if before is not None else 2**63 - 1]
-    for column, value in (("actor", actor), ("action", action), ("target", target)):
+@dataclass(frozen=True, slots=True)
+class AuditFilter:
+    """Which audit rows a query wants (None: any)."""
+
+    since_ts: float | None = None
+    until_ts: float | None = None
+    actor: str | None = None
+    action: str | None = None
+    target: str | None = None
+
+
+ANY_AUDIT = AuditFilter()
+
+
+def _audit_where(where: AuditFilter) -> tuple[str, list[object]]:
+    """The conditions of `where` as SQL to append after a WHERE clause, and their values."""
+    sql = ""
+    params: list[object] = []
+    for column, value in (
+        ("actor", where.actor),
+        ("action", where.action),
+        ("target", where.target),
+    ):
         if value is not None:
             sql += f" AND {column} = ?"
             params.append(value)
-    if since_ts is not None:
+    if where.since_ts is not None:
         sql += " AND ts >= ?"
-        params.append(since_ts)
-    if until_ts is not None:
+        params.append(where.since_ts)
+    if where.until_ts is not None:
         sql += " AND ts <= ?"
-        params.append(until_ts)
-    sql += " ORDER BY seq DESC LIMIT ?"
-    params.append(limit)
-    async with conn.execute(sql, params) as cur:
+        params.append(where.until_ts)
+    return sql, params
+
+
+async def audit_page(
+    conn: aiosqlite.Connection, *, before: int | None, limit: int, where: AuditFilter = ANY_AUDIT
+) -> list[AuditRow]:
+    """Audit rows, newest first, older than `before`, at most `limit`."""
+    conditions, params = _audit_where(where)
+    sql = (
+        "SELECT seq, ts, actor, action, target, details FROM audit WHERE seq < ?"
+        + conditions
+        + " ORDER BY seq DESC LIMIT ?"
+    )
+    before_seq = before if before is not None else 2**63 - 1
+    async with conn.execute(sql, [before_seq, *params, limit]) as cur:
         rows = await cur.fetchall()
     return [_audit_row(row) for row in rows]
 
@@ -227,19 +248,12 @@ def _audit_row(row: Any) -> AuditRow:
 
 
 async def iterate_audit(
-    conn: aiosqlite.Connection, *, since_ts: float | None = None, target: str | None = None
+    conn: aiosqlite.Connection, where: AuditFilter = ANY_AUDIT
 ) -> AsyncIterator[AuditRow]:
     """Audit rows oldest first, streamed."""
-    sql = "SELECT seq, ts, actor, action, target, details FROM audit WHERE 1"
-    params: list[object] = []
-    if target is not None:
-        sql += " AND target = ?"
-        params.append(target)
-    if since_ts is not None:
-        sql += " AND ts >= ?"
-        params.append(since_ts)
-    sql += " ORDER BY seq"
-    async with conn.execute(sql, params) as cur:
+    conditions, params = _audit_where(where)
+    sql = "SELECT seq, ts, actor, action, target, details FROM audit WHERE 1" + conditions
+    async with conn.execute(sql + " ORDER BY seq", params) as cur:
         while rows := await cur.fetchmany(2000):
             for row in rows:
                 yield _audit_row(row)

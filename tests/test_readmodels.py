@@ -15,6 +15,7 @@ from events import model as m
 from events.projections import AuditRow, EventRow, audit_rows, deployment_events
 from events.state import EMPTY, SystemState, fold
 from storage.eventlog import EventStore
+from storage.readmodels import AuditFilter
 from storage.snapshots import decode_snapshot, encode_snapshot, load_state
 from tests.test_events import T0, ScriptedWall, histories, write_history
 
@@ -196,7 +197,9 @@ def test_a_page_of_the_audit_trail_goes_back_with_before(tmp_path: Path) -> None
             assert [r.details["name"] for r in first] == ["u9", "u8", "u7", "u6"]
             second = await store.audit_page(before=first[-1].seq, limit=4)
             assert [r.details["name"] for r in second] == ["u5", "u4", "u3", "u2"]
-            since = await store.audit_page(before=None, limit=100, since_ts=T0 + 8)
+            since = await store.audit_page(
+                before=None, limit=100, where=AuditFilter(since_ts=T0 + 8)
+            )
             assert [r.details["name"] for r in since] == ["u9", "u8"]
         finally:
             await store.close()

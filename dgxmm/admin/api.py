@@ -60,6 +60,7 @@ from gateway.protocol import Headers
 from gateway.server import HTTPServer, Request, Responder, ServerConfig
 from storage.errors import StorageError
 from storage.eventlog import EventStore
+from storage.readmodels import AuditFilter
 
 log = structlog.get_logger("dgxmm.admin.api")
 
@@ -522,15 +523,14 @@ class AdminApi:
         if q.get("deployment"):
             target = m.deployment_stream(self._deployment_id(q["deployment"]))
         # The audit trail's read model: an indexed page, never a scan of the log.
-        found = await self.store.audit_page(
-            before=before,
-            limit=limit + 1,
+        where = AuditFilter(
             since_ts=since,
             until_ts=until,
             actor=q.get("actor") or None,
             action=q.get("action") or None,
             target=target,
         )
+        found = await self.store.audit_page(before=before, limit=limit + 1, where=where)
         page = found[:limit]
         names = self._names()
         rows = []

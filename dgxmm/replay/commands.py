@@ -44,6 +44,7 @@ from events.projections import AUDITED_TYPES, AuditRow, Projector, badge
 from events.state import EMPTY, DeploymentState, Lifecycle, SystemState
 from storage.archive import archive_queue_events
 from storage.eventlog import EventStore
+from storage.readmodels import AuditFilter
 
 DEFAULT_LAST = 50  # timeline lines per deployment unless --last or --all
 MAX_STORY = 5_000  # deployment events shown around one request
@@ -541,7 +542,7 @@ async def audit_command(args: argparse.Namespace) -> int:
         if wanted is not None:
             targets = {m.deployment_stream(d) for d in _deployment_ids(folded.state, wanted)}
         if store.readmodels_current():
-            rows = store.iterate_audit(since_ts=since)
+            rows = store.iterate_audit(AuditFilter(since_ts=since))
         else:
             rows = _project_audit(store)
         shown = 0

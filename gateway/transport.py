@@ -61,12 +61,12 @@ class ByteStream(asyncio.Protocol):
         if on_data is not None and on_data(data):
             return
         self.hold(data)
-        self._wake()
+        self.wake()
 
     def eof_received(self) -> bool:
         """The peer closed its side; we may still write (True keeps the transport open)."""
         self._eof = True
-        self._wake()
+        self.wake()
         if self.on_closed is not None:
             self.on_closed()
         return True
@@ -76,7 +76,7 @@ class ByteStream(asyncio.Protocol):
         self._lost = True
         if exc is None:
             self._eof = True
-            self._wake()
+            self.wake()
         else:
             self.set_exception(exc)
         for waiter in self._drain_waiters:
@@ -106,10 +106,6 @@ class ByteStream(asyncio.Protocol):
         """Bytes are kept for `read`."""
         return bool(self._chunks)
 
-    def wake(self) -> None:
-        """End a pending `read` now: with the bytes held, else as if at EOF (b"")."""
-        self._wake()
-
     def pause_writing(self) -> None:
         """The transport's write buffer is over its high-water mark."""
         self._writing_paused = True
@@ -125,7 +121,8 @@ class ByteStream(asyncio.Protocol):
 
     # --- reading -------------------------------------------------------------------------
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """End a pending `read` now: with the bytes held, else as if at EOF (b"")."""
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None

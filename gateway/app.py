@@ -23,7 +23,14 @@ from gateway import health, queued
 from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
 from gateway.errors import UpstreamError
 from gateway.express import Exchange
-from gateway.messages import NOT_FORWARDED, Headers, RequestHead, header_value, strip_hop_by_hop
+from gateway.messages import (
+    NOT_FORWARDED,
+    Headers,
+    RequestHead,
+    header_value,
+    not_forwarded,
+    strip_hop_by_hop,
+)
 from gateway.queued import ErrorReply
 from gateway.server import Connection, HTTPServer, Request, Responder, ServerConfig
 from gateway.upstream import UpstreamConfig, UpstreamPool, UpstreamResponse
@@ -431,12 +438,13 @@ class Gateway:
         *,
         arrived: float = 0.0,
     ) -> None:
-        headers = strip_hop_by_hop(request.headers, NOT_FORWARDED)
+        headers = request.headers
         try:
-            # Method, target and headers came out of h11's parser: no need to validate again.
+            # Method, target and headers came out of an HTTP parser: no need to validate again.
             answer = await self.upstream.request(
-                host, port, request.method, target, headers, body, checked=True
-            )
+                host, port, request.method, target, headers, body,
+                drop=not_forwarded(headers, NOT_FORWARDED), checked=True,
+            )  # fmt: skip
         except UpstreamError as exc:
             reply = self.engine_unreachable(view, exc)
             if mode is _Mode.CONTINUE_SSE:

@@ -132,13 +132,18 @@ class ClientSession:
         headers: Headers,
         drop: frozenset[bytes],
         body: bytes,
+        checked: bool = True,
     ) -> bytes:
         """Bytes of a request relayed from a client, in one piece: `request` with our Host
-        first and our Content-Length last, the client's headers (from an HTTP parser, not
-        revalidated) between them minus those named in `drop` (the caller's: Host and
-        Content-Length among them)."""
+        first and our Content-Length last, the client's headers between them minus those
+        named in `drop` (which must name Host and Content-Length when they may be there).
+        `checked`: method, target and headers came out of an HTTP parser (not revalidated).
+        """
         if self._sent or self._state is not _S_HEAD or not self._keep_alive:
             raise UpstreamProtocolError("cannot send request: the connection is not idle")
+        if not checked:
+            length = (b"content-length", b"%d" % len(body))
+            _validate_request(method, target, [(b"host", host), *headers, length], body)
         self._head_only = method == b"HEAD"
         self._sent = True
         parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]

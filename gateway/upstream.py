@@ -323,11 +323,13 @@ class UpstreamPool:
         headers: Headers,
         body: bytes,
         *,
+        drop: frozenset[bytes] = frozenset(),
         checked: bool = False,
     ) -> UpstreamResponse:
-        """Send a request (Host and Content-Length are added) and return the answer's head.
+        """Send a request (Host and Content-Length are added, the headers named in `drop` are
+        not passed on) and return the answer's head.
 
-        `checked`: `headers`, method and target came out of an h11 parser (skip revalidation).
+        `checked`: `headers`, method and target came out of an HTTP parser (not revalidated).
         """
         if self._closed:
             raise UpstreamConnectError("upstream pool is closed")
@@ -338,11 +340,6 @@ class UpstreamPool:
         else:
             await self._wait_for_slot(engine)
         engine.active += 1
-        head_headers = [
-            (b"host", engine.host_header),
-            *headers,
-            (b"content-length", b"%d" % len(body)),
-        ]
         try:
             for attempt in (0, 1):
                 conn, reused = self._checkout(engine) if attempt == 0 else (None, False)
@@ -351,7 +348,10 @@ class UpstreamPool:
                     engine.connected += 1
                 engine.busy.add(conn)
                 try:
-                    conn.write(conn.session.request(method, target, head_headers, body, checked))
+                    request = conn.session.forward(
+                        method, target, engine.host_header, headers, drop, body, checked
+                    )
+                    conn.write(request)
                     if conn.transport.get_write_buffer_size():
                         await conn.drain()
                     event = await conn.next_event()

@@ -35,6 +35,9 @@ _HEAD = re.compile(
 )
 _TRAILER_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00\r\n\x0b\x0c]*")
 _CHUNK_LINE = re.compile(rb"([0-9A-Fa-f]{1,16})(?:;[^\x00\r\n]*)?[ \t]*")
+# A chunk's size line as `gateway.protocol.ServerSession.body` writes one (and h11, uvicorn,
+# llama.cpp's server): lower-case hex without leading zeros or extensions.
+_PLAIN_CHUNK_LINE = re.compile(rb"([1-9a-f][0-9a-f]{0,15})\r\n")
 _TARGET = re.compile(rb"[\x21-\x7e]+")
 MAX_CHUNK_LINE = 4096  # chunk size plus extensions
 _NO_BODY_STATUS = frozenset({204, 304})
@@ -172,6 +175,24 @@ class ClientSession:
         else:
             self._buf = self._buf[self._pos :] + data
         self._pos = 0
+
+    def whole_chunk(self, data: bytes) -> int:
+        """Where the payload starts when `data`, just read, is exactly one whole chunk of the
+        answer in its plain form (see `_PLAIN_CHUNK_LINE`), taken as if received and read
+        out; 0 when not, and nothing changed: `receive` it as usual.
+
+        An engine writes one chunk per event of a stream: a relay whose client gets the
+        same framing passes these bytes on as they are (`gateway.express`).
+        """
+        if self._state is not _S_CHUNK_LINE or self._pos < len(self._buf) or self.eof:
+            return 0
+        match = _PLAIN_CHUNK_LINE.match(data)
+        if match is None:
+            return 0
+        start = match.end()
+        if start + int(match.group(1), 16) + 2 != len(data) or not data.endswith(b"\r\n"):
+            return 0
+        return start
 
     def next_event(self) -> ResponseHead | bytes | Signal:
         """The next thing the engine said (interim 1xx answers are skipped).

@@ -70,6 +70,7 @@ class Exchange:
         "_answer_headers",
         "_arrived",
         "_body",
+        "_chunks_through",
         "_conn",
         "_ended",
         "_endpoint",
@@ -114,6 +115,7 @@ class Exchange:
         self._answer_headers: Headers = []  # the engine's
         self._last = b""  # the last piece of body relayed
         self._paused = False  # the engine connection waits for the client to read
+        self._chunks_through = False  # the engine's chunks go to the client as they are
         self._ended = False  # `_end` ran: the connection has been told
 
     # --- the request -----------------------------------------------------------------------
@@ -159,6 +161,14 @@ class Exchange:
             return False
         upstream.deadline = upstream.loop.time() + upstream.config.read_timeout_s
         try:
+            if self._chunks_through:
+                # A stream's usual read, one whole event in one plain chunk: the client gets
+                # these very bytes, which `_pump` would unframe and frame again.
+                start = upstream.session.whole_chunk(data)
+                if start:
+                    self._last = data[start:-2]
+                    self._send(data)
+                    return True
             upstream.session.receive(data)
             self._pump()
         except Exception as exc:
@@ -228,15 +238,21 @@ class Exchange:
         on_first_byte = self._gateway.on_first_byte
         if on_first_byte is not None:
             on_first_byte(self._view.deployment_id, time.monotonic() - self._arrived)
-        return self._conn.answer_head(
+        conn = self._conn
+        data = conn.answer_head(
             head.status, headers, head.reason, True, self.request_id, not_forwarded(headers)
         )
+        self._chunks_through = conn.session.chunked_body
+        return data
 
     # --- writing to the client -------------------------------------------------------------
 
     def _write(self, out: list[bytes]) -> bool:
         """Write to the client; False when it is gone (the exchange is over then)."""
-        data = out[0] if len(out) == 1 else b"".join(out)
+        return self._send(out[0] if len(out) == 1 else b"".join(out))
+
+    def _send(self, data: bytes) -> bool:
+        """Write `data` to the client; False when it is gone (the exchange is over then)."""
         if not data:
             return True
         try:

@@ -511,6 +511,11 @@ class ServerSession:
         lines.append(b"\r\n")
         return b"".join(lines)
 
+    @property
+    def chunked_body(self) -> bool:
+        """The response under way is framed in chunks (`body` writes each as one chunk)."""
+        return self._out is _CHUNKED
+
     def body(self, data: bytes) -> bytes:
         """Bytes that carry `data` in the response body (framed as the head decided)."""
         out = self._out

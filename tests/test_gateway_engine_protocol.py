@@ -449,3 +449,86 @@ def test_equal_repeats_of_content_length_come_out_as_one_header_as_h11_makes_the
     assert isinstance(head, ResponseHead)
     assert head.headers == h11_parse(raw, b"GET")[2]
     assert session.next_event() == b"abc"
+
+
+# --- whole chunks passed on as they are -------------------------------------------------------
+
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def streaming() -> ClientSession:
+    """A session that read the head of a chunked answer."""
+    c = sent()
+    c.receive(STREAM_HEAD)
+    head, body, signal = drain(c)
+    assert head is not None and body == b"" and signal is Signal.NEED_DATA
+    return c
+
+
+def test_a_plain_whole_chunk_is_taken_as_it_is() -> None:
+    c = streaming()
+    chunk = b"1a\r\n" + b"x" * 26 + b"\r\n"
+    assert c.whole_chunk(chunk) == 4
+    assert c.next_event() is Signal.NEED_DATA  # nothing else was buffered
+    c.receive(b"0\r\n\r\n")
+    assert drain(c) == (None, b"", Signal.BODY_END)
+    assert c.reusable
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"1A\r\n" + b"x" * 26 + b"\r\n",  # upper-case hex: not as we would frame it
+        b"01a\r\n" + b"x" * 26 + b"\r\n",  # a leading zero
+        b"1a;ext=1\r\n" + b"x" * 26 + b"\r\n",  # an extension
+        b"1a \r\n" + b"x" * 26 + b"\r\n",  # whitespace after the size
+        b"1a\r\n" + b"x" * 25 + b"\r\n",  # shorter than its size
+        b"1a\r\n" + b"x" * 26 + b"\r\n1\r\ny\r\n",  # two chunks
+        b"1a\r\n" + b"x" * 26,  # the CRLF after the data still to come
+        b"1a\r\n" + b"x" * 26 + b"\n\n",  # not a CRLF after the data
+        b"0\r\n\r\n",  # the last chunk
+        b"",
+    ],
+)
+def test_anything_but_one_plain_whole_chunk_is_left_to_the_parser(data: bytes) -> None:
+    c = streaming()
+    assert c.whole_chunk(data) == 0
+    assert c.next_event() is Signal.NEED_DATA  # unchanged
+
+
+def test_no_whole_chunk_while_bytes_are_buffered_or_outside_a_chunked_body() -> None:
+    c = streaming()
+    c.receive(b"5\r\nab")
+    assert c.next_event() == b"ab"
+    assert c.whole_chunk(b"3\r\nxyz\r\n") == 0  # mid-chunk: these bytes end the one under way
+    length = sent()
+    length.receive(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+    assert isinstance(length.next_event(), ResponseHead)
+    assert length.whole_chunk(b"3\r\nxyz\r\n") == 0  # a Content-Length body
+
+
+@given(data=st.binary(max_size=40), prefix=st.sampled_from([b"", b"3\r\nabc\r\n"]))
+def test_a_whole_chunk_taken_is_what_the_parser_makes_of_the_same_bytes(
+    data: bytes, prefix: bytes
+) -> None:
+    candidates = [data, b"%x\r\n%b\r\n" % (len(data), data) if data else data]
+    for raw in candidates:
+        c = streaming()
+        if prefix:
+            c.receive(prefix)
+            drain(c)
+        start = c.whole_chunk(raw)
+        if raw is not data and not prefix:
+            assert start  # a plain chunk as we frame one
+        reference = streaming()
+        if prefix:
+            reference.receive(prefix)
+            drain(reference)
+        if not start:
+            continue
+        assert raw == b"%x\r\n%b\r\n" % (len(raw) - start - 2, raw[start:-2])  # as we frame
+        reference.receive(raw)
+        assert drain(reference) == (None, raw[start:-2], Signal.NEED_DATA)
+        assert c.next_event() is Signal.NEED_DATA

@@ -25,6 +25,7 @@ import uvloop
 from actors.ports import EngineHandle
 from gateway import express
 from gateway.app import Gateway, GatewayConfig
+from gateway.engine_protocol import ClientSession
 from gateway.server import Connection, HTTPServer, ServerConfig
 from gateway.upstream import UpstreamConfig, UpstreamPool
 from tests.gateway_support import ScriptedController, held, poll
@@ -54,6 +55,11 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+def chunk_hex(data: bytes) -> bytes:
+    """A chunk with an upper-case size, which the gateway frames again."""
+    return b"%X\r\n%s\r\n" % (len(data), data)
+
+
 # --- the engine -------------------------------------------------------------------------------
 
 
@@ -68,6 +74,8 @@ class Engine:
     blocked: asyncio.Event = field(default_factory=asyncio.Event)  # a flood's writes stalled
     release: asyncio.Event = field(default_factory=asyncio.Event)  # ends a "hold"
     flooded: int = 0  # bytes of a flood written so far
+    paced: bool = False  # "events" wait for `ack` before each event but the first
+    ack: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -114,6 +122,21 @@ class Engine:
             writer.write(sse + chunk(EVENT) + chunk(EVENT))
             await writer.drain()
             writer.write(chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        elif behaviour.startswith("events"):  # a write per event; "-cut", "-crash": no end
+            frame = chunk_hex if behaviour == "events-hex" else chunk
+            last = {"events-cut": b'data: {"part', "events-crash": EVENT}.get(behaviour)
+            last = last or b"data: [DONE]\n\n"
+            end = b"" if behaviour in ("events-cut", "events-crash") else b"0\r\n\r\n"
+            # Sizes 2f, 4a, 2f and c or e: each has a letter, upper-case for "events-hex".
+            writes = [sse + frame(EVENT), frame(EVENT + b"x" * 27), frame(EVENT), frame(last) + end]
+            for n, data in enumerate(writes):
+                if self.paced and n:  # until the client got the previous event
+                    await self.ack.wait()
+                    self.ack.clear()
+                writer.write(data)
+                await writer.drain()
+            if not end:
+                return False
         elif behaviour == "drop":  # a keep-alive connection closed as the request came
             writer.transport.close()
             return False
@@ -326,6 +349,9 @@ SEQUENCES = {
     "answers": (["ok"], [request()] * 3, 3),
     "engine errors": (["error", "ok"], [request(), request()], 2),
     "streams": (["stream"], [request(STREAM_BODY)] * 2, 2),
+    "events one by one": (["events"], [request(STREAM_BODY)] * 2, 2),
+    "events in upper-case hex": (["events-hex"], [request(STREAM_BODY)] * 2, 2),
+    "events, then a cut mid-event": (["events-cut", "ok"], [request(STREAM_BODY), request()], 1),
     "stale connection, then a new one": (["drop", "ok"], [request(), request()], 1),
     "garbage head": (["garbage", "ok"], [request(), request()], 1),
     "stream cut mid-event": (["cut-stream", "ok"], [request(STREAM_BODY), request()], 1),
@@ -579,3 +605,55 @@ def test_a_request_sent_while_an_answer_streams_comes_next(loop: str) -> None:
     fast, slow = both(go, loop)
     assert fast.comparable() == slow.comparable()
     assert fast.answers[1].endswith(ANSWER) and fast.express == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize(
+    ("behaviour", "through"),
+    [
+        ("events", 2),  # the events read on their own: not the first nor the last
+        ("events-hex", 0),  # framed again
+        ("events-cut", 3),  # the last, half an event, too: the error event closes it
+        ("events-crash", 3),  # the last whole: the error event follows it
+    ],
+)
+def test_plain_chunks_go_to_the_client_as_the_engine_wrote_them(
+    loop: str, behaviour: str, through: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken: list[int] = []
+    whole_chunk = ClientSession.whole_chunk
+
+    def spy(self: ClientSession, data: bytes) -> int:
+        start = whole_chunk(self, data)
+        if start:
+            taken.append(start)
+        return start
+
+    monkeypatch.setattr(ClientSession, "whole_chunk", spy)
+
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        rig.engine.paced = True
+        writer.write(request(STREAM_BODY))
+        got = [await reader.readuntil(b"\r\n\r\n")]
+        while True:  # chunk by chunk, telling the engine to write the next one
+            got.append(await reader.readuntil(b"\r\n"))
+            size = int(got[-1][:-2], 16)
+            got.append(await reader.readexactly(size + 2))
+            rig.engine.ack.set()
+            if size == 0:
+                return [RID.sub(b"x-dgxmm-request-id: N\r\n", b"".join(got))]
+
+    async def go(express: bool) -> Outcome:
+        return await scenario([behaviour], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    events = payload(fast.answers[0])
+    assert events.count(b"data: ") >= 4
+    if behaviour == "events-cut":
+        assert b'data: {"part\n\ndata: {"error"' in events
+    if behaviour == "events-crash":
+        assert EVENT + b'data: {"error"' in events
+    assert len(taken) == through

@@ -38,7 +38,14 @@ from gateway.messages import (
     header_value,
     strip_hop_by_hop,
 )
-from gateway.request_head import FastHead, may_complete, parse_head
+from gateway.request_head import (
+    FastHead,
+    HeadMemo,
+    may_complete,
+    parse_head,
+    parse_known_head,
+    remember,
+)
 
 __all__ = [
     "HOP_BY_HOP",
@@ -53,6 +60,9 @@ __all__ = [
 ]
 
 _EMPTY_BODY_STATUS = frozenset({204, 304})
+# Heads in a row unlike the memo's after which a connection stops keeping memos: its client
+# varies more than the Content-Length (a request id in a header, say).
+_MEMO_MISSES = 3
 # h11 has it at the top level but leaves it out of `__all__`.
 _CLIENT_DONE = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)  # type: ignore[attr-defined]
 _Item = tuple[bytes, bytes, bytes]  # raw name, lower-case name, value
@@ -92,6 +102,8 @@ class ServerSession:
         "_keep_alive",
         "_max_body",
         "_max_head",
+        "_memo",
+        "_memo_misses",
         "_method",
         "_out",
         "_own_body",
@@ -110,6 +122,8 @@ class ServerSession:
         # With the fast path, h11 gets a connection only for a cycle the fast path leaves it.
         self._conn: h11.Connection | None = None if fast_path else self._new_h11()
         self._pending_head = fast_path  # bytes wait in `_buf` for `_fast_head`
+        self._memo: HeadMemo | None = None  # the last head with a length (`_parse_head`)
+        self._memo_misses = 0  # heads in a row that were not the memo's
         self._max_body = max_body_bytes
         self.body_bytes = 0
         self.cycle_bytes = 0
@@ -189,10 +203,27 @@ class ServerSession:
             if not self._eof and may_complete(buf, self._max_head):
                 return Signal.NEED_DATA
             return self._to_h11()
-        head = parse_head(buf, end + 4, self._max_head)
+        head = self._parse_head(buf, end)
         if head is None:
             return self._to_h11()
         return self._begin(head, buf)
+
+    def _parse_head(self, buf: bytes, end: int) -> FastHead | None:
+        """The fast path's head at the start of `buf` (a whole one: `end` is where its first
+        CRLF CRLF is), or None for h11.  A head that is the previous one's but for its
+        Content-Length digits is taken from a memo (see `HeadMemo`); a connection whose
+        heads keep changing stops keeping memos, which would only cost it."""
+        memo = self._memo
+        if memo is not None:
+            head = parse_known_head(memo, buf, self._max_head)
+            if head is not None:
+                self._memo_misses = 0
+                return head
+            self._memo_misses += 1
+        head = parse_head(buf, end + 4, self._max_head)
+        if head is not None and self._memo_misses < _MEMO_MISSES:
+            self._memo = remember(buf, head) or memo
+        return head
 
     def express_head(self, data: bytes) -> RequestHead | None:
         """The head at the start of `data`, when a cycle starts with nothing buffered and the
@@ -203,7 +234,7 @@ class ServerSession:
         end = data.find(b"\r\n\r\n")
         if end < 0:
             return None
-        head = parse_head(data, end + 4, self._max_head)
+        head = self._parse_head(data, end)
         if head is None or (
             head.content_length is not None and int(head.content_length) > self._max_body
         ):

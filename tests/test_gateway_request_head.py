@@ -12,8 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway import protocol
+from gateway.messages import header_value
 from gateway.protocol import RequestHead, ServerSession, Signal
-from gateway.request_head import may_complete, parse_head
+from gateway.request_head import FastHead, may_complete, parse_head, remember
 from tests.test_gateway_app import _HEADERS as GATEWAY_HEADERS
 from tests.test_gateway_server import _REQUEST_PARTS as SERVER_PARTS
 from tests.test_gateway_server_session import _REQUESTS, _cut, _merged, _ours
@@ -249,3 +251,106 @@ def test_without_the_fast_path_every_head_goes_to_h11() -> None:
     s.receive(b"GET / HTTP/1.1\r\nhost: a\r\n\r\n")
     assert isinstance(s.next_event(), RequestHead)
     assert not s.fast_head
+
+
+# --- the memo of a connection's last head -----------------------------------------------------
+
+_BASE = (
+    b"POST /d/a/v1/chat/completions HTTP/1.1\r\nHost: gw\r\ncontent-type: application/json\r\n"
+    b"Content-Length: 2\r\nuser-agent: sdk\r\n\r\n{}"
+)
+
+
+def cycles(s: ServerSession, raw: bytes) -> list[RequestHead]:
+    """The heads of the whole requests in `raw`, each answered with a 204."""
+    s.receive(raw)
+    heads = []
+    while True:
+        event = s.next_event()
+        if isinstance(event, RequestHead):
+            heads.append(event)
+        elif event is Signal.BODY_END:
+            s.response_head(204, [])
+            s.end()
+            s.start_next_cycle()
+        elif event is Signal.NEED_DATA:
+            return heads
+
+
+def test_a_head_that_differs_only_in_its_length_is_taken_from_the_memo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[bytes] = []
+
+    def spy(buf: bytes, end: int, max_head: int) -> object:
+        parsed.append(buf[:end])
+        return parse_head(buf, end, max_head)
+
+    monkeypatch.setattr(protocol, "parse_head", spy)
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=1000)
+    longer = _BASE.replace(b"Length: 2", b"Length: 12").replace(b"{}", b'{"a":"bcde"}')
+    heads = cycles(s, _BASE + longer + _BASE)
+    assert len(parsed) == 1  # the others came from the memo
+    assert [header_value(h.headers, b"content-length") for h in heads] == [b"2", b"12", b"2"]
+    assert heads[1] == head_of(longer)[1]  # what a parse makes of it
+
+
+def test_a_connection_whose_heads_keep_changing_stops_keeping_memos(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    remembered: list[int] = []
+
+    def spy(buf: bytes, head: FastHead) -> object:
+        remembered.append(head.end)
+        return remember(buf, head)
+
+    monkeypatch.setattr(protocol, "remember", spy)
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=1000)
+    unique = [_BASE.replace(b"sdk", b"sdk-%d" % n) for n in range(6)]
+    heads = cycles(s, b"".join(unique))
+    assert [h.headers[-1][1] for h in heads] == [b"sdk-%d" % n for n in range(6)]
+    assert len(remembered) == 3  # the first, then after one and two misses; not after three
+
+
+@settings(max_examples=800, deadline=None)
+@given(
+    digits=st.lists(
+        st.sampled_from(
+            [
+                b"0",
+                b"3",
+                b"12",
+                b"007",
+                b"1001",
+                b"9" * 19,
+                b"9" * 20,
+                b"",
+                b"+3",
+                b"3 3",
+                b"3,3",
+                b"0x3",
+                b"\t3\t",
+                b" 3 ",
+            ]
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    tweak=st.sampled_from([b"", b"x-a: 1\r\n", b"content-length: 3\r\n", b"host: b\r\n"]),
+    where=st.integers(0, 3),
+    body=st.sampled_from([b"", b"abc", b"x" * 12]),
+    max_head=st.sampled_from([16 * 1024, 120, 130, 140]),
+)
+def test_heads_that_differ_in_their_length_read_the_same_with_and_without_the_fast_path(
+    digits: list[bytes], tweak: bytes, where: int, body: bytes, max_head: int
+) -> None:
+    """A connection's requests alike but for the Content-Length digits (what the memo
+    takes), now and then with another header line added where the memo would not expect it."""
+    lines = [b"POST /d/a/v1/chat/completions HTTP/1.1", b"Host: gw", b"content-type: x"]
+    raw = b""
+    for n, value in enumerate(digits):
+        head = [*lines, b"Content-Length: " + value, b"user-agent: sdk"]
+        if n == where and tweak:
+            head.insert(2, tweak[:-2])
+        raw += b"\r\n".join(head) + b"\r\n\r\n" + body
+    same_outcome(raw, [], False, max_head)

@@ -731,7 +731,7 @@ class _Connection:
         if drop is None:
             headers = [*headers]
         else:
-            headers = [(name, value) for name, value in headers if name not in drop]
+            headers = [header for header in headers if header[0] not in drop]
         if server.closing:
             headers.append((b"connection", b"close"))
         if server.request_id_header is not None and request_id is not None:

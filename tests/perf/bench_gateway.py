@@ -1,6 +1,7 @@
 """Gateway benchmark: direct vs a bare relay vs nginx vs the gateway, on the same upstreams.
 
     python -m tests.perf.bench_gateway [--quick] [--rounds N] [--h11] [--baseline DIR] [--pin]
+                                       [--floor]
 
 Starts (all on loopback, all ended at exit): a static upstream (nginx answering every request
 with a fixed small JSON body, in its own process: so that concurrency 64 measures the proxy,
@@ -22,7 +23,9 @@ from schedstat) over the requests or events it relayed.  Every figure is the med
 rounds.  `--h11` adds the gateway with its fast path off (`[server] gateway_fast_path =
 false`); `--baseline DIR` adds a gateway built from the `gateway` package in DIR (e.g.
 `git archive <rev> gateway | tar -x -C DIR`): before / after on the same machine at the
-same time.
+same time.  `--floor` adds the parsing floor: the bare relay plus the head work no proxy
+can skip, done with the gateway's own parsers (`serve_floor`), for the small requests: what
+the c=1 target leaves for everything else the gateway does.
 
 Measured: added latency p50/p99 of small requests at concurrency 1 (and 64), requests/s at
 concurrency 64, CPU per relayed request and per stream event, TTFB and relayed tokens/s of
@@ -178,6 +181,92 @@ def serve_relay(routes: list[tuple[int, int]]) -> None:
     uvloop.run(main())
 
 
+def serve_floor(routes: list[tuple[int, int]]) -> None:
+    """The parsing floor (child): the bare relay plus the head work no HTTP proxy can skip,
+    done with the gateway's own code: each request head parsed (`parse_head`) and rebuilt
+    for the engine, each answer head parsed (`field_lines`) and rebuilt for the client with
+    a request id; nothing else (no routing, leases, pool, deadlines, state machines).
+
+    Only for the small-request phases: it assumes what they send, one whole request per
+    read and one whole Content-Length answer per engine read.
+    """
+    import uvloop
+
+    from gateway.messages import HOP_BY_HOP, NOT_FORWARDED, field_lines
+    from gateway.request_head import parse_head
+
+    class Engine(asyncio.Protocol):
+        def __init__(self, client: asyncio.Transport) -> None:
+            self.client = client
+            self.ids = 0
+
+        def data_received(self, data: bytes) -> None:
+            end = data.find(b"\r\n\r\n") + 4
+            line = data.find(b"\r\n")
+            out = [data[: line + 2]]
+            length = 0
+            for name, value in field_lines(data[line + 2 : end - 4]):
+                if name == b"content-length":
+                    length = int(value)
+                if name not in HOP_BY_HOP:
+                    out += (name, b": ", value, b"\r\n")
+            self.ids += 1
+            out += (b"x-request-id: %d\r\n\r\n" % self.ids, data[end : end + length])
+            self.client.write(b"".join(out))
+
+    class Client(asyncio.Protocol):
+        def __init__(self, upstream_port: int) -> None:
+            self.port = upstream_port
+            self.upstream: asyncio.Transport | None = None
+            self.early = b""
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)
+            asyncio.get_running_loop().create_task(self.connect())
+
+        async def connect(self) -> None:
+            loop = asyncio.get_running_loop()
+            up, _ = await loop.create_connection(
+                lambda: Engine(self.transport), "127.0.0.1", self.port
+            )
+            self.upstream = up
+            if self.early:
+                self.data_received(self.early)
+
+        def data_received(self, data: bytes) -> None:
+            if self.upstream is None:
+                self.early += data
+                return
+            end = data.find(b"\r\n\r\n") + 4
+            head = parse_head(data, end, 64 * 1024)
+            if head is None:
+                self.transport.abort()
+                return
+            body = data[end : end + int(head.content_length or 0)]
+            parts = [head.method, b" ", head.target, b" HTTP/1.1\r\nhost: engine\r\n"]
+            for name, value in head.headers:
+                if name not in NOT_FORWARDED:
+                    parts += (name, b": ", value, b"\r\n")
+            parts += (b"content-length: %d\r\n\r\n" % len(body), body)
+            self.upstream.write(b"".join(parts))
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.upstream is not None:
+                self.upstream.close()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for port, upstream in routes:
+            await loop.create_server(
+                functools.partial(Client, upstream), "127.0.0.1", port, backlog=4096
+            )
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+
+    uvloop.run(main())
+
+
 # --- processes -----------------------------------------------------------------------------
 
 
@@ -263,12 +352,13 @@ class Rig:
     gateway: int
     baseline: int = 0  # a second gateway from --baseline, 0 when none
     h11: int = 0  # the gateway without its fast path (--h11), 0 when none
+    floor: int = 0  # the parsing floor (--floor), 0 when none
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
 def processes(
-    stream_tokens: int, token_delay: float, baseline: str | None, h11: bool
+    stream_tokens: int, token_delay: float, baseline: str | None, h11: bool, floor: bool = False
 ) -> Iterator[Rig]:
     """Start upstreams, the relay, nginx and the gateway(s); stop exactly those at exit."""
     nginx_bin = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -280,6 +370,8 @@ def processes(
         rig.baseline = free_port()
     if h11:
         rig.h11 = free_port()
+    if floor:
+        rig.floor = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     python = sys.executable
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -305,6 +397,12 @@ def processes(
              "--routes", f"{rig.relay}:{rig.static},{rig.relay_paced}:{rig.paced}"],
             env=env,
         )  # fmt: skip
+        if floor:
+            rig.procs["floor"] = subprocess.Popen(
+                [python, "-m", "tests.perf.bench_gateway", "--serve-floor",
+                 "--routes", f"{rig.floor}:{rig.static}"],
+                env=env,
+            )  # fmt: skip
         gateways = [("gateway", rig.gateway, "", True)]
         if baseline:
             gateways.append(("base", rig.baseline, os.path.abspath(baseline), True))
@@ -319,6 +417,8 @@ def processes(
             )  # fmt: skip
         ports = [("static", rig.static), ("engine-paced", rig.paced), ("nginx", rig.nginx),
                  ("relay", rig.relay), ("relay", rig.relay_paced)]  # fmt: skip
+        if floor:
+            ports.append(("floor", rig.floor))
         for name, port in ports + [(name, port) for name, port, _, _ in gateways]:
             wait_port(port, rig.procs[name])
         yield rig
@@ -335,7 +435,7 @@ def processes(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-PROXIES = ("relay", "nginx", "gateway", "base", "h11")  # the processes measured
+PROXIES = ("relay", "nginx", "gateway", "base", "h11", "floor")  # the processes measured
 
 
 def pin(rig: Rig) -> str:
@@ -610,6 +710,9 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int, placement: st
         if port:
             targets[name] = (port, "/d/d0" + path, port, "/d/d1" + path)
             pids[name] = rig.procs[name].pid
+    if rig.floor:  # small requests only: no stream phase
+        targets["floor"] = (rig.floor, path, 0, "")
+        pids["floor"] = rig.procs["floor"].pid
     names = list(targets)
     proxies = names[1:]
     got: dict[tuple[str, str], list[float]] = {}  # one value per round per (figure, target)
@@ -655,6 +758,8 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int, placement: st
                         record(f"wrk{connections} cpu", name, spent / done.requests)
         for name in order:
             _, _, port, target = targets[name]
+            if not port:
+                continue
             before = cpu_seconds(pids[name]) if name in pids else 0.0
             ttfb, relayed_rate = await stream_run(port, target, streams, tokens)
             record("ttfb p50", name, pct(ttfb, 0.5))
@@ -674,6 +779,7 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int, placement: st
 
     ms, us = 1000.0, 1e6
     rows: list[tuple[str, dict[str, float], str]] = []
+    streamed = [n for n in names if targets[n][2]]
 
     def per_round(figure: str, other: str) -> str:
         """The median over rounds of the round's gateway / `other` ratio: a drift of the
@@ -684,7 +790,7 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int, placement: st
     def ratios(values: dict[str, float]) -> str:
         gw = values["gateway"]
         parts = []
-        for other in ("relay", "nginx", "base", "h11"):
+        for other in ("relay", "nginx", "base", "h11", "floor"):
             ref = values.get(other)
             if ref is not None:
                 parts.append(f"gw/{other} " + (f"{gw / ref:.2f}x" if ref > 0 < gw else "n/a"))
@@ -723,12 +829,12 @@ async def measure(rig: Rig, quick: bool, tokens: int, rounds: int, placement: st
         ("cpu c64", "proxy CPU per request, c=64 (us)", " [target: gw/relay <= 3x]", "relay"),
         ("cpu event", "proxy CPU per stream event (us)", " [target: gw/nginx <= 1.5x]", "nginx"),
     ):
-        values = {n: med(figure, n) * us for n in proxies}
+        values = {n: med(figure, n) * us for n in proxies if (figure, n) in got}
         rows.append((label, values, ratios(values) + per_round(figure, other) + goal))
     rows.append(
-        (f"{streams} streams TTFB p50 (ms)", {n: med("ttfb p50", n) * ms for n in names}, "")
+        (f"{streams} streams TTFB p50 (ms)", {n: med("ttfb p50", n) * ms for n in streamed}, "")
     )
-    rate = {n: med("tokens/s", n) for n in names}
+    rate = {n: med("tokens/s", n) for n in streamed}
     share = f"gw/direct {rate['gateway'] / rate['direct']:.1%} [target: >= 95%]"
     rows.append((f"{streams} streams tokens/s", rate, share))
     rows.append(
@@ -763,6 +869,10 @@ def main() -> None:
     )
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--floor", action="store_true", help="also the parsing floor (small requests only)"
+    )
     parser.add_argument("--engines", default="", help=argparse.SUPPRESS)
     parser.add_argument("--routes", default="", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -778,9 +888,9 @@ def main() -> None:
         engines = [int(p) for p in args.engines.split(",")]
         serve_gateway(engines, args.port, args.package_dir, not args.no_fast_path)
         return
-    if args.serve_relay:
+    if args.serve_relay or args.serve_floor:
         pairs = [route.split(":") for route in args.routes.split(",")]
-        serve_relay([(int(a), int(b)) for a, b in pairs])
+        (serve_floor if args.serve_floor else serve_relay)([(int(a), int(b)) for a, b in pairs])
         return
     import uvloop
 
@@ -789,7 +899,9 @@ def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     print(f"load average at the start: {os.getloadavg()}", file=sys.stderr, flush=True)
-    with processes(args.stream_tokens, args.token_delay, args.baseline, args.h11) as rig:
+    with processes(
+        args.stream_tokens, args.token_delay, args.baseline, args.h11, args.floor
+    ) as rig:
         placement = pin(rig) if args.pin else "placed by the scheduler"
         uvloop.run(measure(rig, args.quick, args.stream_tokens, args.rounds, placement))
 

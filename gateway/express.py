@@ -11,22 +11,24 @@ The express lane relays exactly that shape without a coroutine.  While a connect
 waits for the next head, the client's bytes go first to `_Connection._express_data`
 (`gateway.server`), which takes a head the fast path accepts and asks `Gateway.express`
 whether it is plain; an `Exchange` then waits for the body, takes a lease, sends the request
-on an idle engine connection (`UpstreamPool.send_now`) and pumps the engine's answer back
-from that connection's `data_received`.  It uses the same protocol objects as the handler's
+on an idle engine connection (`UpstreamPool.send_now`), or on a new one it opens when none
+is idle (`open_now`, `send_on`), and pumps the engine's answer back from that connection's
+`data_received`.  It uses the same protocol objects as the handler's
 path (`ServerSession` frames the answer, `ClientSession` parses the engine's), the same
 headers, the same errors and the same counters; `tests/test_gateway_express.py` holds both
 paths to the same bytes.
 
 Whatever is not plain goes to the handler, which stays the judge of it: a route that is
-not inference, a model that is not ready, no idle engine connection, a client waiting for
-100 Continue, and an engine connection that closed before answering (most likely a stale
-keep-alive connection: the handler tries again on a new one, as the pool does).  The lane
+not inference, a model that is not ready, no free slot for the engine, a client waiting for
+100 Continue, and an idle engine connection that closed before answering (most likely a
+stale keep-alive connection: the handler tries again on a new one, as the pool does).  The lane
 is bounded like the rest: the engine connection stops reading while the client's write
 buffer is over its mark, and both sides keep their deadlines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -72,9 +74,11 @@ class Exchange:
         "_body",
         "_chunks_through",
         "_conn",
+        "_connecting",
         "_ended",
         "_endpoint",
         "_engine",
+        "_fresh",
         "_gateway",
         "_last",
         "_lease",
@@ -117,6 +121,8 @@ class Exchange:
         self._paused = False  # the engine connection waits for the client to read
         self._chunks_through = False  # the engine's chunks go to the client as they are
         self._ended = False  # `_end` ran: the connection has been told
+        self._connecting: asyncio.Task[EngineConnection] | None = None  # a new connection
+        self._fresh = False  # the engine connection is new (not one that may have gone stale)
 
     # --- the request -----------------------------------------------------------------------
 
@@ -124,34 +130,68 @@ class Exchange:
         """The whole body is in: send the request, or hand it to the handler."""
         gateway = self._gateway
         hint = self._view.engine_handle  # as the head found it: no lease without a chance
+        pool = gateway.upstream
         lease = None
-        if (
-            hint is not None
-            and len(body) <= MAX_BODY_BYTES
-            and gateway.upstream.can_send_now(hint.host, hint.port)
-        ):
+        if hint is not None and len(body) <= MAX_BODY_BYTES and pool.can_send(hint.host, hint.port):
             lease = gateway.controller.try_acquire(self._view.deployment_id)
         if lease is None:
             self._conn.hand_over(self.head, self.request_id, body)
             return
+        self._lease = lease
+        self._body = body
+        gateway.exchanges.add(self)
         handle = lease.handle
         headers = self.head.headers
-        sent = gateway.upstream.send_now(
+        sent = pool.send_now(
             handle.host, handle.port, self.head.method, self._target, headers,
             not_forwarded(headers, NOT_FORWARDED), body,
         )  # fmt: skip
-        if sent is None:
-            lease.release()
-            self._conn.hand_over(self.head, self.request_id, body)
+        if sent is not None:
+            self._hook(*sent)
             return
-        self._lease = lease
-        self._body = body
-        self._engine, upstream = sent
+        # No idle connection (they expire after a few seconds without requests): a new one,
+        # opened without leaving the lane.
+        self._fresh = True
+        self._engine, self._connecting = pool.open_now(handle.host, handle.port)
+        self._connecting.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task[EngineConnection]) -> None:
+        """The new engine connection is open, or could not be opened, or is not wanted."""
+        self._connecting = None
+        engine = self._engine
+        assert engine is not None
+        pool = self._gateway.upstream
+        try:
+            error = None if task.cancelled() else task.exception()
+            if task.cancelled() or error is not None:
+                pool.give_up(engine)
+                if error is not None and not self._ended and self._lease is not None:
+                    if not isinstance(error, UpstreamError):
+                        raise error  # a bug: `_broken` below
+                    self._failed(error, [])
+                return
+            upstream = task.result()
+            if self._ended or self._lease is None:  # the client left meanwhile
+                pool.finish(engine, upstream, reuse=False)
+                return
+            headers = self.head.headers
+            drop = not_forwarded(headers, NOT_FORWARDED)
+            if not pool.send_on(
+                engine, upstream, self.head.method, self._target, headers, drop, self._body
+            ):
+                self._failed(UpstreamClosed("engine closed the connection at once"), [])
+                return
+            self._hook(engine, upstream)
+        except Exception as exc:
+            self._broken(exc)
+
+    def _hook(self, engine: Engine, upstream: EngineConnection) -> None:
+        """The request went out on `upstream`: its answer comes to us."""
+        self._engine = engine
         self._upstream = upstream
         upstream.stream.on_data = self._answer_data
         upstream.stream.on_closed = self._engine_closed
         upstream.on_expired = self._expired
-        gateway.exchanges.add(self)
 
     # --- the answer, from the engine connection's callbacks -------------------------------
 
@@ -298,7 +338,7 @@ class Exchange:
         is an event stream."""
         gateway = self._gateway
         if not self._started:
-            if isinstance(exc, UpstreamClosed) and exc.before_response:
+            if isinstance(exc, UpstreamClosed) and exc.before_response and not self._fresh:
                 # Most likely a keep-alive connection the engine had just closed: the
                 # handler's path tries a new one (`UpstreamPool.request`).
                 self._release(reuse=False)
@@ -352,6 +392,8 @@ class Exchange:
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.release()
+        if self._connecting is not None:
+            self._connecting.cancel()  # `_connected` gives the slot (or connection) back
         self._gateway.exchanges.discard(self)
 
     def abort(self) -> None:

@@ -65,6 +65,7 @@ class _EnginePool:
         "discarded",
         "host_header",
         "idle",
+        "port",
         "retried",
         "reused",
         "slot_waiters",
@@ -72,6 +73,7 @@ class _EnginePool:
     )
 
     def __init__(self, host: str, port: int, max_connections: int) -> None:
+        self.port = port
         self.host_header = f"{host}:{port}".encode()
         self.idle: deque[_Connection] = deque()
         self.busy: set[_Connection] = set()
@@ -387,15 +389,13 @@ class UpstreamPool:
         conn.last_used = conn.loop.time()
         engine.idle.append(conn)
 
-    def can_send_now(self, host: str, port: int) -> bool:
-        """Whether `send_now` would find a free slot and an idle connection (it checks again:
-        an idle connection may turn out closed)."""
+    def can_send(self, host: str, port: int) -> bool:
+        """Whether a request to the engine would get a slot at once: on an idle connection
+        (`send_now`) or a new one (`open_now`)."""
+        if self._closed:
+            return False
         engine = self._engines.get((host, port))
-        return (
-            engine is not None
-            and bool(engine.idle and engine.slots_free)
-            and not (engine.slot_waiters)
-        )
+        return engine is None or (bool(engine.slots_free) and not engine.slot_waiters)
 
     def send_now(
         self,
@@ -424,18 +424,69 @@ class UpstreamPool:
             conn.abort()
             engine.discarded += 1
             return None
-        request = conn.session.forward(method, target, engine.host_header, headers, drop, body)
-        try:
-            conn.write(request)
-        except UpstreamClosed:
+        if not self._send(engine, conn, method, target, headers, drop, body):
             conn.abort()
             engine.discarded += 1
             return None
         engine.slots_free -= 1
         engine.active += 1
         engine.busy.add(conn)
-        conn.deadline = conn.loop.time() + self.config.read_timeout_s
         return engine, conn
+
+    def open_now(self, host: str, port: int) -> tuple[_EnginePool, asyncio.Task[_Connection]]:
+        """Take a slot (`can_send` said there is one) and start opening a new connection for
+        the express lane.  Once the task is done: `send_on` the connection, or `finish` it
+        when no longer wanted; `give_up` when the task failed or was cancelled."""
+        engine = self._engine(host, port)
+        if self._closed or not engine.slots_free or engine.slot_waiters:
+            raise UpstreamPoolExhausted("no free slot")  # `can_send` said there was one
+        self._sweeper.start()
+        engine.slots_free -= 1
+        engine.active += 1
+        return engine, asyncio.get_running_loop().create_task(self._connect(host, port))
+
+    def send_on(
+        self,
+        engine: _EnginePool,
+        conn: _Connection,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        drop: frozenset[bytes],
+        body: bytes,
+    ) -> bool:
+        """Send a request on the connection `open_now` opened, as `send_now` does; False when
+        the write failed or the pool closed meanwhile: then connection and slot are given
+        back."""
+        engine.connected += 1
+        engine.busy.add(conn)
+        if self._closed or not self._send(engine, conn, method, target, headers, drop, body):
+            self._release(engine, conn, reuse=False)
+            return False
+        return True
+
+    def give_up(self, engine: _EnginePool) -> None:
+        """The connection `open_now` started opening failed or is not wanted: its slot back."""
+        self._release(engine, None, reuse=False)
+
+    def _send(
+        self,
+        engine: _EnginePool,
+        conn: _Connection,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        drop: frozenset[bytes],
+        body: bytes,
+    ) -> bool:
+        """Write a request of the express lane; the read deadline starts now."""
+        request = conn.session.forward(method, target, engine.host_header, headers, drop, body)
+        try:
+            conn.write(request)
+        except UpstreamClosed:
+            return False
+        conn.deadline = conn.loop.time() + self.config.read_timeout_s
+        return True
 
     def finish(self, engine: _EnginePool, conn: _Connection, *, reuse: bool) -> None:
         """An express exchange is over with the connection from `send_now`."""

@@ -277,8 +277,13 @@ async def scenario(
     server: ServerConfig | None = None,
     upstream: UpstreamConfig | None = None,
     grace_s: float = 2.0,
+    warm: bool = True,
+    engine_down: bool = False,
 ) -> Outcome:
-    """Run `client` on one connection to a gateway in front of a scripted engine."""
+    """Run `client` on one connection to a gateway in front of a scripted engine.
+
+    `warm`: an idle engine connection is ready before the first request; `engine_down`: the
+    engine stopped listening before it (connections are refused)."""
     engine = Engine(behaviours)
     listener = await asyncio.start_server(engine.serve, "127.0.0.1", 0)
     engine.port = int(listener.sockets[0].getsockname()[1])
@@ -292,7 +297,11 @@ async def scenario(
         clock=lambda: 1700000000.0,
     )
     http = await gateway.serve("127.0.0.1", 0, server)
-    await gateway.upstream.open_idle("127.0.0.1", engine.port)
+    if warm:
+        await gateway.upstream.open_idle("127.0.0.1", engine.port)
+    if engine_down:
+        listener.close()
+        await listener.wait_closed()
     reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
     try:
         rig = Rig(engine, controller, gateway, http)
@@ -351,10 +360,10 @@ SEQUENCES = {
     "streams": (["stream"], [request(STREAM_BODY)] * 2, 2),
     "events one by one": (["events"], [request(STREAM_BODY)] * 2, 2),
     "events in upper-case hex": (["events-hex"], [request(STREAM_BODY)] * 2, 2),
-    "events, then a cut mid-event": (["events-cut", "ok"], [request(STREAM_BODY), request()], 1),
+    "events, then a cut mid-event": (["events-cut", "ok"], [request(STREAM_BODY), request()], 2),
     "stale connection, then a new one": (["drop", "ok"], [request(), request()], 1),
-    "garbage head": (["garbage", "ok"], [request(), request()], 1),
-    "stream cut mid-event": (["cut-stream", "ok"], [request(STREAM_BODY), request()], 1),
+    "garbage head": (["garbage", "ok"], [request(), request()], 2),
+    "stream cut mid-event": (["cut-stream", "ok"], [request(STREAM_BODY), request()], 2),
     "connection: close": (["ok"], [request(extra=b"connection: close\r\n")], 1),
     "not inference": (["ok"], [request(target=b"/d/a/v1/models"), request()], 1),
     "unknown deployment": (["ok"], [request(target=b"/d/zz/v1/chat/completions")], 0),
@@ -365,21 +374,84 @@ SEQUENCES = {
 }
 
 
+# Requests the lane carries from a cold pool where it differs from a warm one: the engine
+# closes the lane's new connection at once, which is an error (as on the handler's path),
+# not a stale connection to retry.
+COLD_CARRIED = {"stale connection, then a new one": 2}
+
+
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("pool", ["warm", "cold"])
 @pytest.mark.parametrize("name", SEQUENCES)
 def test_the_express_lane_answers_as_the_handler_does(
-    name: str, loop: str, monkeypatch: pytest.MonkeyPatch
+    name: str, pool: str, loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     behaviours, requests, carried = SEQUENCES[name]
+    if pool == "cold":
+        carried = COLD_CARRIED.get(name, carried)
     config = ServerConfig(max_body_bytes=1024)
     monkeypatch.setattr(express, "MAX_BODY_BYTES", 512)
 
     async def go(express: bool) -> Outcome:
-        return await scenario(behaviours, sequential(*requests), express=express, server=config)
+        return await scenario(
+            behaviours, sequential(*requests), express=express, server=config, warm=pool == "warm"
+        )
 
     fast, slow = both(go, loop)
     assert fast.comparable() == slow.comparable()
     assert (fast.express, slow.express) == (carried, 0)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_engine_that_refuses_connections_gets_a_502_from_the_lane(loop: str) -> None:
+    async def go(express: bool) -> Outcome:
+        return await scenario(
+            ["ok"], sequential(request(), request()), express=express, warm=False,
+            engine_down=True,
+        )  # fmt: skip
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert all(a.startswith(b"HTTP/1.1 502 ") for a in fast.answers)
+    assert fast.unreachable == ["a", "a"] and fast.express == 2
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_client_that_leaves_while_the_lane_connects_gives_everything_back_at_once(
+    loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opening = asyncio.Event()
+    connect = UpstreamPool._connect
+
+    async def slow_connect(self: UpstreamPool, host: str, port: int) -> Any:
+        opening.set()
+        await asyncio.Event().wait()  # an engine that never accepts: until cancelled
+        return await connect(self, host, port)  # pragma: no cover - never gets here
+
+    monkeypatch.setattr(UpstreamPool, "_connect", slow_connect)
+
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        writer.write(request())
+        await opening.wait()
+        assert rig.gateway.exchanges and rig.controller.in_flight["a"] == 1
+        writer.transport.abort()
+        stats = rig.gateway.upstream.statistics
+        # The lease, the exchange and the engine's slot come back at once, not at the
+        # connect timeout (10 s).
+        await poll(lambda: not rig.gateway.exchanges, timeout=2.0)
+        await poll(lambda: all(e.active == 0 for e in stats().values()), timeout=2.0)
+        assert rig.controller.in_flight["a"] == 0
+        return []
+
+    async def go() -> Outcome:
+        return await scenario(["ok"], client, express=True, warm=False)
+
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        outcome = runner.run(asyncio.wait_for(go(), 30))
+    assert outcome.seen == [] and outcome.unreachable == []
+    assert outcome.counters == (1, 0, 1)  # one request, none active, its client gone
 
 
 @pytest.mark.parametrize("loop", LOOPS)

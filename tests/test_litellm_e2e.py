@@ -272,19 +272,19 @@ def _body_model(body: bytes) -> str | None:
 
 def _install_spy(stack: Stack) -> None:
     """Record what the gateway sends to engines: wraps its engine pool's `request` (the
-    handler's path) and `send_now` (the express lane)."""
+    handler's path) and `_send` (the express lane's writes, on idle or new connections)."""
     gateway = stack.app.gateway
     assert gateway is not None
     pool = gateway.upstream
     original = pool.request
-    original_now = pool.send_now
+    original_send = pool._send
     signature = inspect.signature(original)
-    signature_now = inspect.signature(original_now)
+    signature_send = inspect.signature(original_send)
 
-    def record(sent: dict[str, Any]) -> None:
+    def record(port: int, sent: dict[str, Any]) -> None:
         stack.relayed.append(
             Relayed(
-                sent["port"],
+                port,
                 bytes(sent["method"]).decode(),
                 bytes(sent["target"]).decode(),
                 bytes(sent["body"]),
@@ -292,18 +292,20 @@ def _install_spy(stack: Stack) -> None:
         )
 
     async def request(*args: Any, **kwargs: Any) -> Any:
-        record(signature.bind(*args, **kwargs).arguments)
+        sent = signature.bind(*args, **kwargs).arguments
+        record(sent["port"], sent)
         return await original(*args, **kwargs)
 
-    def send_now(*args: Any, **kwargs: Any) -> Any:
-        sent = original_now(*args, **kwargs)
-        if sent is not None:  # else the handler's path sends it
-            record(signature_now.bind(*args, **kwargs).arguments)
-        return sent
+    def send(*args: Any, **kwargs: Any) -> Any:
+        ok = original_send(*args, **kwargs)
+        if ok:  # else the request did not go out (the lane hands it on or answers 502)
+            sent = signature_send.bind(*args, **kwargs).arguments
+            record(sent["engine"].port, sent)
+        return ok
 
     # Instance attributes shadow the methods.
     setattr(pool, "request", request)  # noqa: B010
-    setattr(pool, "send_now", send_now)  # noqa: B010
+    setattr(pool, "_send", send)  # noqa: B010
 
 
 def _config(data_dir: Path, config_path: Path, litellm_url: str, litellm: bool) -> Config:

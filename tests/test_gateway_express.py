@@ -564,11 +564,13 @@ def test_shutdown_cuts_a_stream_with_an_error_event(loop: str) -> None:
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
     ) -> list[bytes]:
         writer.write(request(STREAM_BODY))
-        await poll(lambda: len(rig.engine.seen) == 1)
+        # The answer's head and first event first: a shutdown begun before the head went
+        # out would add `connection: close` to it on one path and not on the other.
+        started = await reader.readuntil(b"\n\n\r\n")
         shutdown = asyncio.ensure_future(rig.gateway.shutdown(0.2))
-        answer = await read_answer(reader)
+        rest = await reader.readuntil(b"0\r\n\r\n")
         await shutdown
-        return [answer]
+        return [RID.sub(b"x-dgxmm-request-id: N\r\n", started + rest)]
 
     async def go(express: bool) -> Outcome:
         return await scenario(["hold"], client, express=express, grace_s=0.1)

@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -126,9 +126,26 @@ def serve_gateway(engines: list[int], port: int, package_dir: str, fast_path: bo
 # --- the bare relay: the Python floor ---------------------------------------------------------
 
 
+def serve_routes(routes: list[tuple[int, int]], client: Callable[[int], asyncio.Protocol]) -> None:
+    """Listen on each route's port with `client(upstream port)` per connection until SIGTERM
+    (the relay's and the floor's processes)."""
+    import uvloop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for port, upstream in routes:
+            await loop.create_server(
+                functools.partial(client, upstream), "127.0.0.1", port, backlog=4096
+            )
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+
+    uvloop.run(main())
+
+
 def serve_relay(routes: list[tuple[int, int]]) -> None:
     """Forward bytes from each listening port to its upstream port, nothing else (child)."""
-    import uvloop
 
     class Pipe(asyncio.Protocol):
         def __init__(self, peer: asyncio.Transport) -> None:
@@ -168,17 +185,7 @@ def serve_relay(routes: list[tuple[int, int]]) -> None:
             if self.upstream is not None:
                 self.upstream.close()
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for port, upstream in routes:
-            await loop.create_server(
-                functools.partial(Client, upstream), "127.0.0.1", port, backlog=4096
-            )
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        await stop.wait()
-
-    uvloop.run(main())
+    serve_routes(routes, Client)
 
 
 def serve_floor(routes: list[tuple[int, int]]) -> None:
@@ -190,7 +197,6 @@ def serve_floor(routes: list[tuple[int, int]]) -> None:
     Only for the small-request phases: it assumes what they send, one whole request per
     read and one whole Content-Length answer per engine read.
     """
-    import uvloop
 
     from gateway.messages import HOP_BY_HOP, NOT_FORWARDED, field_lines
     from gateway.request_head import parse_head
@@ -254,17 +260,7 @@ def serve_floor(routes: list[tuple[int, int]]) -> None:
             if self.upstream is not None:
                 self.upstream.close()
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for port, upstream in routes:
-            await loop.create_server(
-                functools.partial(Client, upstream), "127.0.0.1", port, backlog=4096
-            )
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        await stop.wait()
-
-    uvloop.run(main())
+    serve_routes(routes, Client)
 
 
 # --- processes -----------------------------------------------------------------------------

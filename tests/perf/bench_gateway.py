@@ -144,6 +144,35 @@ def serve_routes(routes: list[tuple[int, int]], client: Callable[[int], asyncio.
     uvloop.run(main())
 
 
+class RouteClient(asyncio.Protocol):
+    """A client's connection to the relay or the floor: it opens its own connection to the
+    upstream and keeps what the client sends before that is up (`data_received` appends to
+    `early` while `upstream` is None); the subclass relays."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.port = upstream_port
+        self.upstream: asyncio.Transport | None = None
+        self.early: list[bytes] = []
+
+    def engine_side(self) -> asyncio.Protocol:
+        """The protocol of the upstream connection."""
+        raise NotImplementedError
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        asyncio.get_running_loop().create_task(self.connect())
+
+    async def connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.upstream, _ = await loop.create_connection(self.engine_side, "127.0.0.1", self.port)
+        if self.early:
+            self.data_received(b"".join(self.early))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+
+
 def serve_relay(routes: list[tuple[int, int]]) -> None:
     """Forward bytes from each listening port to its upstream port, nothing else (child)."""
 
@@ -157,33 +186,15 @@ def serve_relay(routes: list[tuple[int, int]]) -> None:
         def connection_lost(self, exc: Exception | None) -> None:
             self.peer.close()
 
-    class Client(asyncio.Protocol):
-        def __init__(self, upstream_port: int) -> None:
-            self.port = upstream_port
-            self.upstream: asyncio.Transport | None = None
-            self.early: list[bytes] = []  # what came before the upstream connection was up
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = cast(asyncio.Transport, transport)
-            asyncio.get_running_loop().create_task(self.connect())
-
-        async def connect(self) -> None:
-            loop = asyncio.get_running_loop()
-            up, _ = await loop.create_connection(
-                lambda: Pipe(self.transport), "127.0.0.1", self.port
-            )
-            self.upstream = up
-            up.write(b"".join(self.early))
+    class Client(RouteClient):
+        def engine_side(self) -> asyncio.Protocol:
+            return Pipe(self.transport)
 
         def data_received(self, data: bytes) -> None:
             if self.upstream is None:
                 self.early.append(data)
             else:
                 self.upstream.write(data)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.upstream is not None:
-                self.upstream.close()
 
     serve_routes(routes, Client)
 
@@ -220,28 +231,13 @@ def serve_floor(routes: list[tuple[int, int]]) -> None:
             out += (b"x-request-id: %d\r\n\r\n" % self.ids, data[end : end + length])
             self.client.write(b"".join(out))
 
-    class Client(asyncio.Protocol):
-        def __init__(self, upstream_port: int) -> None:
-            self.port = upstream_port
-            self.upstream: asyncio.Transport | None = None
-            self.early = b""
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = cast(asyncio.Transport, transport)
-            asyncio.get_running_loop().create_task(self.connect())
-
-        async def connect(self) -> None:
-            loop = asyncio.get_running_loop()
-            up, _ = await loop.create_connection(
-                lambda: Engine(self.transport), "127.0.0.1", self.port
-            )
-            self.upstream = up
-            if self.early:
-                self.data_received(self.early)
+    class Client(RouteClient):
+        def engine_side(self) -> asyncio.Protocol:
+            return Engine(self.transport)
 
         def data_received(self, data: bytes) -> None:
             if self.upstream is None:
-                self.early += data
+                self.early.append(data)
                 return
             end = data.find(b"\r\n\r\n") + 4
             head = parse_head(data, end, 64 * 1024)
@@ -255,10 +251,6 @@ def serve_floor(routes: list[tuple[int, int]]) -> None:
                     parts += (name, b": ", value, b"\r\n")
             parts += (b"content-length: %d\r\n\r\n" % len(body), body)
             self.upstream.write(b"".join(parts))
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.upstream is not None:
-                self.upstream.close()
 
     serve_routes(routes, Client)
 

@@ -52,6 +52,7 @@ from gateway.messages import (
     not_forwarded,
     strip_hop_by_hop,
 )
+from gateway.upstream import Outgoing
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -71,7 +72,6 @@ class Exchange:
     __slots__ = (
         "_answer_headers",
         "_arrived",
-        "_body",
         "_chunks_through",
         "_conn",
         "_connecting",
@@ -83,6 +83,7 @@ class Exchange:
         "_last",
         "_lease",
         "_paused",
+        "_request",
         "_started",
         "_target",
         "_upstream",
@@ -111,7 +112,7 @@ class Exchange:
         self._endpoint = endpoint
         self._target = target  # for the engine: the path after /d/<id>
         self._arrived = time.monotonic()
-        self._body = b""
+        self._request: Outgoing | None = None  # as sent to the engine, once leased
         self._lease: Lease | None = None
         self._engine: Engine | None = None
         self._upstream: EngineConnection | None = None
@@ -138,14 +139,12 @@ class Exchange:
             self._conn.hand_over(self.head, self.request_id, body)
             return
         self._lease = lease
-        self._body = body
         gateway.exchanges.add(self)
         handle = lease.handle
         headers = self.head.headers
-        sent = pool.send_now(
-            handle.host, handle.port, self.head.method, self._target, headers,
-            not_forwarded(headers, NOT_FORWARDED), body,
-        )  # fmt: skip
+        drop = not_forwarded(headers, NOT_FORWARDED)
+        self._request = request = Outgoing(self.head.method, self._target, headers, drop, body)
+        sent = pool.send_now(handle.host, handle.port, request)
         if sent is not None:
             self._hook(*sent)
             return
@@ -158,30 +157,30 @@ class Exchange:
     def _connected(self, task: asyncio.Task[EngineConnection]) -> None:
         """The new engine connection is open, or could not be opened, or is not wanted."""
         self._connecting = None
-        engine = self._engine
-        assert engine is not None
+        engine, request = self._engine, self._request
+        assert engine is not None and request is not None
         pool = self._gateway.upstream
+        wanted = not self._ended and self._lease is not None  # else the client left
         try:
-            error = None if task.cancelled() else task.exception()
-            if task.cancelled() or error is not None:
+            if task.cancelled():
                 pool.give_up(engine)
-                if error is not None and not self._ended and self._lease is not None:
-                    if not isinstance(error, UpstreamError):
-                        raise error  # a bug: `_broken` below
-                    self._failed(error, [])
+                return
+            error = task.exception()
+            if error is not None:
+                pool.give_up(engine)
+                if not wanted:
+                    return
+                if not isinstance(error, UpstreamError):
+                    raise error  # a bug: `_broken` below
+                self._failed(error, [])
                 return
             upstream = task.result()
-            if self._ended or self._lease is None:  # the client left meanwhile
+            if not wanted:
                 pool.finish(engine, upstream, reuse=False)
-                return
-            headers = self.head.headers
-            drop = not_forwarded(headers, NOT_FORWARDED)
-            if not pool.send_on(
-                engine, upstream, self.head.method, self._target, headers, drop, self._body
-            ):
+            elif pool.send_on(engine, upstream, request):
+                self._hook(engine, upstream)
+            else:
                 self._failed(UpstreamClosed("engine closed the connection at once"), [])
-                return
-            self._hook(engine, upstream)
         except Exception as exc:
             self._broken(exc)
 
@@ -342,7 +341,8 @@ class Exchange:
                 # Most likely a keep-alive connection the engine had just closed: the
                 # handler's path tries a new one (`UpstreamPool.request`).
                 self._release(reuse=False)
-                self._conn.hand_over(self.head, self.request_id, self._body)
+                assert self._request is not None  # sent: `_failed` comes after `start`
+                self._conn.hand_over(self.head, self.request_id, self._request.body)
                 return
             reply = gateway.engine_unreachable(self._view, exc)
             self._release(reuse=False)

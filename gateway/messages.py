@@ -31,7 +31,10 @@ HOP_BY_HOP = frozenset(
 TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 FIELD_VALUE = re.compile(rb"(?:[^\x00\s]+(?:[ \t]+[^\x00\s]+)*)?")
 REASON = re.compile(rb"[^\x00\r\n\x0b\x0c]*")  # HTAB / SP / VCHAR / obs-text (and CTLs h11 lets by)
-CONTENT_LENGTH = re.compile(rb"[0-9]{1,19}")  # fits in 63 bits; more is never a real body
+# A plain Content-Length: up to 19 digits (fits in 63 bits; more is never a real body).  Hot
+# paths test `value.isdigit() and len(value) <= CONTENT_LENGTH_DIGITS`, the same rule.
+CONTENT_LENGTH_DIGITS = 19
+CONTENT_LENGTH = re.compile(rb"[0-9]{1,%d}" % CONTENT_LENGTH_DIGITS)
 
 
 class Signal(enum.Enum):

@@ -25,6 +25,7 @@ from gateway.engine_protocol import ClientSession
 from gateway.errors import BodyTooLarge, MalformedRequest, ResponseStateError
 from gateway.messages import (
     CONTENT_LENGTH,
+    CONTENT_LENGTH_DIGITS,
     FIELD_VALUE,
     HOP_BY_HOP,
     REASON,
@@ -449,7 +450,7 @@ class ServerSession:
                 if name != b"content-length" or length is not None:
                     general = True
                     break
-                if not (value.isdigit() and len(value) <= 19):  # CONTENT_LENGTH, for less
+                if not (value.isdigit() and len(value) <= CONTENT_LENGTH_DIGITS):
                     general = True
                     break
                 length = value

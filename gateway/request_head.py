@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from gateway.messages import Headers, comma_tokens, field_lines
+from gateway.messages import CONTENT_LENGTH_DIGITS, Headers, comma_tokens, field_lines
 
 # A whole head of an HTTP/1.1 request: request line, header lines, the empty line.  A line
 # holds anything but NUL, CR, LF, VT and FF (what h11 accepts: OWS, field-content, OWS);
@@ -26,7 +26,6 @@ _HEAD = re.compile(
     rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+ [\x21-\x7e]+ HTTP/1\.1\r\n"
     rb"(?:[-!#$%&'*+.^_`|~0-9A-Za-z]+:[^\x00\r\n\x0b\x0c]*\r\n)*\r\n"
 )
-_LENGTH_DIGITS = 19  # fits in 63 bits; more (or a list) is h11's to judge
 _SIZE = 12  # per request line in the head-size estimate `ServerSession` applies (see below)
 # The headers this parser looks at; any other is passed on as it is.
 _FRAMING = frozenset(
@@ -36,7 +35,7 @@ _FRAMING = frozenset(
 
 # The Content-Length line of a head the fast path took (it has one such line), and digits.
 _LENGTH_LINE = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]+)[ \t]*\r\n", re.IGNORECASE)
-_DIGITS = re.compile(rb"[0-9]{1,%d}" % _LENGTH_DIGITS)
+_DIGITS = re.compile(rb"[0-9]{1,%d}" % CONTENT_LENGTH_DIGITS)
 
 
 class FastHead(NamedTuple):
@@ -90,7 +89,7 @@ def parse_head(buf: bytes, end: int, max_head: int) -> FastHead | None:
         if name not in _FRAMING:
             continue
         if name == b"content-length":
-            if length is not None or not (value.isdigit() and len(value) <= _LENGTH_DIGITS):
+            if length is not None or not (value.isdigit() and len(value) <= CONTENT_LENGTH_DIGITS):
                 return None  # repeated, a list or not a plain number: h11's rules
             length = value
         elif name == b"host":

@@ -15,6 +15,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gateway.deadlines import Sweeper, sweep_interval
 from gateway.engine_protocol import ClientSession
@@ -53,6 +54,18 @@ class EngineStatistics:
     reused: int
     retried: int
     discarded: int
+
+
+class Outgoing(NamedTuple):
+    """A client's request as the express lane sends it (`ClientSession.forward`): method,
+    target and headers from the client side's parser (not revalidated), minus the headers
+    named in `drop`; Host and Content-Length are the pool's."""
+
+    method: bytes
+    target: bytes
+    headers: Headers
+    drop: frozenset[bytes]
+    body: bytes
 
 
 class _EnginePool:
@@ -398,21 +411,12 @@ class UpstreamPool:
         return engine is None or (bool(engine.slots_free) and not engine.slot_waiters)
 
     def send_now(
-        self,
-        host: str,
-        port: int,
-        method: bytes,
-        target: bytes,
-        headers: Headers,
-        drop: frozenset[bytes],
-        body: bytes,
+        self, host: str, port: int, request: Outgoing
     ) -> tuple[_EnginePool, _Connection] | None:
         """Send a request at once on an idle connection, for the express lane: the engine
         and the connection, now busy (`finish` them), or None when it would have to wait
         (no free slot or no idle connection) or the write failed: then nothing changed.
-
-        Method, target and headers came out of the client side's parser (not revalidated);
-        those named in `drop` are not passed on.  The read deadline starts now.
+        The read deadline starts now.
         """
         engine = self._engines.get((host, port))
         if engine is None or self._closed or not engine.slots_free or engine.slot_waiters:
@@ -424,7 +428,7 @@ class UpstreamPool:
             conn.abort()
             engine.discarded += 1
             return None
-        if not self._send(engine, conn, method, target, headers, drop, body):
+        if not self._send(engine, conn, request):
             conn.abort()
             engine.discarded += 1
             return None
@@ -445,22 +449,13 @@ class UpstreamPool:
         engine.active += 1
         return engine, asyncio.get_running_loop().create_task(self._connect(host, port))
 
-    def send_on(
-        self,
-        engine: _EnginePool,
-        conn: _Connection,
-        method: bytes,
-        target: bytes,
-        headers: Headers,
-        drop: frozenset[bytes],
-        body: bytes,
-    ) -> bool:
+    def send_on(self, engine: _EnginePool, conn: _Connection, request: Outgoing) -> bool:
         """Send a request on the connection `open_now` opened, as `send_now` does; False when
         the write failed or the pool closed meanwhile: then connection and slot are given
         back."""
         engine.connected += 1
         engine.busy.add(conn)
-        if self._closed or not self._send(engine, conn, method, target, headers, drop, body):
+        if self._closed or not self._send(engine, conn, request):
             self._release(engine, conn, reuse=False)
             return False
         return True
@@ -469,20 +464,12 @@ class UpstreamPool:
         """The connection `open_now` started opening failed or is not wanted: its slot back."""
         self._release(engine, None, reuse=False)
 
-    def _send(
-        self,
-        engine: _EnginePool,
-        conn: _Connection,
-        method: bytes,
-        target: bytes,
-        headers: Headers,
-        drop: frozenset[bytes],
-        body: bytes,
-    ) -> bool:
+    def _send(self, engine: _EnginePool, conn: _Connection, request: Outgoing) -> bool:
         """Write a request of the express lane; the read deadline starts now."""
-        request = conn.session.forward(method, target, engine.host_header, headers, drop, body)
+        method, target, headers, drop, body = request
+        data = conn.session.forward(method, target, engine.host_header, headers, drop, body)
         try:
-            conn.write(request)
+            conn.write(data)
         except UpstreamClosed:
             return False
         conn.deadline = conn.loop.time() + self.config.read_timeout_s
@@ -606,4 +593,4 @@ class UpstreamPool:
         }
 
 
-__all__ = ["UpstreamConfig", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["Outgoing", "UpstreamConfig", "UpstreamError", "UpstreamPool", "UpstreamResponse"]

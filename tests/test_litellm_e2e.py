@@ -300,7 +300,7 @@ def _install_spy(stack: Stack) -> None:
         ok = original_send(*args, **kwargs)
         if ok:  # else the request did not go out (the lane hands it on or answers 502)
             sent = signature_send.bind(*args, **kwargs).arguments
-            record(sent["engine"].port, sent)
+            record(sent["engine"].port, sent["request"]._asdict())
         return ok
 
     # Instance attributes shadow the methods.

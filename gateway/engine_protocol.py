@@ -20,8 +20,10 @@ from gateway.messages import (
     CONTENT_LENGTH,
     CONTENT_LENGTH_DIGITS,
     FIELD_VALUE,
+    MEMO_MISSES,
     TOKEN,
     Headers,
+    LengthMemo,
     ResponseHead,
     Signal,
     comma_tokens,
@@ -76,6 +78,8 @@ class ClientSession:
         "_head_only",
         "_keep_alive",
         "_max_head",
+        "_memo",
+        "_memo_misses",
         "_pos",
         "_remaining",
         "_sent",
@@ -97,6 +101,8 @@ class ClientSession:
         self._head_only = False  # the request was HEAD: the answer has no body
         self.received_any = False
         self.eof = False
+        self._memo: LengthMemo[ResponseHead] | None = None  # the last answer's head (`_head`)
+        self._memo_misses = 0  # answer heads in a row that were not the memo's
 
     # --- the request -------------------------------------------------------------------
 
@@ -269,6 +275,15 @@ class ClientSession:
             end += 4
             if end - pos > self._max_head:
                 raise self._error("response head too large")
+            # An engine's answers on one connection differ mostly in their Content-Length
+            # (and Date, once a second): a head that is the last one's but for its length is
+            # taken from a memo (see `LengthMemo`).  Not for HEAD, whose answer has no body.
+            memo = self._memo
+            if memo is not None and not self._head_only:
+                digits = memo.digits(buf, pos)
+                if digits is not None:
+                    return self._known_head(memo, digits, end)
+                self._memo_misses += 1
             if _HEAD.fullmatch(buf, pos, end) is None:
                 raise self._error(f"malformed response head {buf[pos : min(end, pos + 80)]!r}")
             self._pos = end
@@ -314,6 +329,7 @@ class ClientSession:
             headers = _one_content_length(headers, length)
         if not keep_alive:
             self._keep_alive = False
+        head = ResponseHead(status=status, reason=reason, headers=headers, http_version=version)
         if status in _NO_BODY_STATUS or self._head_only:
             self._state = _S_END
         elif chunked:
@@ -321,10 +337,29 @@ class ClientSession:
         elif length is not None:
             self._remaining = length
             self._state = _S_LENGTH if length else _S_END
+            if keep_alive and not unusual_length and self._memo_misses < MEMO_MISSES:
+                # Framed by one plain Content-Length: what `_known_head` can make again.
+                self._memo = LengthMemo.of(head, headers, buf, pos, end) or self._memo
         else:
             self._state = _State.UNTIL_CLOSE
             self._keep_alive = False
-        return ResponseHead(status=status, reason=reason, headers=headers, http_version=version)
+        return head
+
+    def _known_head(self, memo: LengthMemo[ResponseHead], digits: bytes, end: int) -> ResponseHead:
+        """The memo's head with `digits` as its length, as `_final_head` would parse it: one
+        plain Content-Length frames the body; the connection stays keep-alive."""
+        self._memo_misses = 0
+        self._pos = end
+        length = int(digits)
+        self._remaining = length
+        self._state = _S_LENGTH if length else _S_END
+        head = memo.head
+        return ResponseHead(
+            status=head.status,
+            reason=head.reason,
+            headers=memo.headers_with(digits),
+            http_version=head.http_version,
+        )
 
     def _content_length(self, seen: int | None, value: bytes) -> int:
         """The length a Content-Length value gives; equal repeats are allowed (RFC 9110 8.6)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Sequence
+from typing import Generic, TypeVar
 
 import msgspec
 
@@ -35,6 +36,11 @@ REASON = re.compile(rb"[^\x00\r\n\x0b\x0c]*")  # HTAB / SP / VCHAR / obs-text (a
 # paths test `value.isdigit() and len(value) <= CONTENT_LENGTH_DIGITS`, the same rule.
 CONTENT_LENGTH_DIGITS = 19
 CONTENT_LENGTH = re.compile(rb"[0-9]{1,%d}" % CONTENT_LENGTH_DIGITS)
+# The Content-Length line of a head that has one plain one (see `LengthMemo`).
+_LENGTH_LINE = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]+)[ \t]*\r\n", re.IGNORECASE)
+# Heads in a row unlike its memo after which a connection stops keeping one: its peer varies
+# more than the Content-Length (a request id in a header, say), and memos would only cost it.
+MEMO_MISSES = 3
 
 
 class Signal(enum.Enum):
@@ -121,3 +127,62 @@ def header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes |
         if n == name:
             return v
     return None
+
+
+H = TypeVar("H")
+
+
+class LengthMemo(Generic[H]):
+    """A head parsed from a connection, kept to take the next one at a glance when it differs
+    only in its Content-Length digits.
+
+    A peer on a keep-alive connection usually sends the same head again with another length:
+    a client's SDK the same request line and headers, an engine the same status line and
+    headers (until its Date changes, once a second).  The bytes before the digits and after
+    them, to the end of the head, must be the memo's, and the new digits what the parsers
+    accept as a plain length (`CONTENT_LENGTH`): then parsing would make the memo's head of
+    them with that length, so the caller builds it from the memo (`digits`, `headers_with`)
+    instead.  The head must have had exactly one Content-Length, a plain one.
+    """
+
+    __slots__ = ("after", "before", "head", "headers", "index")
+
+    def __init__(self, head: H, headers: Headers, before: bytes, after: bytes, index: int) -> None:
+        self.head = head
+        self.headers = headers  # the head's
+        self.before = before  # from the start of the head up to the digits
+        self.after = after  # from the digits to the end of the head (its CRLF CRLF)
+        self.index = index  # of Content-Length in the head's headers
+
+    @classmethod
+    def of(
+        cls, head: H, headers: Headers, buf: bytes, start: int, end: int
+    ) -> LengthMemo[H] | None:
+        """A memo of `head`, parsed from `buf[start:end]` with `headers`; None without a
+        Content-Length line."""
+        match = _LENGTH_LINE.search(buf, start, end)
+        if match is None:
+            return None
+        for index, (name, _) in enumerate(headers):
+            if name == b"content-length":
+                before, after = buf[start : match.start(1)], buf[match.end(1) : end]
+                return cls(head, headers, before, after, index)
+        return None  # pragma: no cover - a line that field_lines would not name so
+
+    def digits(self, buf: bytes, start: int) -> bytes | None:
+        """The Content-Length digits of the head at `start` in `buf` when it is the memo's but
+        for them; None when it is not (then parse it).  When they are, that head ends where
+        `after` does: no CRLF CRLF comes before the last four bytes of `after`."""
+        before = self.before
+        if not buf.startswith(before, start):
+            return None
+        digits = CONTENT_LENGTH.match(buf, start + len(before))
+        if digits is None or not buf.startswith(self.after, digits.end()):
+            return None
+        return digits.group()
+
+    def headers_with(self, digits: bytes) -> Headers:
+        """A copy of the memo's headers with `digits` as the Content-Length value."""
+        headers = self.headers.copy()
+        headers[self.index] = (b"content-length", digits)
+        return headers

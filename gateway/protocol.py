@@ -28,9 +28,11 @@ from gateway.messages import (
     CONTENT_LENGTH_DIGITS,
     FIELD_VALUE,
     HOP_BY_HOP,
+    MEMO_MISSES,
     REASON,
     TOKEN,
     Headers,
+    LengthMemo,
     RequestHead,
     ResponseHead,
     Signal,
@@ -41,7 +43,6 @@ from gateway.messages import (
 )
 from gateway.request_head import (
     FastHead,
-    HeadMemo,
     may_complete,
     parse_head,
     parse_known_head,
@@ -61,9 +62,6 @@ __all__ = [
 ]
 
 _EMPTY_BODY_STATUS = frozenset({204, 304})
-# Heads in a row unlike the memo's after which a connection stops keeping memos: its client
-# varies more than the Content-Length (a request id in a header, say).
-_MEMO_MISSES = 3
 # h11 has it at the top level but leaves it out of `__all__`.
 _CLIENT_DONE = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)  # type: ignore[attr-defined]
 _Item = tuple[bytes, bytes, bytes]  # raw name, lower-case name, value
@@ -123,7 +121,7 @@ class ServerSession:
         # With the fast path, h11 gets a connection only for a cycle the fast path leaves it.
         self._conn: h11.Connection | None = None if fast_path else self._new_h11()
         self._pending_head = fast_path  # bytes wait in `_buf` for `_fast_head`
-        self._memo: HeadMemo | None = None  # the last head with a length (`_parse_head`)
+        self._memo: LengthMemo[FastHead] | None = None  # the last head with a length
         self._memo_misses = 0  # heads in a row that were not the memo's
         self._max_body = max_body_bytes
         self.body_bytes = 0
@@ -212,17 +210,17 @@ class ServerSession:
     def _parse_head(self, buf: bytes, end: int) -> FastHead | None:
         """The fast path's head at the start of `buf` (a whole one: `end` is where its first
         CRLF CRLF is), or None for h11.  A head that is the previous one's but for its
-        Content-Length digits is taken from a memo (see `HeadMemo`); a connection whose
+        Content-Length digits is taken from a memo (see `LengthMemo`); a connection whose
         heads keep changing stops keeping memos, which would only cost it."""
         memo = self._memo
         if memo is not None:
-            head = parse_known_head(memo, buf, self._max_head)
+            head = parse_known_head(memo, buf, end + 4, self._max_head)
             if head is not None:
                 self._memo_misses = 0
                 return head
             self._memo_misses += 1
         head = parse_head(buf, end + 4, self._max_head)
-        if head is not None and self._memo_misses < _MEMO_MISSES:
+        if head is not None and self._memo_misses < MEMO_MISSES:
             self._memo = remember(buf, head) or memo
         return head
 

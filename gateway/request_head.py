@@ -17,7 +17,13 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from gateway.messages import CONTENT_LENGTH_DIGITS, Headers, comma_tokens, field_lines
+from gateway.messages import (
+    CONTENT_LENGTH_DIGITS,
+    Headers,
+    LengthMemo,
+    comma_tokens,
+    field_lines,
+)
 
 # A whole head of an HTTP/1.1 request: request line, header lines, the empty line.  A line
 # holds anything but NUL, CR, LF, VT and FF (what h11 accepts: OWS, field-content, OWS);
@@ -31,11 +37,6 @@ _SIZE = 12  # per request line in the head-size estimate `ServerSession` applies
 _FRAMING = frozenset(
     {b"content-length", b"host", b"transfer-encoding", b"upgrade", b"connection", b"expect"}
 )
-
-
-# The Content-Length line of a head the fast path took (it has one such line), and digits.
-_LENGTH_LINE = re.compile(rb"\r\ncontent-length:[ \t]*([0-9]+)[ \t]*\r\n", re.IGNORECASE)
-_DIGITS = re.compile(rb"[0-9]{1,%d}" % CONTENT_LENGTH_DIGITS)
 
 
 class FastHead(NamedTuple):
@@ -113,56 +114,32 @@ def parse_head(buf: bytes, end: int, max_head: int) -> FastHead | None:
     return FastHead(method, target, headers, length, not close, expect, end)
 
 
-class HeadMemo:
-    """A head the fast path took, kept to take the next one on the connection at a glance
-    when it differs only in its Content-Length digits: a keep-alive client's next request
-    usually has the same request line and headers (the same SDK, key and route) and another
-    body.  The bytes before the digits and after them, to the end of the head, must be the
-    same; the new digits must be what `parse_head` accepts.  Then `parse_head` would make
-    the same head of it but for the length, which `parse_known_head` puts in.
-    """
-
-    __slots__ = ("after", "before", "head", "index")
-
-    def __init__(self, head: FastHead, before: bytes, after: bytes, index: int) -> None:
-        self.head = head
-        self.before = before  # from the request line up to the digits
-        self.after = after  # from the digits to the end of the head
-        self.index = index  # of Content-Length in `head.headers`
-
-
-def remember(buf: bytes, head: FastHead) -> HeadMemo | None:
-    """A memo of `head`, just parsed from `buf`, when it has a Content-Length."""
+def remember(buf: bytes, head: FastHead) -> LengthMemo[FastHead] | None:
+    """A memo of `head`, just parsed from `buf`, when it has a Content-Length (see
+    `LengthMemo`: a keep-alive client's next request usually has the same request line and
+    headers, the same SDK, key and route, and another body)."""
     if head.content_length is None:
         return None
-    match = _LENGTH_LINE.search(buf, 0, head.end)
-    if match is None:  # pragma: no cover - a head the fast path took with a length has one
-        return None
-    for index, (name, _) in enumerate(head.headers):
-        if name == b"content-length":
-            return HeadMemo(head, buf[: match.start(1)], buf[match.end(1) : head.end], index)
-    return None  # pragma: no cover - as above
+    return LengthMemo.of(head, head.headers, buf, 0, head.end)
 
 
-def parse_known_head(memo: HeadMemo, buf: bytes, max_head: int) -> FastHead | None:
-    """What `parse_head` makes of the head at the start of `buf` when it is the memo's but
-    for its Content-Length digits; None when it is not (then parse it)."""
-    before = memo.before
-    if not buf.startswith(before):
-        return None
-    digits = _DIGITS.match(buf, len(before))
-    if digits is None:
-        return None
-    after = memo.after
-    if not buf.startswith(after, digits.end()):
+def parse_known_head(
+    memo: LengthMemo[FastHead], buf: bytes, end: int, max_head: int
+) -> FastHead | None:
+    """What `parse_head` makes of the head `buf[:end]` when it is the memo's but for its
+    Content-Length digits; None when it is not (then parse it)."""
+    length = memo.digits(buf, 0)
+    if length is None:
         return None
     head = memo.head
-    end = digits.end() + len(after)
-    headers = head.headers.copy()
-    if end - 2 + len(headers) > max_head:  # near the bound: `parse_head` does the sum
+    if end - 2 + len(head.headers) > max_head:  # near the bound: `parse_head` does the sum
         return None
-    length = digits.group()
-    headers[memo.index] = (b"content-length", length)
     return FastHead(
-        head.method, head.target, headers, length, head.keep_alive, head.expect_continue, end
+        head.method,
+        head.target,
+        memo.headers_with(length),
+        length,
+        head.keep_alive,
+        head.expect_continue,
+        end,
     )

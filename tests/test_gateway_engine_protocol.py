@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import h11
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from gateway import engine_protocol
 from gateway.engine_protocol import MAX_CHUNK_LINE, ClientSession
 from gateway.errors import UpstreamClosed, UpstreamError, UpstreamProtocolError
-from gateway.messages import ResponseHead, Signal
+from gateway.messages import Headers, LengthMemo, ResponseHead, Signal, field_lines
 
 GET = (b"GET", b"/v1/models", [(b"host", b"e:1")], b"")
 
@@ -532,3 +533,157 @@ def test_a_whole_chunk_taken_is_what_the_parser_makes_of_the_same_bytes(
         reference.receive(raw)
         assert drain(reference) == (None, raw[start:-2], Signal.NEED_DATA)
         assert c.next_event() is Signal.NEED_DATA
+
+
+# --- the memo of a connection's last answer head ----------------------------------------------
+
+_ANSWER = (
+    b"HTTP/1.1 200 OK\r\nServer: uvicorn\r\nDate: Tue, 01 Dec 2026 18:00:00 GMT\r\n"
+    b"Content-Length: %d\r\nContent-Type: application/json\r\n\r\n%s"
+)
+
+
+def answered(c: ClientSession, raw: bytes) -> tuple[ResponseHead | None, bytes, Signal] | str:
+    """What `c` makes of one answer, fed whole: head, body, last signal; or the error's name."""
+    try:
+        c.receive(raw)
+        return drain(c)
+    except UpstreamError as exc:
+        return type(exc).__name__
+
+
+def again(c: ClientSession, method: bytes = b"POST") -> None:
+    """The next request on the connection (its previous answer was complete)."""
+    c.start_next_cycle()
+    c.request(method, b"/v1/x", [(b"host", b"e:1"), (b"content-length", b"0")], b"")
+
+
+def test_an_answer_head_that_differs_only_in_its_length_is_taken_from_the_memo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[bytes] = []
+
+    def spy(block: bytes) -> list[tuple[bytes, bytes]]:
+        parsed.append(block)
+        return field_lines(block)
+
+    monkeypatch.setattr(engine_protocol, "field_lines", spy)
+    c = sent()
+    got = []
+    for body in (b"{}", b'{"a":"bcde"}', b"", b"{}"):
+        if got:
+            again(c)
+        got.append(answered(c, _ANSWER % (len(body), body)))
+        assert c.reusable and c.clean
+    assert len(parsed) == 1  # the others came from the memo
+    monkeypatch.undo()
+    for body, outcome in zip((b"{}", b'{"a":"bcde"}', b"", b"{}"), got, strict=True):
+        assert outcome == answered(sent(), _ANSWER % (len(body), body))  # as a parse makes it
+    assert got[1][0].headers[2] == (b"content-length", b"12")  # type: ignore[index]
+
+
+def test_an_answer_to_head_is_never_taken_from_the_memo() -> None:
+    c = sent()
+    assert answered(c, _ANSWER % (2, b"{}"))[1:] == (b"{}", Signal.BODY_END)  # type: ignore[index]
+    again(c, b"HEAD")
+    head_only = _ANSWER % (2, b"")  # the same head, and no body after it
+    assert answered(c, head_only) == answered(sent(b"HEAD"), head_only)
+    assert c.reusable and c.clean
+    again(c)
+    assert answered(c, _ANSWER % (1, b"x"))[1:] == (b"x", Signal.BODY_END)  # type: ignore[index]
+
+
+def memos_kept(monkeypatch: pytest.MonkeyPatch, raws: list[bytes]) -> int:
+    """How many memos one connection keeps answering `raws`, each read as on a new one."""
+    expected = [answered(sent(), raw) for raw in raws]
+    kept: list[bytes] = []
+    of = LengthMemo.of
+
+    def spy(head: ResponseHead, headers: Headers, buf: bytes, start: int, end: int) -> object:
+        kept.append(buf[start:end])
+        return of(head, headers, buf, start, end)
+
+    monkeypatch.setattr(LengthMemo, "of", spy)
+    c = sent()
+    for n, raw in enumerate(raws):
+        if n:
+            again(c)
+        assert answered(c, raw) == expected[n]
+    return len(kept)
+
+
+def test_a_connection_whose_answers_keep_changing_stops_keeping_memos(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    raws = [_ANSWER.replace(b"uvicorn", b"e-%d" % n) % (2, b"{}") for n in range(6)]
+    # An engine that numbers its answers in a header: the first, then after one and two
+    # misses; not after three.
+    assert memos_kept(monkeypatch, raws) == 3
+
+
+def test_a_connection_whose_answers_change_now_and_then_keeps_its_memo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its Date changes once a second: each new head misses once, then is the memo's.
+    raws = [
+        _ANSWER.replace(b"18:00:00", b"18:00:0%d" % (n // 2)) % (n % 3, b"x" * (n % 3))
+        for n in range(10)
+    ]
+    assert memos_kept(monkeypatch, raws) == 5
+
+
+_LENGTHS = [b"0", b"3", b"12", b"007", b"0" * 18 + b"3", b"0" * 19 + b"3", b"", b"+3", b"3 3",
+            b"3,3", b" 3\t", b"0x3"]  # fmt: skip
+_TWEAKS = [
+    b"x-a: 1\r\n",
+    b"content-length: 3\r\n",
+    b"transfer-encoding: chunked\r\n",
+    b"connection: close\r\n",
+    b"Date: Tue, 01 Dec 2026 18:00:01 GMT\r\n",
+]
+
+
+_NO_BODY = (b"", None, 0, b"POST", b"", b"204 No Content", True)
+_TWICE = (b"content-length: 3\r\n", 3, b"POST", b"", b"200 OK", True)  # two equal lengths
+
+
+@settings(max_examples=800, deadline=None)
+@example(answers=[(b"0", *_NO_BODY[1:]), (b"3", *_NO_BODY[1:])])
+@example(answers=[(b"3", *_TWICE), (b"12", *_TWICE)])
+@given(
+    answers=st.lists(
+        st.tuples(
+            st.sampled_from(_LENGTHS),
+            st.sampled_from([None, None, None, *_TWEAKS]),  # a line the memo does not expect
+            st.integers(0, 3),  # where it goes
+            st.sampled_from([b"POST", b"POST", b"HEAD"]),
+            st.sampled_from([b"", b"", b"HTTP/1.1 100 Continue\r\n\r\n"]),  # an interim answer
+            st.sampled_from([b"200 OK", b"200 OK", b"404 Not Found", b"204 No Content"]),
+            st.booleans(),  # the body as long as a plain length says, else "abc"
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_answers_that_differ_in_their_length_read_as_on_a_new_connection(
+    answers: list[tuple[bytes, bytes | None, int, bytes, bytes, bytes, bool]],
+) -> None:
+    """One connection's answers alike but for the Content-Length value (what the memo takes),
+    now and then with another status or header line: each reads as it would on a connection
+    that never saw another answer (the same head, body, reusability, or the same error)."""
+    c: ClientSession | None = None
+    for value, tweak, where, method, interim, status, fits in answers:
+        lines = [b"HTTP/1.1 " + status, b"Server: uvicorn", b"Content-Length: " + value, b"a: b"]
+        if tweak is not None:
+            lines.insert(1 + where, tweak[:-2])
+        body = b"x" * int(value) if fits and value.isdigit() else b"abc"
+        raw = interim + b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if method == b"HEAD" else body)
+        if c is None:
+            c = sent(method)
+        else:
+            again(c, method)
+        fresh = sent(method)
+        assert answered(c, raw) == answered(fresh, raw)
+        assert (c.reusable, c.clean) == (fresh.reusable, fresh.clean)
+        if not (c.reusable and c.clean):
+            return

@@ -284,6 +284,8 @@ class ClientSession:
                 if digits is not None:
                     return self._known_head(memo, digits, end)
                 self._memo_misses += 1
+                if self._memo_misses >= MEMO_MISSES:
+                    self._memo = None  # kept no longer: not compared either
             if _HEAD.fullmatch(buf, pos, end) is None:
                 raise self._error(f"malformed response head {buf[pos : min(end, pos + 80)]!r}")
             self._pos = end
@@ -339,7 +341,7 @@ class ClientSession:
             self._state = _S_LENGTH if length else _S_END
             if keep_alive and not unusual_length and self._memo_misses < MEMO_MISSES:
                 # Framed by one plain Content-Length: what `_known_head` can make again.
-                self._memo = LengthMemo.of(head, headers, buf, pos, end) or self._memo
+                self._memo = LengthMemo.of(head, buf, pos, end) or self._memo
         else:
             self._state = _State.UNTIL_CLOSE
             self._keep_alive = False

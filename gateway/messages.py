@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -129,7 +129,12 @@ def header_value(headers: Sequence[tuple[bytes, bytes]], name: bytes) -> bytes |
     return None
 
 
-H = TypeVar("H")
+class _Head(Protocol):
+    @property
+    def headers(self) -> Headers: ...
+
+
+H = TypeVar("H", bound=_Head)
 
 
 class LengthMemo(Generic[H]):
@@ -145,28 +150,25 @@ class LengthMemo(Generic[H]):
     instead.  The head must have had exactly one Content-Length, a plain one.
     """
 
-    __slots__ = ("after", "before", "head", "headers", "index")
+    __slots__ = ("after", "before", "head", "index")
 
-    def __init__(self, head: H, headers: Headers, before: bytes, after: bytes, index: int) -> None:
+    def __init__(self, head: H, before: bytes, after: bytes, index: int) -> None:
         self.head = head
-        self.headers = headers  # the head's
         self.before = before  # from the start of the head up to the digits
         self.after = after  # from the digits to the end of the head (its CRLF CRLF)
         self.index = index  # of Content-Length in the head's headers
 
     @classmethod
-    def of(
-        cls, head: H, headers: Headers, buf: bytes, start: int, end: int
-    ) -> LengthMemo[H] | None:
-        """A memo of `head`, parsed from `buf[start:end]` with `headers`; None without a
-        Content-Length line."""
+    def of(cls, head: H, buf: bytes, start: int, end: int) -> LengthMemo[H] | None:
+        """A memo of `head`, parsed from `buf[start:end]`; None without a Content-Length
+        line."""
         match = _LENGTH_LINE.search(buf, start, end)
         if match is None:
             return None
-        for index, (name, _) in enumerate(headers):
+        for index, (name, _) in enumerate(head.headers):
             if name == b"content-length":
                 before, after = buf[start : match.start(1)], buf[match.end(1) : end]
-                return cls(head, headers, before, after, index)
+                return cls(head, before, after, index)
         return None  # pragma: no cover - a line that field_lines would not name so
 
     def digits(self, buf: bytes, start: int) -> bytes | None:
@@ -183,6 +185,6 @@ class LengthMemo(Generic[H]):
 
     def headers_with(self, digits: bytes) -> Headers:
         """A copy of the memo's headers with `digits` as the Content-Length value."""
-        headers = self.headers.copy()
+        headers = self.head.headers.copy()
         headers[self.index] = (b"content-length", digits)
         return headers

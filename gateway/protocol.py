@@ -219,6 +219,8 @@ class ServerSession:
                 self._memo_misses = 0
                 return head
             self._memo_misses += 1
+            if self._memo_misses >= MEMO_MISSES:
+                self._memo = memo = None  # kept no longer: not compared either
         head = parse_head(buf, end + 4, self._max_head)
         if head is not None and self._memo_misses < MEMO_MISSES:
             self._memo = remember(buf, head) or memo

@@ -120,7 +120,7 @@ def remember(buf: bytes, head: FastHead) -> LengthMemo[FastHead] | None:
     headers, the same SDK, key and route, and another body)."""
     if head.content_length is None:
         return None
-    return LengthMemo.of(head, head.headers, buf, 0, head.end)
+    return LengthMemo.of(head, buf, 0, head.end)
 
 
 def parse_known_head(

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from gateway import engine_protocol
 from gateway.engine_protocol import MAX_CHUNK_LINE, ClientSession
 from gateway.errors import UpstreamClosed, UpstreamError, UpstreamProtocolError
-from gateway.messages import Headers, LengthMemo, ResponseHead, Signal, field_lines
+from gateway.messages import LengthMemo, ResponseHead, Signal, field_lines
 
 GET = (b"GET", b"/v1/models", [(b"host", b"e:1")], b"")
 
@@ -605,9 +605,9 @@ def memos_kept(monkeypatch: pytest.MonkeyPatch, raws: list[bytes]) -> int:
     kept: list[bytes] = []
     of = LengthMemo.of
 
-    def spy(head: ResponseHead, headers: Headers, buf: bytes, start: int, end: int) -> object:
+    def spy(head: ResponseHead, buf: bytes, start: int, end: int) -> object:
         kept.append(buf[start:end])
-        return of(head, headers, buf, start, end)
+        return of(head, buf, start, end)
 
     monkeypatch.setattr(LengthMemo, "of", spy)
     c = sent()

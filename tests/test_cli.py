@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -357,28 +358,64 @@ def wait_for_stderr_line(proc: subprocess.Popen[bytes]) -> str:
     return buffer.decode().strip()
 
 
+@contextlib.contextmanager
+def ctrl_c_for_children() -> Iterator[None]:
+    """Children started inside get SIGINT at its default, as at a terminal, even when this
+    run inherited it ignored.  A shell without job control (a script's `cmd &`, `bash -c
+    '... &'`) starts its background commands with SIGINT ignored, Python keeps an ignored
+    SIGINT ignored, and so would the follower: it is what made the follow tests of one CI
+    run (started that way) wait out their deadline.  A caught signal is reset to its
+    default at exec, so catching it here for the moment of the fork is enough."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_children_get_ctrl_c_even_when_this_run_ignores_it() -> None:
+    def ignores_sigint() -> bool:
+        with ctrl_c_for_children():
+            out = subprocess.run(
+                ["grep", "^SigIgn:", "/proc/self/status"], capture_output=True, check=True
+            ).stdout
+        return bool(int(out.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job starts
+    try:
+        assert not ignores_sigint()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # this run's is left as it was
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert not ignores_sigint()
+
+
 def follower(path: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
     """`dgxmm events --db PATH --follow --json ARGS...` once it follows, and where it began."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-X",
-            "faulthandler",  # for `stop_follower`: its threads' stacks on SIGABRT
-            "-m",
-            "dgxmm.cli",
-            "events",
-            "--db",
-            str(path),
-            "--follow",
-            "--json",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=ROOT,
-    )
+    with ctrl_c_for_children():
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-X",
+                "faulthandler",  # for `stop_follower`: its threads' stacks on SIGABRT
+                "-m",
+                "dgxmm.cli",
+                "events",
+                "--db",
+                str(path),
+                "--follow",
+                "--json",
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+        )
     try:
         said = wait_for_stderr_line(proc)
         assert said.startswith(f"dgxmm: following {path} after event "), said
@@ -391,8 +428,7 @@ def follower(path: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
 
 def stop_follower(proc: subprocess.Popen[bytes]) -> None:
     """Ctrl-C: the follower exits with 130 and no traceback.  One that does not exit in time
-    fails the test with the stacks of its threads (faulthandler, on SIGABRT): it once did
-    not, in one CI run, and never since (see the closing note of round 2, session 4)."""
+    fails the test with the stacks of its threads (faulthandler, on SIGABRT)."""
     try:
         proc.send_signal(signal.SIGINT)
         try:

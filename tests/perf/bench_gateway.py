@@ -1,7 +1,7 @@
 """Gateway benchmark: direct vs a bare relay vs nginx vs the gateway, on the same upstreams.
 
     python -m tests.perf.bench_gateway [--quick] [--rounds N] [--h11] [--baseline DIR] [--pin]
-                                       [--floor]
+                                       [--one-cpu] [--floor]
 
 Starts (all on loopback, all ended at exit): a static upstream (nginx answering every request
 with a fixed small JSON body, in its own process: so that concurrency 64 measures the proxy,
@@ -17,7 +17,9 @@ each round rotates who goes first.  At concurrency 1 the targets take turns requ
 request, so that drifts of the shared machine hit them alike; at 64 and for streams they
 take turns target by target.  `--pin` puts every proxy on the last CPU and everything else
 on the others ("on one core"; it also makes each hop cross CPUs, which adds latency to
-every target); by default the scheduler places them, as the issue measured.  CPU is each
+every target); `--one-cpu` puts everything on one CPU (no hop wakes another: what the
+proxies cost without the virtual machine's slow wake-ups, see `pin`); by default the
+scheduler places them, as the issue measured.  CPU is each
 proxy process's on-CPU time (user and system, ns,
 from schedstat) over the requests or events it relayed.  Every figure is the median over the
 rounds.  `--h11` adds the gateway with its fast path off (`[server] gateway_fast_path =
@@ -426,20 +428,27 @@ def processes(
 PROXIES = ("relay", "nginx", "gateway", "base", "h11", "floor")  # the processes measured
 
 
-def pin(rig: Rig) -> str:
+def pin(rig: Rig, *, together: bool = False) -> str:
     """Every proxy on the last CPU, the load generator and the upstreams on the others: "on
     one core", as the issue measures, and without the scheduler's placement (a proxy sharing
-    a core with the load generator one run and not the next) in the figures.  Says how."""
+    a core with the load generator one run and not the next) in the figures.  `together`:
+    everything on the last CPU instead (`--one-cpu`), so that no hop wakes another CPU: on
+    a virtual machine a CPU that idles between hops comes back slow (the host runs others
+    there), and at concurrency 1, where every hop waits on the one before, that cost, not
+    the proxy's, is most of what is measured.  Says how."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return "not pinned (one CPU)"
-    proxy_cpu, others = {cpus[-1]}, set(cpus[:-1])
+    proxy_cpu = {cpus[-1]}
+    others = proxy_cpu if together else set(cpus[:-1])
     for name, proc in rig.procs.items():
         for pid in [proc.pid, *children(proc.pid)]:
             for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(OSError):  # a thread that just ended
                     os.sched_setaffinity(int(task.name), proxy_cpu if name in PROXIES else others)
     os.sched_setaffinity(0, others)  # this process, and wrk after it
+    if together:
+        return f"everything on CPU {cpus[-1]}"
     return f"proxies pinned to CPU {cpus[-1]}, load generator and upstreams to {sorted(others)}"
 
 
@@ -855,6 +864,11 @@ def main() -> None:
     parser.add_argument(
         "--pin", action="store_true", help="proxies on the last CPU, the rest on the others"
     )
+    parser.add_argument(
+        "--one-cpu",
+        action="store_true",
+        help="everything on the last CPU: no hop wakes another CPU (see `pin`)",
+    )
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
@@ -890,7 +904,10 @@ def main() -> None:
     with processes(
         args.stream_tokens, args.token_delay, args.baseline, args.h11, args.floor
     ) as rig:
-        placement = pin(rig) if args.pin else "placed by the scheduler"
+        if args.pin or args.one_cpu:
+            placement = pin(rig, together=args.one_cpu)
+        else:
+            placement = "placed by the scheduler"
         uvloop.run(measure(rig, args.quick, args.stream_tokens, args.rounds, placement))
 
 

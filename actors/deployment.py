@@ -293,6 +293,7 @@ class DeploymentActor(Actor):
         self._work: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._idle_timer: TimerHandle | None = None
+        self._idle_due = 0.0  # when the idle timer fires (its clock's time)
         self._retry_timer: TimerHandle | None = None
         self._removed = False
         self._orphans: set[asyncio.Task[None]] = set()
@@ -318,20 +319,19 @@ class DeploymentActor(Actor):
             return None
         act.in_flight += 1
         act.last_used = self.clock.now()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        # The idle timer stays armed: if it fires during the request, `_idle_check` finds
+        # the model busy and the request's end arms it again.
         self._hooks.activity(self.deployment_id)
         return LeaseImpl(self, self._handle)
 
     def request_ended(self) -> None:
-        """A request in flight ended; re-arm the idle timer."""
+        """A request in flight ended; the idle timer runs from now."""
         act = self.activity
         act.in_flight = max(0, act.in_flight - 1)
         act.served += 1
         act.last_used = self.clock.now()
         if act.in_flight == 0:
-            self._arm_idle_timer()
+            self._arm_idle_timer(lazily=True)
         self._hooks.activity(self.deployment_id)
 
     # --- recording -----------------------------------------------------------------------
@@ -940,31 +940,48 @@ class DeploymentActor(Actor):
 
     # --- idle ----------------------------------------------------------------------------
 
-    def _arm_idle_timer(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+    def _arm_idle_timer(self, *, lazily: bool = False) -> None:
+        """Fire `IdleCheck` at last use + the idle timeout.  `lazily` (at the end of each
+        request, the hot path): keep a timer that has not fired and fires no later, instead
+        of replacing it; when it fires early, `_idle_check` finds the model not yet idle and
+        arms it for the rest.  Per request that saves a cancel and a new timer (about half
+        of a lease's cost), and leaves no cancelled timer behind."""
         dep = self.state
         if not dep.on_demand or dep.role == "decision":
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
             return
-        timeout = dep.effective_idle_timeout_s(self._hooks.default_idle_s())
-        due = self.activity.last_used + timeout - self.clock.now()
-        self._idle_timer = self.schedule(max(0.0, due), IdleCheck())
+        now = self.clock.now()
+        at = self.activity.last_used + dep.effective_idle_timeout_s(self._hooks.default_idle_s())
+        # `now < _idle_due`: not fired yet (one that fired may have had its check dropped).
+        if lazily and self._idle_timer is not None and now < self._idle_due <= at:
+            return
+        self._schedule_idle_check(max(0.0, at - now))
+
+    def _schedule_idle_check(self, delay: float) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = self.schedule(delay, IdleCheck())
+        self._idle_due = self.clock.now() + delay
 
     async def _idle_check(self) -> bool:
-        self._idle_timer = None
+        # A check can come from a timer replaced after it fired: the one armed since stays.
+        armed = self._idle_timer is not None and self.clock.now() < self._idle_due
+        if not armed:
+            self._idle_timer = None
         dep = self.state
         if not dep.on_demand or dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP):
             return False
         idle, _why = is_idle(dep, self.activity, self.clock.now(), self._hooks.default_idle_s())
         if not idle:
-            if self.activity.in_flight == 0:
+            if self.activity.in_flight == 0 and not armed:
                 self._arm_idle_timer_periodic()
             return False
         try:
             return await self._sleep(SleepDeployment(reason="idle", actor="ondemand"))
         except WriteFailed:
-            self._idle_timer = self.schedule(IDLE_CHECK_EVERY_S, IdleCheck())  # try again later
+            self._schedule_idle_check(IDLE_CHECK_EVERY_S)  # try again later
             return False
 
     def default_idle_timeout_changed(self) -> None:
@@ -976,7 +993,7 @@ class DeploymentActor(Actor):
         dep = self.state
         timeout = dep.effective_idle_timeout_s(self._hooks.default_idle_s())
         due = self.activity.last_used + timeout - self.clock.now()
-        self._idle_timer = self.schedule(due if due > 0 else IDLE_CHECK_EVERY_S, IdleCheck())
+        self._schedule_idle_check(due if due > 0 else IDLE_CHECK_EVERY_S)
 
     def _idle_for(self, reason: m.SleepReason) -> tuple[bool, str]:
         """Idle enough to sleep for `reason` (make room: `ondemand_make_room_after_s`)."""

@@ -37,6 +37,11 @@ from storage.eventlog import EventStore
 log = structlog.get_logger("dgxmm.queue")
 
 RECHECK_EVERY_S = 15.0
+# A model whose idle timeout ends at the instant it becomes a make-room candidate (the
+# default: `ondemand_make_room_after_s` unset) sleeps for "idle": the queue looks again
+# this long after the candidate's time, so its own idle timer goes first whatever the
+# order the two were armed in.
+AFTER_IDLE_TIMERS_S = 1e-3
 
 
 class Recheck(msgspec.Struct, frozen=True, tag=True):
@@ -407,7 +412,9 @@ class QueueActor(Actor):
             self._due_timer = None
         now = self.clock.now()
         if due is not None and now < due < now + RECHECK_EVERY_S:
-            self._due_timer = self.schedule(due - now, Recheck("make_room_after"))
+            self._due_timer = self.schedule(
+                due - now + AFTER_IDLE_TIMERS_S, Recheck("make_room_after")
+            )
 
     def replan(self, deployment_id: str) -> None:
         """A model planned to sleep for `deployment_id` refused: plan again at once."""

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from actors.deployment import Refusal
+from actors.deployment import IdleCheck, Refusal
+from actors.errors import MailboxFull
 from events import model as m
 from events.projections import audit_rows, deployment_events
 from simulations.harness import Harness
@@ -87,6 +88,106 @@ def test_a_request_in_flight_keeps_the_model_awake_and_its_end_restarts_the_time
         assert h.state(a) == "ready"
         await h.advance(30)
         assert h.state(a) == "stopped"
+
+    box(tmp_path, t)
+
+
+async def sleep_record(h: Harness, dep_id: str) -> m.PutToSleep:
+    [ev] = [r.event for r in await h.events() if isinstance(r.event, m.PutToSleep)]
+    assert h.state(dep_id) == "stopped"
+    return ev
+
+
+def test_the_idle_timer_runs_from_the_last_requests_end_however_many_came_before(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, idle_timeout_s=60)
+        await settle_ready(h, a)
+        # A request every 8 s for 400 s: the timer armed after the first one fires early
+        # again and again (lazily kept, not re-armed per request) and must re-arm each time.
+        for _ in range(50):
+            await h.advance(7)
+            lease = h.controller.try_acquire(a)
+            assert lease is not None
+            await h.advance(1)
+            lease.release()
+        await h.advance(59.9)
+        assert h.state(a) == "ready"
+        await h.advance(0.2)
+        ev = await sleep_record(h, a)
+        assert (ev.reason, ev.idle_for_s) == ("idle", 60.0)  # not a moment early or late
+
+    box(tmp_path, t)
+
+
+def test_requests_leave_one_idle_timer_armed_not_one_per_request(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, idle_timeout_s=60)
+        await settle_ready(h, a)
+        scheduled: list[float] = []
+        schedule = h.clock.call_later
+
+        def counted(delay: float, callback: Callable[[], None]) -> Any:
+            scheduled.append(delay)
+            return schedule(delay, callback)
+
+        h.clock.call_later = counted  # type: ignore[method-assign]
+        for _ in range(1000):  # the gateway's hot path: a lease taken and given back
+            lease = h.controller.try_acquire(a)
+            assert lease is not None
+            lease.release()
+        assert scheduled == []  # the idle timer armed when it became ready still stands
+        await h.advance(60.1)
+        ev = await sleep_record(h, a)
+        assert (ev.reason, ev.idle_for_s) == ("idle", 60.0)
+
+    box(tmp_path, t)
+
+
+def test_a_default_timeout_shortened_during_a_request_counts_from_its_end(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)  # the default: 300 s, armed when it became ready
+        await settle_ready(h, a)
+        h.request(a, hold_s=100)
+        await h.advance(50)
+        await h.controller.change_settings({"ondemand_idle_timeout_s": 60}, "admin:test")
+        await h.advance(50)  # the request ended: 60 s from now, not the timer armed for 300
+        await h.advance(59.9)
+        assert h.state(a) == "ready"
+        await h.advance(0.2)
+        ev = await sleep_record(h, a)
+        assert (ev.reason, ev.idle_timeout_s, ev.idle_for_s) == ("idle", 60, 60.0)
+
+    box(tmp_path, t)
+
+
+def test_an_idle_check_lost_to_a_full_mailbox_is_armed_again_by_the_next_request(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, idle_timeout_s=60)
+        await settle_ready(h, a)
+        actor = h.controller.actors[a]
+        tell = actor.tell
+
+        def full(message: Any) -> None:
+            if isinstance(message, IdleCheck):
+                raise MailboxFull("full")  # dropped with a warning, as `_ScheduledMessage` does
+            tell(message)
+
+        actor.tell = full  # type: ignore[method-assign]
+        await h.advance(61)
+        assert h.state(a) == "ready"  # its check was lost
+        actor.tell = tell  # type: ignore[method-assign]
+        lease = h.controller.try_acquire(a)
+        assert lease is not None
+        lease.release()
+        await h.advance(60.1)
+        ev = await sleep_record(h, a)
+        assert (ev.reason, ev.idle_for_s) == ("idle", 60.0)
 
     box(tmp_path, t)
 

@@ -92,10 +92,21 @@ def test_a_request_in_flight_keeps_the_model_awake_and_its_end_restarts_the_time
     box(tmp_path, t)
 
 
-async def sleep_record(h: Harness, dep_id: str) -> m.PutToSleep:
-    [ev] = [r.event for r in await h.events() if isinstance(r.event, m.PutToSleep)]
+def lease_once(h: Harness, dep_id: str) -> None:
+    """A request as the gateway's hot path makes it: a lease taken and given back."""
+    lease = h.controller.try_acquire(dep_id)
+    assert lease is not None
+    lease.release()
+
+
+async def sleeps_for_idle_after(h: Harness, dep_id: str, timeout_s: int) -> None:
+    """Still ready a moment before `timeout_s` from now, asleep for "idle" right after it."""
+    await h.advance(timeout_s - 0.1)
+    assert h.state(dep_id) == "ready"
+    await h.advance(0.2)
     assert h.state(dep_id) == "stopped"
-    return ev
+    [ev] = [r.event for r in await h.events() if isinstance(r.event, m.PutToSleep)]
+    assert (ev.reason, ev.idle_timeout_s, ev.idle_for_s) == ("idle", timeout_s, timeout_s)
 
 
 def test_the_idle_timer_runs_from_the_last_requests_end_however_many_came_before(
@@ -112,11 +123,7 @@ def test_the_idle_timer_runs_from_the_last_requests_end_however_many_came_before
             assert lease is not None
             await h.advance(1)
             lease.release()
-        await h.advance(59.9)
-        assert h.state(a) == "ready"
-        await h.advance(0.2)
-        ev = await sleep_record(h, a)
-        assert (ev.reason, ev.idle_for_s) == ("idle", 60.0)  # not a moment early or late
+        await sleeps_for_idle_after(h, a, 60)
 
     box(tmp_path, t)
 
@@ -133,14 +140,10 @@ def test_requests_leave_one_idle_timer_armed_not_one_per_request(tmp_path: Path)
             return schedule(delay, callback)
 
         h.clock.call_later = counted  # type: ignore[method-assign]
-        for _ in range(1000):  # the gateway's hot path: a lease taken and given back
-            lease = h.controller.try_acquire(a)
-            assert lease is not None
-            lease.release()
+        for _ in range(1000):
+            lease_once(h, a)
         assert scheduled == []  # the idle timer armed when it became ready still stands
-        await h.advance(60.1)
-        ev = await sleep_record(h, a)
-        assert (ev.reason, ev.idle_for_s) == ("idle", 60.0)
+        await sleeps_for_idle_after(h, a, 60)
 
     box(tmp_path, t)
 
@@ -155,11 +158,7 @@ def test_a_default_timeout_shortened_during_a_request_counts_from_its_end(
         await h.advance(50)
         await h.controller.change_settings({"ondemand_idle_timeout_s": 60}, "admin:test")
         await h.advance(50)  # the request ended: 60 s from now, not the timer armed for 300
-        await h.advance(59.9)
-        assert h.state(a) == "ready"
-        await h.advance(0.2)
-        ev = await sleep_record(h, a)
-        assert (ev.reason, ev.idle_timeout_s, ev.idle_for_s) == ("idle", 60, 60.0)
+        await sleeps_for_idle_after(h, a, 60)
 
     box(tmp_path, t)
 
@@ -182,12 +181,8 @@ def test_an_idle_check_lost_to_a_full_mailbox_is_armed_again_by_the_next_request
         await h.advance(61)
         assert h.state(a) == "ready"  # its check was lost
         actor.tell = tell  # type: ignore[method-assign]
-        lease = h.controller.try_acquire(a)
-        assert lease is not None
-        lease.release()
-        await h.advance(60.1)
-        ev = await sleep_record(h, a)
-        assert (ev.reason, ev.idle_for_s) == ("idle", 60.0)
+        lease_once(h, a)
+        await sleeps_for_idle_after(h, a, 60)
 
     box(tmp_path, t)
 

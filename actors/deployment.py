@@ -293,7 +293,7 @@ class DeploymentActor(Actor):
         self._work: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._idle_timer: TimerHandle | None = None
-        self._idle_due = 0.0  # when the idle timer fires (its clock's time)
+        self._idle_due = 0.0  # when the idle timer is due (its clock's time)
         self._retry_timer: TimerHandle | None = None
         self._removed = False
         self._orphans: set[asyncio.Task[None]] = set()
@@ -952,12 +952,11 @@ class DeploymentActor(Actor):
                 self._idle_timer.cancel()
                 self._idle_timer = None
             return
-        now = self.clock.now()
         at = self.activity.last_used + dep.effective_idle_timeout_s(self._hooks.default_idle_s())
-        # `now < _idle_due`: not fired yet (one that fired may have had its check dropped).
-        if lazily and self._idle_timer is not None and now < self._idle_due <= at:
+        # Not one that fired: its check may have been dropped (a full mailbox).
+        if lazily and self.pending(self._idle_timer) and self._idle_due <= at:
             return
-        self._schedule_idle_check(max(0.0, at - now))
+        self._schedule_idle_check(max(0.0, at - self.clock.now()))
 
     def _schedule_idle_check(self, delay: float) -> None:
         if self._idle_timer is not None:
@@ -967,7 +966,7 @@ class DeploymentActor(Actor):
 
     async def _idle_check(self) -> bool:
         # A check can come from a timer replaced after it fired: the one armed since stays.
-        armed = self._idle_timer is not None and self.clock.now() < self._idle_due
+        armed = self.pending(self._idle_timer)
         if not armed:
             self._idle_timer = None
         dep = self.state

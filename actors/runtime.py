@@ -303,6 +303,12 @@ class Actor:
         self._timers.add(timer)
         return timer
 
+    def pending(self, timer: TimerHandle | None) -> bool:
+        """Whether `timer` (from `schedule`) has neither fired nor been cancelled: known
+        from the timer itself, not from the clock (a loop may fire a timer a moment before
+        its time: uvloop's have millisecond resolution)."""
+        return timer is not None and timer in self._timers
+
     # --- serving -------------------------------------------------------------------------
 
     async def _run(self) -> None:

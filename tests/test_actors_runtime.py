@@ -278,6 +278,22 @@ def test_virtual_timers_fire_in_order_only_when_the_clock_is_advanced(loop: str)
     LOOPS[loop](scenario())
 
 
+def test_a_timer_is_pending_until_it_fires_or_is_cancelled() -> None:
+    async def scenario() -> None:
+        clock = VirtualClock()
+        actor = Counter(clock)
+        actor.start()
+        fires, cancelled = actor.schedule(10, Tick("a")), actor.schedule(10, Tick("b"))
+        assert actor.pending(fires) and actor.pending(cancelled) and not actor.pending(None)
+        cancelled.cancel()
+        assert actor.pending(fires) and not actor.pending(cancelled)
+        await clock.advance(10)
+        assert not actor.pending(fires)  # fired, whatever the clock says
+        await actor.stop()
+
+    run(scenario())
+
+
 def test_stop_cancels_the_actors_timers() -> None:
     async def scenario() -> None:
         clock = VirtualClock()

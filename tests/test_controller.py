@@ -148,6 +148,25 @@ def test_requests_leave_one_idle_timer_armed_not_one_per_request(tmp_path: Path)
     box(tmp_path, t)
 
 
+def test_an_idle_timer_that_fires_a_moment_early_still_puts_the_model_to_sleep(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10, idle_timeout_s=60)
+        await settle_ready(h, a)
+        schedule = h.clock.call_later
+
+        def early(delay: float, callback: Callable[[], None]) -> Any:
+            # As uvloop's timers can (millisecond resolution): never more than half early.
+            return schedule(delay - min(1e-3, delay / 2), callback)
+
+        h.clock.call_later = early  # type: ignore[method-assign]
+        lease_once(h, a)
+        await sleeps_for_idle_after(h, a, 60)
+
+    box(tmp_path, t)
+
+
 def test_a_default_timeout_shortened_during_a_request_counts_from_its_end(
     tmp_path: Path,
 ) -> None:

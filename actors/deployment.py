@@ -724,9 +724,7 @@ class DeploymentActor(Actor):
         self._attempt += 1
         attempt = self._attempt
         self._broker.mark_releasing(self.deployment_id)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._cancel_idle_timer()
         await self._cancel_tasks()
         handle, self._handle = self._handle, None
         self._work = asyncio.get_running_loop().create_task(
@@ -948,19 +946,26 @@ class DeploymentActor(Actor):
         of a lease's cost), and leaves no cancelled timer behind."""
         dep = self.state
         if not dep.on_demand or dep.role == "decision":
-            if self._idle_timer is not None:
-                self._idle_timer.cancel()
-                self._idle_timer = None
+            self._cancel_idle_timer()
             return
-        at = self.activity.last_used + dep.effective_idle_timeout_s(self._hooks.default_idle_s())
+        at = self._idle_at()
         # Not one that fired: its check may have been dropped (a full mailbox).
         if lazily and self.pending(self._idle_timer) and self._idle_due <= at:
             return
         self._schedule_idle_check(max(0.0, at - self.clock.now()))
 
-    def _schedule_idle_check(self, delay: float) -> None:
+    def _idle_at(self) -> float:
+        """When the idle timeout runs out: last use + the deployment's effective timeout."""
+        timeout = self.state.effective_idle_timeout_s(self._hooks.default_idle_s())
+        return self.activity.last_used + timeout
+
+    def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _schedule_idle_check(self, delay: float) -> None:
+        self._cancel_idle_timer()
         self._idle_timer = self.schedule(delay, IdleCheck())
         self._idle_due = self.clock.now() + delay
 
@@ -989,9 +994,7 @@ class DeploymentActor(Actor):
             self._arm_idle_timer()
 
     def _arm_idle_timer_periodic(self) -> None:
-        dep = self.state
-        timeout = dep.effective_idle_timeout_s(self._hooks.default_idle_s())
-        due = self.activity.last_used + timeout - self.clock.now()
+        due = self._idle_at() - self.clock.now()
         self._schedule_idle_check(due if due > 0 else IDLE_CHECK_EVERY_S)
 
     def _idle_for(self, reason: m.SleepReason) -> tuple[bool, str]:
@@ -1055,9 +1058,7 @@ class DeploymentActor(Actor):
                 m.ModeChanged(mode="always_on", idle_timeout_s=idle, make_room_after_s=room),
             )
             self._broker.set_always_on(self.deployment_id, True)
-            if self._idle_timer is not None:
-                self._idle_timer.cancel()
-                self._idle_timer = None
+            self._cancel_idle_timer()
             self._changed()
             return {"applied": True}
         if dep.lifecycle is Lifecycle.STARTING:
@@ -1157,9 +1158,7 @@ class DeploymentActor(Actor):
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._cancel_idle_timer()
         self._attempt += 1
         await self._cancel_tasks()
         handle, self._handle = self._handle, None

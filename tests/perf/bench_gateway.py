@@ -861,10 +861,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds (medians over them)")
     parser.add_argument("--h11", action="store_true", help="also the gateway without fast path")
-    parser.add_argument(
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument(
         "--pin", action="store_true", help="proxies on the last CPU, the rest on the others"
     )
-    parser.add_argument(
+    placement.add_argument(
         "--one-cpu",
         action="store_true",
         help="everything on the last CPU: no hop wakes another CPU (see `pin`)",

@@ -58,7 +58,7 @@ from gateway.errors import (
     ResponseStateError,
 )
 from gateway.protocol import Headers, RequestHead, ServerSession, Signal, header_value
-from gateway.transport import ByteStream
+from gateway.transport import ByteStream, Outbox
 
 log = structlog.get_logger("gateway.server")
 
@@ -363,6 +363,7 @@ class _Connection:
             if self.broken:
                 self.transport.abort()
             else:
+                self.server.outbox.flush()  # our last writes go before the FIN
                 self.transport.close()
 
     async def _read(self, timeout: float) -> bytes | None:
@@ -760,7 +761,7 @@ class _Connection:
         try:
             if transport.is_closing():
                 raise ConnectionResetError("transport is closing")
-            transport.write(data)
+            self.server.outbox.write(transport, data)
         except (OSError, RuntimeError) as exc:
             self._write_failed()
             raise ClientDisconnected(f"write to client failed: {exc!r}") from exc
@@ -816,6 +817,7 @@ class _Connection:
         """Half-close, then read and drop for a moment so the client sees our reply, not RST."""
         if self.transport.is_closing() or not self.transport.can_write_eof():
             return
+        self.server.outbox.flush()  # the reply goes before the FIN
         try:
             self.transport.write_eof()
         except OSError:
@@ -861,6 +863,7 @@ class HTTPServer:
         self.write_failures = 0
         self.error_replies: dict[int, int] = {}
         self.write_high_water = 64 * 1024
+        self.outbox = Outbox()  # the writes to clients of one round go out together
         self._connections: dict[asyncio.Task[None], _Connection] = {}
         self._connections_total = 0
         self._connections_refused = 0

@@ -27,7 +27,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.messages import Headers, ResponseHead, Signal
-from gateway.transport import ByteStream
+from gateway.transport import ByteStream, Outbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +114,7 @@ class _Connection:
         "last_used",
         "loop",
         "on_expired",
+        "outbox",
         "session",
         "stream",
         "transport",
@@ -121,11 +122,16 @@ class _Connection:
     )
 
     def __init__(
-        self, stream: ByteStream, transport: asyncio.Transport, config: UpstreamConfig
+        self,
+        stream: ByteStream,
+        transport: asyncio.Transport,
+        config: UpstreamConfig,
+        outbox: Outbox,
     ) -> None:
         self.stream = stream
         self.transport = transport
         self.config = config
+        self.outbox = outbox  # the pool's: writes of one round go out together
         self.loop = asyncio.get_running_loop()
         self.session = ClientSession(max_header_bytes=config.max_header_bytes)
         self.last_used = 0.0
@@ -154,7 +160,7 @@ class _Connection:
         try:
             if self.transport.is_closing():
                 raise ConnectionResetError("connection is closing")
-            self.transport.write(data)
+            self.outbox.write(self.transport, data)
         except (OSError, RuntimeError) as exc:
             self.session.send_failed()
             raise UpstreamClosed(
@@ -206,6 +212,11 @@ class _Connection:
     def abort(self) -> None:
         """Drop the connection at once (RST): the engine sees the client gone."""
         self.transport.abort()
+
+    def close(self) -> None:
+        """End the connection cleanly (FIN) once the engine has what we wrote."""
+        self.outbox.flush()
+        self.transport.close()
 
 
 Engine = _EnginePool  # what the express lane holds of a pool (`UpstreamPool.send_now`)
@@ -302,6 +313,7 @@ class UpstreamPool:
         self.config = config or UpstreamConfig()
         self._engines: dict[tuple[str, int], _EnginePool] = {}
         self._closed = False
+        self.outbox = Outbox()
         c = self.config
         self._sweeper = Sweeper(
             sweep_interval(c.read_timeout_s, c.write_timeout_s, c.idle_expiry_s),
@@ -326,7 +338,7 @@ class UpstreamPool:
         for engine in self._engines.values():
             idle = engine.idle
             while idle and now - idle[0].last_used >= expiry:
-                idle.popleft().transport.close()
+                idle.popleft().close()
                 engine.discarded += 1
 
     async def request(
@@ -535,7 +547,7 @@ class UpstreamPool:
         except OSError as exc:
             reason = exc.strerror or repr(exc)
             raise UpstreamConnectError(f"cannot connect to {host}:{port}: {reason}") from exc
-        return _Connection(stream, transport, self.config)
+        return _Connection(stream, transport, self.config, self.outbox)
 
     def _release(self, engine: _EnginePool, conn: _Connection | None, *, reuse: bool) -> None:
         engine.active -= 1
@@ -556,7 +568,7 @@ class UpstreamPool:
             engine.idle.append(conn)
             return
         if reuse and conn.session.reusable:
-            conn.transport.close()  # a clean end: FIN, not RST
+            conn.close()  # a clean end: FIN, not RST
         else:
             conn.abort()
         engine.discarded += 1

@@ -57,6 +57,11 @@ def make_handler(probe: Probe):  # type: ignore[no-untyped-def]
                 raise
         elif target == b"/raise":
             raise RuntimeError("boom")
+        elif target == b"/pieces":  # three writes in one round of the loop (no wait)
+            await responder.start(200, [])
+            for piece in (b"first ", b"second ", b"third"):
+                await responder.send(piece)
+            await responder.end()
         elif target == b"/noend":
             await responder.start(200, [])
             await responder.send(b"partial")
@@ -352,6 +357,40 @@ def test_expect_100_continue_gets_the_go_ahead() -> None:
             assert final.startswith(b"HTTP/1.1 200 ")
             assert await reader.readexactly(4) == b"data"
             writer.transport.abort()
+
+    run(main())
+
+
+def test_writes_that_wait_for_the_end_of_the_round_go_out_before_the_close() -> None:
+    # The first write of the loop's round goes out at once, the others wait for its end
+    # (`Outbox`); the connection closes within the same round, and must send them first.
+    async def main() -> None:
+        async with serving() as (server, _):
+            got = await raw_exchange(
+                server.port, b"GET /pieces HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+            )
+            assert status_of(got) == 200
+            assert got.endswith(b"6\r\nfirst \r\n7\r\nsecond \r\n5\r\nthird\r\n0\r\n\r\n"), got
+
+    run(main())
+
+
+def test_an_error_reply_waiting_for_the_end_of_the_round_goes_out_before_the_half_close() -> None:
+    # Two requests arrive in the same round: the first one's answer is the round's first
+    # write, so the second one's 400 waits (`Outbox`) while its connection half-closes.
+    async def main() -> None:
+        async with serving() as (server, _):
+            good = await asyncio.open_connection("127.0.0.1", server.port)
+            bad = await asyncio.open_connection("127.0.0.1", server.port)
+            await poll(lambda: server.statistics().connections_total == 2)
+            good[1].write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi")
+            bad[1].write(b"NOT HTTP AT ALL\r\n\r\n")
+            try:
+                assert (await good[0].readuntil(b"hi")).startswith(b"HTTP/1.1 200")
+                assert status_of(await bad[0].read()) == 400  # all of it, up to the FIN
+            finally:
+                good[1].transport.abort()
+                bad[1].transport.abort()
 
     run(main())
 

@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
-from gateway.transport import ByteStream
+from gateway.transport import ByteStream, Outbox
 from tests.gateway_support import run
 
 
@@ -163,5 +164,120 @@ def test_drain_waits_while_writing_is_paused() -> None:
         await asyncio.wait_for(waiting, 1)
         with pytest.raises(ConnectionResetError):
             await stream.drain()
+
+    run(main())
+
+
+class Recorder:
+    """A transport that records its writes (the few methods `Outbox` uses)."""
+
+    def __init__(self, log: list[tuple[str, bytes]], name: str) -> None:
+        self.log, self.name = log, name
+        self.buffered = 0  # what `get_write_buffer_size` says
+        self.closing = False
+        self.fail = False
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        if self.fail:
+            raise RuntimeError("write failed")
+        self.log.append((self.name, data))
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def abort(self) -> None:
+        self.aborted = self.closing = True
+
+
+def recorders(*names: str) -> tuple[list[tuple[str, bytes]], list[Any]]:
+    log: list[tuple[str, bytes]] = []
+    return log, [Recorder(log, name) for name in names]
+
+
+def test_the_first_write_of_a_round_goes_out_at_once_and_the_others_at_its_end() -> None:
+    async def main() -> None:
+        outbox = Outbox()
+        log, (a, b) = recorders("a", "b")
+        outbox.write(a, b"1")
+        assert log == [("a", b"1")]  # at once: a lone write is not delayed
+        outbox.write(b, b"2")
+        outbox.write(a, b"3")
+        assert log == [("a", b"1")]
+        await asyncio.sleep(0)  # the round ends
+        assert log == [("a", b"1"), ("b", b"2"), ("a", b"3")]
+        outbox.write(b, b"4")  # a new round: at once again
+        assert log[-1] == ("b", b"4")
+
+    run(main())
+
+
+def test_a_large_write_or_a_busy_transport_goes_out_at_once_after_what_waits() -> None:
+    async def main() -> None:
+        outbox = Outbox(max_write=8)
+        log, (a, b) = recorders("a", "b")
+        outbox.write(a, b"first")
+        outbox.write(b, b"small")
+        outbox.write(b, b"larger than 8")  # after b's small one: the order per transport
+        assert log == [("a", b"first"), ("b", b"small"), ("b", b"larger than 8")]
+        outbox.write(a, b"wait")
+        a.buffered = 1  # the transport holds bytes: ours go behind them, now
+        outbox.write(a, b"now")
+        assert log[-2:] == [("a", b"wait"), ("a", b"now")]
+
+    run(main())
+
+
+def test_what_waits_is_bounded() -> None:
+    async def main() -> None:
+        outbox = Outbox(max_write=4, max_bytes=10)
+        log, (a,) = recorders("a")
+        outbox.write(a, b"go")
+        for _ in range(5):
+            outbox.write(a, b"abcd")
+        # 8 bytes wait; the third 4 would make 12: everything goes, the rest waits again
+        assert log == [("a", b"go"), ("a", b"abcd"), ("a", b"abcd"), ("a", b"abcd")]
+        await asyncio.sleep(0)
+        assert len(log) == 6
+
+    run(main())
+
+
+def test_a_transport_closed_meanwhile_drops_its_bytes_and_one_that_fails_is_aborted() -> None:
+    async def main() -> None:
+        outbox = Outbox()
+        log, (a, b, c) = recorders("a", "b", "c")
+        outbox.write(a, b"1")
+        outbox.write(b, b"2")
+        outbox.write(c, b"3")
+        b.closing = True  # the peer reset it
+        c.fail = True
+        outbox.flush()
+        assert log == [("a", b"1")]
+        assert c.aborted and not b.aborted
+        outbox.flush()  # nothing waits any more
+        assert log == [("a", b"1")]
+
+    run(main())
+
+
+def test_bytes_that_waited_reach_the_peer_before_the_fin_when_flushed_first() -> None:
+    async def main() -> None:
+        async with pair() as (stream, peer):
+            outbox = Outbox()
+            other = Recorder([], "other")
+            outbox.write(other, b"the round's first write")
+            assert stream.transport is not None
+            outbox.write(stream.transport, b"waited")
+            outbox.flush()  # what `_Connection.close` and the server's close do
+            stream.transport.close()
+            loop = asyncio.get_running_loop()
+            got = b""
+            while chunk := await loop.sock_recv(peer, 100):
+                got += chunk
+            assert got == b"waited"
 
     run(main())

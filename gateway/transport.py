@@ -254,7 +254,8 @@ class Outbox:
     def _end_round(self) -> None:
         """The round is over: what waits goes out, and the next write starts a round."""
         self._scheduled = False
-        self.flush()
+        if self._pending:  # a round with one write (concurrency 1) has nothing waiting
+            self.flush()
 
     def flush(self) -> None:
         """Write what waits, in order."""

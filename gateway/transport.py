@@ -11,6 +11,10 @@ The gateway's express lane (`gateway.express`) relays in callbacks instead of a 
 `on_data` is set, received bytes go to it first (it returns False to leave them to `read`),
 `hold` keeps bytes for a later `read` without waking it, and `on_drained` hears that the
 transport's write buffer went below its low-water mark.
+
+`Outbox` carries both ends' writes: the first of a round of the event loop at once, the
+others back to back at the round's end, so that the peers the gateway writes to are woken
+once per round rather than once per write.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class Outbox:
     interprocessor interrupt).  Under load the gateway is the slowest process of its chain:
     a client or an engine handles each answer or request before the next one comes and
     sleeps again, so the gateway paid a wake-up on nearly every write (perf at concurrency
-    64: `_raw_spin_unlock_irqrestore` 13 % of its samples, 7.5 % of the bare relay's).
+    64: `_raw_spin_unlock_irqrestore` 13-14 % of its samples, 6.5-7.5 % of the bare relay's).
     Written back to back at the end of the round, the first wakes the peer and the others
     find it awake.  The first write of a round is not held: at concurrency 1 a round has
     one write, and holding it cost a tenth of the requests per second (measured, with

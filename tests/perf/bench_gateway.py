@@ -1,7 +1,7 @@
 """Gateway benchmark: direct vs a bare relay vs nginx vs the gateway, on the same upstreams.
 
     python -m tests.perf.bench_gateway [--quick] [--rounds N] [--h11] [--baseline DIR] [--pin]
-                                       [--one-cpu] [--floor]
+                                       [--one-cpu] [--poll-idle] [--floor]
 
 Starts (all on loopback, all ended at exit): a static upstream (nginx answering every request
 with a fixed small JSON body, in its own process: so that concurrency 64 measures the proxy,
@@ -19,7 +19,8 @@ take turns target by target.  `--pin` puts every proxy on the last CPU and every
 on the others ("on one core"; it also makes each hop cross CPUs, which adds latency to
 every target); `--one-cpu` puts everything on one CPU (no hop wakes another: what the
 proxies cost without the virtual machine's slow wake-ups, see `pin`); by default the
-scheduler places them, as the issue measured.  CPU is each
+scheduler places them, as the issue measured.  `--poll-idle` keeps idle CPUs polling instead
+of halting for the run (see `poll_idle`; root only), with any placement.  CPU is each
 proxy process's on-CPU time (user and system, ns,
 from schedstat) over the requests or events it relayed.  Every figure is the median over the
 rounds.  `--h11` adds the gateway with its fast path off (`[server] gateway_fast_path =
@@ -49,6 +50,7 @@ import resource
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -450,6 +452,28 @@ def pin(rig: Rig, *, together: bool = False) -> str:
     if together:
         return f"everything on CPU {cpus[-1]}"
     return f"proxies pinned to CPU {cpus[-1]}, load generator and upstreams to {sorted(others)}"
+
+
+@contextlib.contextmanager
+def poll_idle() -> Iterator[str]:
+    """Idle CPUs poll instead of halting while this holds (`--poll-idle`).
+
+    The kernel's PM QoS interface: while a process holds /dev/cpu_dma_latency open with 0
+    written to it, the cpuidle governor takes no idle state with an exit latency, which
+    leaves only polling.  A virtual machine's halted vCPU is woken through the hypervisor
+    (an interprocessor interrupt, a VM exit); a polling one sees its work at once.  Which
+    part of a figure is the proxies' and which the machine's idle policy: the same run with
+    and without.  It costs the machine its idle CPUs while it holds (they spin), so only a
+    benchmark does it, never DGXMM.  Says what it did."""
+    try:
+        device = open("/dev/cpu_dma_latency", "wb", buffering=0)  # noqa: SIM115 - `with` below
+    except OSError as exc:
+        raise SystemExit(f"--poll-idle: cannot open /dev/cpu_dma_latency: {exc}") from exc
+    with device:
+        device.write(struct.pack("i", 0))
+        driver = Path("/sys/devices/system/cpu/cpuidle/current_driver")
+        name = driver.read_text().strip() if driver.exists() else "unknown"
+        yield f"idle CPUs polling (PM QoS 0, cpuidle driver {name})"
 
 
 def rss_bytes(pid: int) -> int:
@@ -870,6 +894,11 @@ def main() -> None:
         action="store_true",
         help="everything on the last CPU: no hop wakes another CPU (see `pin`)",
     )
+    parser.add_argument(
+        "--poll-idle",
+        action="store_true",
+        help="idle CPUs poll instead of halting during the run (root; see `poll_idle`)",
+    )
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
@@ -902,13 +931,17 @@ def main() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     print(f"load average at the start: {os.getloadavg()}", file=sys.stderr, flush=True)
-    with processes(
-        args.stream_tokens, args.token_delay, args.baseline, args.h11, args.floor
-    ) as rig:
+    with contextlib.ExitStack() as stack:
+        idle = stack.enter_context(poll_idle()) if args.poll_idle else ""
+        rig = stack.enter_context(
+            processes(args.stream_tokens, args.token_delay, args.baseline, args.h11, args.floor)
+        )
         if args.pin or args.one_cpu:
             placement = pin(rig, together=args.one_cpu)
         else:
             placement = "placed by the scheduler"
+        if idle:
+            placement += f"; {idle}"
         uvloop.run(measure(rig, args.quick, args.stream_tokens, args.rounds, placement))
 
 

@@ -235,25 +235,25 @@ class Outbox:
 
     def write(self, transport: asyncio.Transport, data: bytes) -> None:
         """`transport.write(data)` now or at the end of the round; raises as it does."""
+        if not self._scheduled:  # the round's first write (nothing waits): at once
+            transport.write(data)
+            self._scheduled = True
+            loop = self._loop
+            if loop is None:  # get_running_loop() makes a system call (getpid) each time
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self._end_round)
+            return
         size = len(data)
         if (
-            not self._scheduled
-            or size > self.max_write
-            or self._size + size > self.max_bytes
-            or transport.get_write_buffer_size()
+            size <= self.max_write
+            and self._size + size <= self.max_bytes
+            and not transport.get_write_buffer_size()
         ):
-            if self._pending:
-                self.flush()
-            transport.write(data)
-            if not self._scheduled:
-                self._scheduled = True
-                loop = self._loop
-                if loop is None:  # get_running_loop() makes a system call (getpid) each time
-                    loop = self._loop = asyncio.get_running_loop()
-                loop.call_soon(self._end_round)
+            self._pending.append((transport, data))
+            self._size += size
             return
-        self._pending.append((transport, data))
-        self._size += size
+        self.flush()  # what waits goes first: the order per transport holds
+        transport.write(data)
 
     def _end_round(self) -> None:
         """The round is over: what waits goes out, and the next write starts a round."""

@@ -154,7 +154,7 @@ async def exchanges(head: str, n: int, profile: bool) -> None:
     assert rig.client_out.out[-1].startswith(b"HTTP/1.1 200"), rig.client_out.out[-1][:80]
     sides: list[tuple[float, float]] = []
     for _ in range(BATCHES):
-        await asyncio.sleep(0)  # the flushes each exchange scheduled find nothing left
+        await asyncio.sleep(0)  # the round ends (`Outbox`): the batch starts a new one
         rig.client_out.out.clear()
         rig.engine_out.out.clear()
         request_s = answer_s = 0.0

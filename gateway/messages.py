@@ -150,12 +150,13 @@ class LengthMemo(Generic[H]):
     instead.  The head must have had exactly one Content-Length, a plain one.
     """
 
-    __slots__ = ("after", "before", "head", "index")
+    __slots__ = ("after", "before", "head", "index", "stop")
 
     def __init__(self, head: H, before: bytes, after: bytes, index: int) -> None:
         self.head = head
         self.before = before  # from the start of the head up to the digits
         self.after = after  # from the digits to the end of the head (its CRLF CRLF)
+        self.stop = after[:1]  # what ends the digits: SP, HTAB or CR, never a digit
         self.index = index  # of Content-Length in the head's headers
 
     @classmethod
@@ -178,10 +179,16 @@ class LengthMemo(Generic[H]):
         before = self.before
         if not buf.startswith(before, start):
             return None
-        digits = CONTENT_LENGTH.match(buf, start + len(before))
-        if digits is None or not buf.startswith(self.after, digits.end()):
+        # What `CONTENT_LENGTH.match` takes, without the regex (this runs twice a request):
+        # 1 to 19 digits, up to the first byte of `after`, which is not a digit.
+        at = start + len(before)
+        stop = buf.find(self.stop, at, at + CONTENT_LENGTH_DIGITS + 1)
+        if stop < 0:
             return None
-        return digits.group()
+        digits = buf[at:stop]  # b"" when there are none: not `isdigit`
+        if not digits.isdigit() or not buf.startswith(self.after, stop):
+            return None
+        return digits
 
     def headers_with(self, digits: bytes) -> Headers:
         """A copy of the memo's headers with `digits` as the Content-Length value."""

@@ -588,6 +588,30 @@ def test_an_answer_head_that_differs_only_in_its_length_is_taken_from_the_memo(
     assert (b"content-length", b"12") in got[1][0].headers  # type: ignore[index]
 
 
+@pytest.mark.parametrize(
+    ("value", "taken"),
+    [
+        (b"0", True),
+        (b"9" * 19, True),  # the most a plain length has (`CONTENT_LENGTH_DIGITS`)
+        (b"9" * 20, False),
+        (b"", False),
+        (b"+3", False),
+        (b"3 ", False),  # then the memo's CR does not follow the digits
+        (b"\xd9\xa3", False),  # bytes that are a digit elsewhere (Arabic-Indic three)
+    ],
+)
+def test_the_memo_takes_what_a_plain_length_is(value: bytes, taken: bool) -> None:
+    raw = _ANSWER % (2, b"")
+    c = sent()
+    c.receive(raw)
+    head = c.next_event()
+    assert isinstance(head, ResponseHead)
+    memo = LengthMemo.of(head, raw, 0, len(raw))
+    assert memo is not None
+    again_raw = b"xx" + raw.replace(b"Length: 2", b"Length: " + value)
+    assert memo.digits(again_raw, 2) == (value if taken else None)
+
+
 def test_an_answer_to_head_is_never_taken_from_the_memo() -> None:
     c = sent()
     assert answered(c, _ANSWER % (2, b"{}"))[1:] == (b"{}", Signal.BODY_END)  # type: ignore[index]

@@ -86,6 +86,7 @@ class ClientSession:
         "_state",
         "_trailer_bytes",
         "eof",
+        "known",
         "received_any",
     )
 
@@ -103,6 +104,9 @@ class ClientSession:
         self.eof = False
         self._memo: LengthMemo[ResponseHead] | None = None  # the last answer's head (`_head`)
         self._memo_misses = 0  # answer heads in a row that were not the memo's
+        # The memo of the answer head `next_event` returned last, when it has one (it came
+        # from the memo, or the memo was made of it): its `derived` is the caller's to use.
+        self.known: LengthMemo[ResponseHead] | None = None
 
     # --- the request -------------------------------------------------------------------
 
@@ -278,6 +282,7 @@ class ClientSession:
             # An engine's answers on one connection differ mostly in their Content-Length
             # (and Date, once a second): a head that is the last one's but for its length is
             # taken from a memo (see `LengthMemo`).  Not for HEAD, whose answer has no body.
+            self.known = None
             memo = self._memo
             if memo is not None and not self._head_only:
                 digits = memo.digits(buf, pos)
@@ -341,7 +346,9 @@ class ClientSession:
             self._state = _S_LENGTH if length else _S_END
             if keep_alive and not unusual_length and self._memo_misses < MEMO_MISSES:
                 # Framed by one plain Content-Length: what `_known_head` can make again.
-                self._memo = LengthMemo.of(head, buf, pos, end) or self._memo
+                known = LengthMemo.of(head, buf, pos, end)
+                if known is not None:
+                    self._memo = self.known = known
         else:
             self._state = _State.UNTIL_CLOSE
             self._keep_alive = False
@@ -351,6 +358,7 @@ class ClientSession:
         """The memo's head with `digits` as its length, as `_final_head` would parse it: one
         plain Content-Length frames the body; the connection stays keep-alive."""
         self._memo_misses = 0
+        self.known = memo
         self._pos = end
         length = int(digits)
         self._remaining = length

@@ -278,9 +278,25 @@ class Exchange:
         if on_first_byte is not None:
             on_first_byte(self._view.deployment_id, time.monotonic() - self._arrived)
         conn = self._conn
+        upstream = self._upstream
+        assert upstream is not None  # the head came from it
+        # An answer head alike to one relayed before but for its length (the engine
+        # connection's memo took it): its bytes for the client are the ones made then, with
+        # its length (see `ServerSession.template_of`).
+        memo = upstream.session.known
+        if memo is not None:
+            digits = headers[memo.index][1]
+            template = memo.derived
+            if template is not None:
+                data = conn.known_answer_head(template, digits, self.request_id)
+                if data is not None:
+                    self._chunks_through = False
+                    return data
         data = conn.answer_head(
             head.status, headers, head.reason, True, self.request_id, not_forwarded(headers)
         )
+        if memo is not None and memo.derived is None:
+            memo.derived = conn.answer_template(data, digits, self.request_id)
         self._chunks_through = conn.session.chunked_body
         return data
 

@@ -150,7 +150,7 @@ class LengthMemo(Generic[H]):
     instead.  The head must have had exactly one Content-Length, a plain one.
     """
 
-    __slots__ = ("after", "before", "head", "index", "stop")
+    __slots__ = ("after", "before", "derived", "head", "index", "stop")
 
     def __init__(self, head: H, before: bytes, after: bytes, index: int) -> None:
         self.head = head
@@ -158,6 +158,9 @@ class LengthMemo(Generic[H]):
         self.after = after  # from the digits to the end of the head (its CRLF CRLF)
         self.stop = after[:1]  # what ends the digits: SP, HTAB or CR, never a digit
         self.index = index  # of Content-Length in the head's headers
+        # What a user of the memo made of its head, to make it again for a head alike (the
+        # express lane: the answer head it relayed, `ServerSession.template_of`).
+        self.derived: tuple[bytes, bytes] | None = None
 
     @classmethod
     def of(cls, head: H, buf: bytes, start: int, end: int) -> LengthMemo[H] | None:

@@ -67,6 +67,7 @@ _CLIENT_DONE = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)  # type: ignore[attr-define
 _Item = tuple[bytes, bytes, bytes]  # raw name, lower-case name, value
 # Response header names whose values decide the framing or the connection's end.
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"host"})
+_LENGTH_LINE_START = b"\r\ncontent-length: "  # as `response_head` renders it
 
 
 class _Out(enum.Enum):
@@ -107,6 +108,7 @@ class ServerSession:
         "_out",
         "_own_body",
         "_pending_head",
+        "_plain",
         "_remaining",
         "_version",
         "body_bytes",
@@ -128,6 +130,7 @@ class ServerSession:
         self.cycle_bytes = 0
         self._out = _IDLE
         self._remaining = 0
+        self._plain = False  # the last response head took the plain way (`template_of`)
         # What the request said about the response (None: no valid request line was seen).
         self._method: bytes | None = None
         self._version: bytes | None = None
@@ -437,6 +440,7 @@ class ServerSession:
         """
         if self._out is not _IDLE:
             raise self._error(f"cannot start a response in state {self._out.value}")
+        self._plain = False
         if not 200 <= status < 1000:
             raise ResponseStateError(f"response status {status} out of range")
         if not checked:
@@ -463,7 +467,11 @@ class ServerSession:
             self._out, self._remaining = _LENGTH, 0
         elif length is not None:
             self._out = _LENGTH
-            self._remaining = 0 if self._method == b"HEAD" else int(length)
+            if self._method == b"HEAD":
+                self._remaining = 0
+            else:
+                self._remaining = int(length)
+                self._plain = True  # what `known_head` makes again
         else:
             lines.append(b"Transfer-Encoding: chunked\r\n")
             if self._method == b"HEAD":
@@ -472,6 +480,46 @@ class ServerSession:
                 self._out = _CHUNKED
         lines.append(b"\r\n")
         return b"".join(lines)
+
+    # A head that `response_head` made the plain way (one plain Content-Length, a keep-alive
+    # HTTP/1.1 request, neither HEAD nor CONNECT), split around the digits of its length and
+    # without what the caller put last (`tail`, whole header lines) and the final CRLF: it can
+    # be made again with other digits and another tail by joining bytes.  The express lane
+    # keeps one with each memo of an engine's answer head (`LengthMemo.derived`), so that an
+    # answer alike but for its length is relayed without building its head again.
+
+    def template_of(self, head: bytes, digits: bytes, tail: bytes) -> tuple[bytes, bytes] | None:
+        """(before the digits, after them up to `tail`) of `head`, which `response_head` just
+        made with `digits` as its Content-Length and `tail` as its last header lines; None
+        when it did not make it the plain way (then it cannot be made again by joining)."""
+        if not self._plain or not head.endswith(b"%s\r\n" % tail):
+            return None
+        # Values hold no CR or LF, and the plain way renders one Content-Length: this line
+        # is the only place where these bytes can be.
+        at = head.find(b"%s%s\r\n" % (_LENGTH_LINE_START, digits))
+        if at < 0:
+            return None  # a name not lower-case: no template
+        start = at + len(_LENGTH_LINE_START)
+        return head[:start], head[start + len(digits) : len(head) - len(tail) - 2]
+
+    def known_head(self, template: tuple[bytes, bytes], digits: bytes, tail: bytes) -> bytes | None:
+        """The head `template` stands for (see `template_of`) with `digits` (a plain length)
+        as its Content-Length and `tail` last, framed as `response_head` would; None when
+        this response would not take the plain way (then `response_head`)."""
+        method = self._method
+        if (
+            self._out is not _IDLE
+            or not self._keep_alive
+            or self._version is None
+            or method == b"HEAD"
+            or method == b"CONNECT"
+        ):
+            return None
+        self._out = _LENGTH
+        self._remaining = int(digits)
+        self._plain = True
+        before, after = template
+        return b"".join((before, digits, after, tail, b"\r\n"))
 
     def _framed(self, status: int, headers: Headers, lines: list[bytes]) -> bytes:
         """The general case: h11's `_clean_up_response_headers_for_sending`, to the byte."""

@@ -739,6 +739,31 @@ class _Connection:
             headers.append((server.request_id_header, b"%d" % request_id))
         return self.session.response_head(status, headers, reason, checked)
 
+    def known_answer_head(
+        self, template: tuple[bytes, bytes], digits: bytes, request_id: int
+    ) -> bytes | None:
+        """What `answer_head` makes of a head alike to the one `template` was made of (see
+        `answer_template`) but for its Content-Length `digits`; None when this answer is not
+        made the plain way (then `answer_head`)."""
+        if self.server.closing:  # Connection: close goes in
+            return None
+        return self.session.known_head(template, digits, self._answer_tail(request_id))
+
+    def answer_template(
+        self, head: bytes, digits: bytes, request_id: int
+    ) -> tuple[bytes, bytes] | None:
+        """The template of `head`, which `answer_head` just made with `digits` as its length
+        and the request id (see `ServerSession.template_of`), or None."""
+        if self.server.closing:
+            return None
+        return self.session.template_of(head, digits, self._answer_tail(request_id))
+
+    def _answer_tail(self, request_id: int) -> bytes:
+        """The header line `answer_head` puts last: the request id (when the server names
+        requests)."""
+        name = self.server.request_id_header
+        return b"" if name is None else b"%s: %d\r\n" % (name, request_id)
+
     def complete_answer(
         self, status: int, headers: Headers, body: bytes, request_id: int | None
     ) -> bytes:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.errors import (
     BodyTooLarge,
@@ -221,3 +223,107 @@ def test_hop_by_hop_headers_and_those_named_by_connection_are_stripped() -> None
         (b"content-type", b"application/json"),
         (b"x-request-id", b"7"),
     ]
+
+
+# --- answer heads made again from a template (the express lane's relayed heads) ----------------
+
+_CYCLES = [  # a request, as the server session read it (the template's use depends on it)
+    b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 0\r\n\r\n",
+    b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n",
+    b"HEAD /x HTTP/1.1\r\nhost: a\r\n\r\n",
+    b"GET /x HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n",
+    b"GET /x HTTP/1.0\r\nhost: a\r\n\r\n",
+    b"GET /x HTTP/1.0\r\nhost: a\r\nconnection: keep-alive\r\n\r\n",
+]
+_OTHERS = [  # headers of the engine's answer besides its length
+    [],
+    [(b"content-type", b"application/json"), (b"server", b"uvicorn")],
+    [(b"date", b"Tue, 01 Dec 2026 18:00:00 GMT"), (b"x-a", b"content-length: 3")],
+    [(b"connection", b"keep-alive")],  # h11's way, not the plain one
+    [(b"host", b"e")],
+    [(b"transfer-encoding", b"chunked")],
+]
+
+
+def at_response(request: bytes) -> ServerSession:
+    """A server session that read `request` and may answer it."""
+    s = session()
+    s.receive(request)
+    events(s)
+    return s
+
+
+def made(s: ServerSession, status: int, headers: list[tuple[bytes, bytes]]) -> object:
+    """The response head `s` makes, and what it then makes of a body as long as it says;
+    or the error's name."""
+    try:
+        head = s.response_head(status, headers, b"OK", True)
+        length = next((int(v) for n, v in headers if n == b"content-length"), 2)
+        return head, s.body(b"x" * length), s.end(), s.reusable
+    except ResponseStateError as exc:
+        return type(exc).__name__
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    first=st.sampled_from(_CYCLES),
+    then=st.sampled_from(_CYCLES),
+    others=st.sampled_from(_OTHERS),
+    where=st.integers(0, 2),
+    name=st.sampled_from([b"content-length", b"content-length", b"Content-Length"]),
+    status=st.sampled_from([200, 200, 404, 204]),
+    lengths=st.tuples(*[st.sampled_from([b"0", b"2", b"12", b"007"])] * 2),
+    ids=st.tuples(*[st.sampled_from([None, 7, 1234])] * 2),
+)
+def test_a_template_makes_again_what_response_head_makes(
+    first: bytes,
+    then: bytes,
+    others: list[tuple[bytes, bytes]],
+    where: int,
+    name: bytes,
+    status: int,
+    lengths: tuple[bytes, bytes],
+    ids: tuple[int | None, int | None],
+) -> None:
+    """A head made by joining a template of an answer alike (another length, another request
+    id last) is the one `response_head` makes, and frames the body the same way; when it
+    cannot be made so, the session is left as it was."""
+
+    def answer(digits: bytes, request_id: int | None) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        headers = [*others[:where], (name, digits), *others[where:]]
+        if request_id is None:
+            return headers, b""
+        return [*headers, (b"x-id", b"%d" % request_id)], b"x-id: %d\r\n" % request_id
+
+    s = at_response(first)
+    headers, tail = answer(lengths[0], ids[0])
+    try:
+        head = s.response_head(status, headers, b"OK", True)
+    except ResponseStateError:
+        return
+    template = s.template_of(head, lengths[0], tail)
+    if template is None:
+        return
+    # Only the plain way makes templates.
+    assert first in _CYCLES[:2] and status != 204 and name == b"content-length"
+    assert not {n for n, _ in others} & {b"connection", b"host", b"transfer-encoding"}
+    headers, tail = answer(lengths[1], ids[1])
+    s = at_response(then)
+    again = s.known_head(template, lengths[1], tail)
+    expected = made(at_response(then), status, headers)
+    if again is None:
+        assert then not in _CYCLES[:2]
+        assert made(s, status, headers) == expected  # left as it was: the usual way
+        return
+    length = int(lengths[1])
+    assert (again, s.body(b"x" * length), s.end(), s.reusable) == expected
+
+
+def test_the_plain_way_makes_a_template() -> None:
+    s = at_response(_CYCLES[0])
+    headers = [(b"server", b"uvicorn"), (b"content-length", b"12"), (b"x-id", b"1")]
+    head = s.response_head(200, headers, b"OK", True)
+    assert s.template_of(head, b"12", b"x-id: 1\r\n") == (
+        b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-length: ",
+        b"\r\n",
+    )

@@ -70,6 +70,19 @@ _S_END = _State.END
 _S_DONE = _State.DONE
 
 
+def forward_prefix(
+    method: bytes, target: bytes, host: bytes, headers: Headers, drop: frozenset[bytes]
+) -> bytes:
+    """The head `ClientSession.forward` sends, up to the value of its Content-Length: the
+    request line, our Host, the client's headers minus those named in `drop`."""
+    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+    for name, value in headers:
+        if name not in drop:
+            parts += (name, b": ", value, b"\r\n")
+    parts.append(b"content-length: ")
+    return b"".join(parts)
+
+
 class ClientSession:
     """One engine connection's HTTP/1.1 state as a client: a request, then its answer."""
 
@@ -158,14 +171,17 @@ class ClientSession:
         if not checked:
             length = (b"content-length", b"%d" % len(body))
             _validate_request(method, target, [(b"host", host), *headers, length], body)
+        return self.forward_known(forward_prefix(method, target, host, headers, drop), method, body)
+
+    def forward_known(self, prefix: bytes, method: bytes, body: bytes) -> bytes:
+        """What `forward` sends for a request whose head `forward_prefix` made `prefix` of
+        (the express lane keeps it with the memo of the client's head, for the next request
+        alike but for its body)."""
+        if self._sent or self._state is not _S_HEAD or not self._keep_alive:
+            raise UpstreamProtocolError("cannot send request: the connection is not idle")
         self._head_only = method == b"HEAD"
         self._sent = True
-        parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
-        for name, value in headers:
-            if name not in drop:
-                parts += (name, b": ", value, b"\r\n")
-        parts += (b"content-length: ", b"%d" % len(body), b"\r\n\r\n", body)
-        return b"".join(parts)
+        return b"".join((prefix, b"%d" % len(body), b"\r\n\r\n", body))
 
     def send_failed(self) -> None:
         """The request bytes never reached the engine: never reuse this connection."""

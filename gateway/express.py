@@ -143,7 +143,10 @@ class Exchange:
         handle = lease.handle
         headers = self.head.headers
         drop = not_forwarded(headers, NOT_FORWARDED)
-        self._request = request = Outgoing(self.head.method, self._target, headers, drop, body)
+        memo = self._conn.session.known  # of this head: `_parse_head` took it last
+        self._request = request = Outgoing(
+            self.head.method, self._target, headers, drop, body, memo
+        )
         sent = pool.send_now(handle.host, handle.port, request)
         if sent is not None:
             self._hook(*sent)

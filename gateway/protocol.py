@@ -113,6 +113,7 @@ class ServerSession:
         "_version",
         "body_bytes",
         "cycle_bytes",
+        "known",
     )
 
     def __init__(
@@ -125,6 +126,9 @@ class ServerSession:
         self._pending_head = fast_path  # bytes wait in `_buf` for `_fast_head`
         self._memo: LengthMemo[FastHead] | None = None  # the last head with a length
         self._memo_misses = 0  # heads in a row that were not the memo's
+        # The memo of the head the fast path took last, when it has one (it came from the
+        # memo, or the memo was made of it): its `derived` is the caller's to use.
+        self.known: LengthMemo[FastHead] | None = None
         self._max_body = max_body_bytes
         self.body_bytes = 0
         self.cycle_bytes = 0
@@ -220,13 +224,17 @@ class ServerSession:
             head = parse_known_head(memo, buf, end + 4, self._max_head)
             if head is not None:
                 self._memo_misses = 0
+                self.known = memo
                 return head
             self._memo_misses += 1
             if self._memo_misses >= MEMO_MISSES:
                 self._memo = memo = None  # kept no longer: not compared either
+        self.known = None
         head = parse_head(buf, end + 4, self._max_head)
         if head is not None and self._memo_misses < MEMO_MISSES:
-            self._memo = remember(buf, head) or memo
+            known = remember(buf, head)
+            if known is not None:
+                self._memo = self.known = known
         return head
 
     def express_head(self, data: bytes) -> RequestHead | None:

@@ -15,10 +15,10 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gateway.deadlines import Sweeper, sweep_interval
-from gateway.engine_protocol import ClientSession
+from gateway.engine_protocol import ClientSession, forward_prefix
 from gateway.errors import (
     UpstreamClosed,
     UpstreamConnectError,
@@ -26,7 +26,7 @@ from gateway.errors import (
     UpstreamPoolExhausted,
     UpstreamTimeout,
 )
-from gateway.messages import Headers, ResponseHead, Signal
+from gateway.messages import Headers, LengthMemo, ResponseHead, Signal
 from gateway.transport import ByteStream, Outbox
 
 
@@ -66,6 +66,9 @@ class Outgoing(NamedTuple):
     headers: Headers
     drop: frozenset[bytes]
     body: bytes
+    # The memo of the client's head when it has one: what was sent for a request alike (but
+    # for its body) is kept with it, `derived` as (Host, `forward_prefix`).
+    memo: LengthMemo[Any] | None = None
 
 
 class _EnginePool:
@@ -478,8 +481,15 @@ class UpstreamPool:
 
     def _send(self, engine: _EnginePool, conn: _Connection, request: Outgoing) -> bool:
         """Write a request of the express lane; the read deadline starts now."""
-        method, target, headers, drop, body = request
-        data = conn.session.forward(method, target, engine.host_header, headers, drop, body)
+        method, target, headers, drop, body, memo = request
+        host = engine.host_header
+        if memo is None:
+            data = conn.session.forward(method, target, host, headers, drop, body)
+        else:
+            derived = memo.derived
+            if derived is None or derived[0] != host:
+                derived = memo.derived = (host, forward_prefix(method, target, host, headers, drop))
+            data = conn.session.forward_known(derived[1], method, body)
         try:
             conn.write(data)
         except UpstreamClosed:

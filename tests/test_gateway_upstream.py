@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from gateway.engine_protocol import ClientSession
 from gateway.errors import (
     UpstreamClosed,
     UpstreamConnectError,
@@ -16,7 +17,9 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from gateway.upstream import UpstreamConfig, UpstreamPool
+from gateway.messages import NOT_FORWARDED, not_forwarded
+from gateway.protocol import RequestHead, ServerSession, Signal
+from gateway.upstream import Outgoing, UpstreamConfig, UpstreamPool
 from tests.gateway_support import poll, run
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
@@ -314,3 +317,42 @@ def test_chunked_answer_body_arrives_whole() -> None:
             await pool.close()
 
     run(main())
+
+
+def test_a_request_alike_to_one_before_goes_out_as_forward_makes_it() -> None:
+    """The express lane's requests carry the memo of the client's head, which keeps what was
+    sent for a request alike: the next one, to this engine or another, is sent as `forward`
+    makes it (its own Host, its own body)."""
+
+    async def body() -> None:
+        client = ServerSession(max_header_bytes=4096, max_body_bytes=4096)
+        async with raw_server(keep_alive_ok) as a, raw_server(keep_alive_ok) as b:
+            pool = UpstreamPool(UpstreamConfig())
+            for raw, payload in [(a, b"{}"), (a, b'{"x":1}'), (b, b"{}")]:
+                client.receive(
+                    b"POST /d/a/v1/x HTTP/1.1\r\nhost: gw\r\nx-k: v\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+                )
+                head = client.next_event()
+                assert isinstance(head, RequestHead)
+                assert client.known is not None  # made of this head, or this head is its
+                assert client.next_event() == payload
+                assert client.next_event() is Signal.BODY_END
+                drop = not_forwarded(head.headers, NOT_FORWARDED)
+                request = Outgoing(head.method, b"/v1/x", head.headers, drop, payload)
+                await pool.open_idle("127.0.0.1", raw.port)
+                count = len(raw.requests)
+                sent = pool.send_now("127.0.0.1", raw.port, request._replace(memo=client.known))
+                assert sent is not None
+                await poll(lambda raw=raw, count=count: len(raw.requests) > count)  # type: ignore[misc]
+                host = b"127.0.0.1:%d" % raw.port
+                fresh = ClientSession(max_header_bytes=4096)
+                forwarded = fresh.forward(head.method, b"/v1/x", host, head.headers, drop, payload)
+                assert raw.requests[-1] == forwarded
+                pool.finish(*sent, reuse=False)
+                client.response_head(200, [(b"content-length", b"0")])
+                client.end()
+                client.start_next_cycle()
+            await pool.close()
+
+    run(body())

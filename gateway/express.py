@@ -257,8 +257,9 @@ class Exchange:
                     break
                 elif event is Signal.BODY_END:
                     out.append(client.end())
-                    if self._write(out):
-                        self._finish(keep=True)
+                    if self._send(b"".join(out)):  # (one piece: joined without a copy)
+                        self._release(reuse=True)
+                        self._end(keep=True)
                     return
                 elif type(event) is ResponseHead:
                     out.append(self._answer_head(event))
@@ -271,7 +272,7 @@ class Exchange:
             log.error("express_answer_failed", target=self.head.target, error=repr(exc))
             self._end(keep=False)
             return
-        self._write(out)
+        self._send(b"".join(out))
 
     def _answer_head(self, head: ResponseHead) -> bytes:
         headers = head.headers
@@ -307,7 +308,7 @@ class Exchange:
 
     def _write(self, out: list[bytes]) -> bool:
         """Write to the client; False when it is gone (the exchange is over then)."""
-        return self._send(out[0] if len(out) == 1 else b"".join(out))
+        return self._send(b"".join(out))  # one piece: joined without a copy
 
     def _send(self, data: bytes) -> bool:
         """Write `data` to the client; False when it is gone (the exchange is over then)."""
@@ -383,10 +384,6 @@ class Exchange:
         session = self._conn.session
         if self._write([*out, session.body(event), session.end()]):
             self._end(keep=True)
-
-    def _finish(self, *, keep: bool) -> None:
-        self._release(reuse=True)
-        self._end(keep=keep)
 
     def _end(self, *, keep: bool) -> None:
         if self._ended:

@@ -166,9 +166,7 @@ class ClientSession:
         named in `drop` (which must name Host and Content-Length when they may be there).
         `checked`: method, target and headers came out of an HTTP parser (not revalidated).
         """
-        if self._sent or self._state is not _S_HEAD or not self._keep_alive:
-            raise UpstreamProtocolError("cannot send request: the connection is not idle")
-        if not checked:
+        if not checked:  # (`forward_known` checks that the connection is idle)
             length = (b"content-length", b"%d" % len(body))
             _validate_request(method, target, [(b"host", host), *headers, length], body)
         return self.forward_known(forward_prefix(method, target, host, headers, drop), method, body)

@@ -257,7 +257,7 @@ class Exchange:
                     break
                 elif event is Signal.BODY_END:
                     out.append(client.end())
-                    if self._send(b"".join(out)):  # (one piece: joined without a copy)
+                    if self._write(out):
                         self._release(reuse=True)
                         self._end(keep=True)
                     return
@@ -272,7 +272,7 @@ class Exchange:
             log.error("express_answer_failed", target=self.head.target, error=repr(exc))
             self._end(keep=False)
             return
-        self._send(b"".join(out))
+        self._write(out)
 
     def _answer_head(self, head: ResponseHead) -> bytes:
         headers = head.headers
@@ -308,7 +308,7 @@ class Exchange:
 
     def _write(self, out: list[bytes]) -> bool:
         """Write to the client; False when it is gone (the exchange is over then)."""
-        return self._send(b"".join(out))  # one piece: joined without a copy
+        return self._send(b"".join(out))  # a lone piece comes back as it is, not copied
 
     def _send(self, data: bytes) -> bool:
         """Write `data` to the client; False when it is gone (the exchange is over then)."""

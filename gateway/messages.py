@@ -158,8 +158,9 @@ class LengthMemo(Generic[H]):
         self.after = after  # from the digits to the end of the head (its CRLF CRLF)
         self.stop = after[:1]  # what ends the digits: SP, HTAB or CR, never a digit
         self.index = index  # of Content-Length in the head's headers
-        # What a user of the memo made of its head, to make it again for a head alike (the
-        # express lane: the answer head it relayed, `ServerSession.template_of`).
+        # What a user of the memo made of its head, to make it again for a head alike.  The
+        # express lane keeps, with a client's head, (engine Host, `forward_prefix`) and, with
+        # an engine's answer head, the client's answer head (`ServerSession.template_of`).
         self.derived: tuple[bytes, bytes] | None = None
 
     @classmethod

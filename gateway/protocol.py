@@ -134,7 +134,7 @@ class ServerSession:
         self.cycle_bytes = 0
         self._out = _IDLE
         self._remaining = 0
-        self._plain = False  # the last response head took the plain way (`template_of`)
+        self._plain = False  # `response_head` made the last head the plain way (`template_of`)
         # What the request said about the response (None: no valid request line was seen).
         self._method: bytes | None = None
         self._version: bytes | None = None
@@ -522,7 +522,6 @@ class ServerSession:
             return None
         self._out = _LENGTH
         self._remaining = int(digits)
-        self._plain = True
         before, after = template
         return b"".join((before, digits, after, tail, b"\r\n"))
 

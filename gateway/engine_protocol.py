@@ -221,6 +221,46 @@ class ClientSession:
             return 0
         return start
 
+    def alike_answer(self, data: bytes) -> tuple[tuple[bytes, bytes], bytes] | None:
+        """When `data`, just read, is exactly one whole answer alike to the memo's but for its
+        Content-Length, and the memo keeps what the caller made of it (`LengthMemo.derived`):
+        that and the digits.  None when not.  Nothing changes either way: `take_alike` takes
+        the answer as read, else `receive` it as usual.
+
+        An engine answers a keep-alive client's requests with heads alike and sends each
+        answer in one write: a relay that made the client's head of one of them makes the
+        next of that, without the events of `next_event` (`gateway.express`).
+        """
+        memo = self._memo
+        if (
+            memo is None
+            or self._state is not _S_HEAD
+            or not self._sent
+            or self._head_only
+            or self._pos < len(self._buf)
+            or self.eof
+        ):
+            return None
+        derived = memo.derived
+        if derived is None:
+            return None
+        digits = memo.digits(data, 0)  # then the head ends where the memo's `after` does
+        if digits is None:
+            return None
+        if len(memo.before) + len(digits) + len(memo.after) + int(digits) != len(data):
+            return None  # a part of the body, or more than the answer
+        return derived, digits
+
+    def take_alike(self) -> None:
+        """The answer `alike_answer` found whole is received and read to its end, as
+        `next_event` would leave it after BODY_END (the head's memo in `known`)."""
+        self._memo_misses = 0
+        self.known = self._memo
+        self.received_any = True
+        self._buf, self._pos = b"", 0
+        self._remaining = 0
+        self._state = _S_DONE
+
     def next_event(self) -> ResponseHead | bytes | Signal:
         """The next thing the engine said (interim 1xx answers are skipped).
 

@@ -507,10 +507,13 @@ class ServerSession:
         start = at + len(_LENGTH_LINE_START)
         return head[:start], head[start + len(digits) : len(head) - len(tail) - 2]
 
-    def known_head(self, template: tuple[bytes, bytes], digits: bytes, tail: bytes) -> bytes | None:
+    def known_head(
+        self, template: tuple[bytes, bytes], digits: bytes, tail: bytes, body: bytes | None = None
+    ) -> bytes | None:
         """The head `template` stands for (see `template_of`) with `digits` (a plain length)
         as its Content-Length and `tail` last, framed as `response_head` would; None when
-        this response would not take the plain way (then `response_head`)."""
+        this response would not take the plain way (then `response_head`).  With `body` (of
+        that length): the whole response, as the head, `body` and `end` would make it."""
         method = self._method
         if (
             self._out is not _IDLE
@@ -520,9 +523,12 @@ class ServerSession:
             or method == b"CONNECT"
         ):
             return None
+        before, after = template
+        if body is not None:
+            self._out = _DONE
+            return b"".join((before, digits, after, tail, b"\r\n", body))
         self._out = _LENGTH
         self._remaining = int(digits)
-        before, after = template
         return b"".join((before, digits, after, tail, b"\r\n"))
 
     def _framed(self, status: int, headers: Headers, lines: list[bytes]) -> bytes:

@@ -740,14 +740,18 @@ class _Connection:
         return self.session.response_head(status, headers, reason, checked)
 
     def known_answer_head(
-        self, template: tuple[bytes, bytes], digits: bytes, request_id: int
+        self,
+        template: tuple[bytes, bytes],
+        digits: bytes,
+        request_id: int,
+        body: bytes | None = None,
     ) -> bytes | None:
         """What `answer_head` makes of a head alike to the one `template` was made of (see
         `answer_template`) but for its Content-Length `digits`; None when this answer is not
-        made the plain way (then `answer_head`)."""
+        made the plain way (then `answer_head`).  With `body`: the whole answer."""
         if self.server.closing:  # Connection: close goes in
             return None
-        return self.session.known_head(template, digits, self._answer_tail(request_id))
+        return self.session.known_head(template, digits, self._answer_tail(request_id), body)
 
     def answer_template(
         self, head: bytes, digits: bytes, request_id: int

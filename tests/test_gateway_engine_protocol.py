@@ -677,37 +677,45 @@ _NO_BODY = (b"", None, 0, b"POST", b"", b"204 No Content", True)
 _TWICE = (b"content-length: 3\r\n", 3, b"POST", b"", b"200 OK", True)  # two equal lengths
 
 
+_ANSWER_LISTS = st.lists(
+    st.tuples(
+        st.sampled_from(_LENGTHS),
+        st.sampled_from([None, None, None, *_TWEAKS]),  # a line the memo does not expect
+        st.integers(0, 3),  # where it goes
+        st.sampled_from([b"POST", b"POST", b"HEAD"]),
+        st.sampled_from([b"", b"", b"HTTP/1.1 100 Continue\r\n\r\n"]),  # an interim answer
+        st.sampled_from([b"200 OK", b"200 OK", b"404 Not Found", b"204 No Content"]),
+        st.booleans(),  # the body as long as a plain length says, else "abc"
+    ),
+    min_size=1,
+    max_size=6,
+)
+_Answer = tuple[bytes, bytes | None, int, bytes, bytes, bytes, bool]
+
+
+def raw_answer(answer: _Answer) -> bytes:
+    """The bytes of one of `_ANSWER_LISTS`' answers."""
+    value, tweak, where, method, interim, status, fits = answer
+    lines = [b"HTTP/1.1 " + status, b"Server: uvicorn", b"Content-Length: " + value, b"a: b"]
+    if tweak is not None:
+        lines.insert(1 + where, tweak[:-2])
+    body = b"x" * int(value) if fits and value.isdigit() else b"abc"
+    return interim + b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if method == b"HEAD" else body)
+
+
 @settings(max_examples=800, deadline=None)
 @example(answers=[(b"0", *_NO_BODY[1:]), (b"3", *_NO_BODY[1:])])
 @example(answers=[(b"3", *_TWICE), (b"12", *_TWICE)])
-@given(
-    answers=st.lists(
-        st.tuples(
-            st.sampled_from(_LENGTHS),
-            st.sampled_from([None, None, None, *_TWEAKS]),  # a line the memo does not expect
-            st.integers(0, 3),  # where it goes
-            st.sampled_from([b"POST", b"POST", b"HEAD"]),
-            st.sampled_from([b"", b"", b"HTTP/1.1 100 Continue\r\n\r\n"]),  # an interim answer
-            st.sampled_from([b"200 OK", b"200 OK", b"404 Not Found", b"204 No Content"]),
-            st.booleans(),  # the body as long as a plain length says, else "abc"
-        ),
-        min_size=1,
-        max_size=6,
-    ),
-)
+@given(answers=_ANSWER_LISTS)
 def test_answers_that_differ_in_their_length_read_as_on_a_new_connection(
-    answers: list[tuple[bytes, bytes | None, int, bytes, bytes, bytes, bool]],
+    answers: list[_Answer],
 ) -> None:
     """One connection's answers alike but for the Content-Length value (what the memo takes),
     now and then with another status or header line: each reads as it would on a connection
     that never saw another answer (the same head, body, reusability, or the same error)."""
     c: ClientSession | None = None
-    for value, tweak, where, method, interim, status, fits in answers:
-        lines = [b"HTTP/1.1 " + status, b"Server: uvicorn", b"Content-Length: " + value, b"a: b"]
-        if tweak is not None:
-            lines.insert(1 + where, tweak[:-2])
-        body = b"x" * int(value) if fits and value.isdigit() else b"abc"
-        raw = interim + b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if method == b"HEAD" else body)
+    for answer in answers:
+        method, raw = answer[3], raw_answer(answer)
         if c is None:
             c = sent(method)
         else:
@@ -717,3 +725,65 @@ def test_answers_that_differ_in_their_length_read_as_on_a_new_connection(
         assert (c.reusable, c.clean) == (fresh.reusable, fresh.clean)
         if not (c.reusable and c.clean):
             return
+
+
+_MADE = (b"client head up to the digits", b"after them")  # what a relay keeps with a memo
+
+
+@settings(max_examples=800, deadline=None)
+@example(answers=[(b"3", *_TWICE), (b"12", *_TWICE)], split=5, extra=b"x")
+@given(answers=_ANSWER_LISTS, split=st.integers(1, 200), extra=st.sampled_from([b"", b"H", b"x"]))
+def test_a_whole_answer_alike_is_taken_as_the_parser_reads_it(
+    answers: list[_Answer], split: int, extra: bytes
+) -> None:
+    """`alike_answer` takes exactly one whole answer alike to the memo's (a relay made
+    something of): never a part of one, nor one with bytes after it, and what it takes reads
+    as the parser reads it (the same length and body; the connection as reusable and as
+    clean, with the memo in `known`)."""
+    c: ClientSession | None = None
+    for answer in answers:
+        method, raw = answer[3], raw_answer(answer)
+        if c is None:
+            c = sent(method)
+        else:
+            again(c, method)
+        assert c.alike_answer(raw[:split]) is None or split >= len(raw)
+        assert c.alike_answer(raw + extra) is None or not extra
+        fresh = sent(method)
+        expected = answered(fresh, raw)
+        alike = c.alike_answer(raw)
+        if alike is None:
+            assert answered(c, raw) == expected
+        else:
+            assert not isinstance(expected, str) and expected[0] is not None
+            made, digits = alike
+            assert made is _MADE
+            length = dict(expected[0].headers)[b"content-length"]  # one, as the memo's
+            assert (digits, raw[len(raw) - int(digits) :]) == (length, expected[1])
+            assert expected[2] is Signal.BODY_END
+            memo = c._memo
+            c.take_alike()
+            assert c.known is memo
+        assert (c.reusable, c.clean) == (fresh.reusable, fresh.clean)
+        if not (c.reusable and c.clean):
+            return
+        if c.known is not None:
+            c.known.derived = _MADE
+
+
+def test_a_whole_answer_is_taken_only_after_a_relay_made_something_of_its_memo() -> None:
+    c = sent()
+    first = _ANSWER % (2, b"{}")
+    assert c.alike_answer(first) is None  # no memo yet
+    assert answered(c, first)[1:] == (b"{}", Signal.BODY_END)  # type: ignore[index]
+    again(c)
+    second = _ANSWER % (3, b"abc")
+    assert c.alike_answer(second) is None  # a memo, but nothing made of it
+    assert c.known is not None
+    c.known.derived = _MADE
+    assert c.alike_answer(second) == (_MADE, b"3")
+    assert c.alike_answer(second) == (_MADE, b"3")  # nothing changed
+    c.take_alike()
+    assert c.reusable and c.clean
+    again(c, b"HEAD")
+    assert c.alike_answer(_ANSWER % (3, b"")) is None  # an answer to HEAD has no body

@@ -317,6 +317,10 @@ def test_a_template_makes_again_what_response_head_makes(
         return
     length = int(lengths[1])
     assert (again, s.body(b"x" * length), s.end(), s.reusable) == expected
+    # With the body: the whole answer, in one piece, and the session where `end` leaves it.
+    s = at_response(then)
+    whole = s.known_head(template, lengths[1], tail, b"x" * length)
+    assert (whole, s.reusable) == (b"".join(expected[:3]), expected[3])  # type: ignore[index]
 
 
 def test_the_plain_way_makes_a_template() -> None:

@@ -22,7 +22,7 @@ from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
 from gateway import health, queued
 from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
 from gateway.errors import UpstreamError
-from gateway.express import Exchange
+from gateway.express import Exchange, Forwarding
 from gateway.messages import (
     NOT_FORWARDED,
     Headers,
@@ -175,7 +175,24 @@ class Gateway:
 
     def express(self, conn: Connection, head: RequestHead, request_id: int) -> Exchange | None:
         """The express lane's routing (`gateway.express`): an exchange for an inference
-        request to a deployment that exists and is not a probe; None leaves it to `handle`."""
+        request to a deployment that exists and is not a probe; None leaves it to `handle`.
+        A head alike to the connection's last but for its length (its memo, `known`, took it)
+        is routed as that one was."""
+        memo = conn.session.known
+        forwarding: Forwarding | None = None if memo is None else memo.derived
+        if forwarding is None:
+            forwarding = self._forwarding(head)
+            if forwarding is None:
+                return None
+            if memo is not None:
+                memo.derived = forwarding
+        view = self.controller.view(forwarding.deployment_id)
+        if view is None:
+            return None
+        return Exchange(self, conn, head, request_id, view, forwarding)
+
+    def _forwarding(self, head: RequestHead) -> Forwarding | None:
+        """The route of an inference request that is not a probe, for the express lane."""
         target = head.target
         parts = self._targets.get(target)
         if parts is None:
@@ -186,13 +203,11 @@ class Gateway:
                 self._targets.clear()
             self._targets[target] = parts
         deployment_id, upstream_target, path = parts
-        view = self.controller.view(deployment_id)
-        if view is None:
-            return None
         route = classify_route(head.method, path, head.headers)
         if route.kind is not RouteKind.INFERENCE or route.health_check:
             return None
-        return Exchange(self, conn, head, request_id, view, route.endpoint, upstream_target)
+        drop = not_forwarded(head.headers, NOT_FORWARDED)
+        return Forwarding(deployment_id, upstream_target, route.endpoint, drop)
 
     async def handle(self, request: Request, responder: Responder) -> None:
         """Answer one request (the `HTTPServer` handler)."""

@@ -69,6 +69,10 @@ _S_CHUNK_END = _State.CHUNK_END
 _S_END = _State.END
 _S_DONE = _State.DONE
 
+# The memo of an engine's answer head; a relay keeps with it what it made of the head for its
+# own client, as (before the length's digits, after them): see `ServerSession.template_of`.
+AnswerMemo = LengthMemo[ResponseHead, tuple[bytes, bytes]]
+
 
 def forward_prefix(
     method: bytes, target: bytes, host: bytes, headers: Headers, drop: frozenset[bytes]
@@ -115,11 +119,11 @@ class ClientSession:
         self._head_only = False  # the request was HEAD: the answer has no body
         self.received_any = False
         self.eof = False
-        self._memo: LengthMemo[ResponseHead] | None = None  # the last answer's head (`_head`)
+        self._memo: AnswerMemo | None = None  # the last answer's head (`_head`)
         self._memo_misses = 0  # answer heads in a row that were not the memo's
         # The memo of the answer head `next_event` returned last, when it has one (it came
         # from the memo, or the memo was made of it): its `derived` is the caller's to use.
-        self.known: LengthMemo[ResponseHead] | None = None
+        self.known: AnswerMemo | None = None
 
     # --- the request -------------------------------------------------------------------
 
@@ -400,7 +404,7 @@ class ClientSession:
             self._state = _S_LENGTH if length else _S_END
             if keep_alive and not unusual_length and self._memo_misses < MEMO_MISSES:
                 # Framed by one plain Content-Length: what `_known_head` can make again.
-                known = LengthMemo.of(head, buf, pos, end)
+                known: AnswerMemo | None = LengthMemo.of(head, buf, pos, end)
                 if known is not None:
                     self._memo = self.known = known
         else:
@@ -408,7 +412,7 @@ class ClientSession:
             self._keep_alive = False
         return head
 
-    def _known_head(self, memo: LengthMemo[ResponseHead], digits: bytes, end: int) -> ResponseHead:
+    def _known_head(self, memo: AnswerMemo, digits: bytes, end: int) -> ResponseHead:
         """The memo's head with `digits` as its length, as `_final_head` would parse it: one
         plain Content-Length frames the body; the connection stays keep-alive."""
         self._memo_misses = 0

@@ -44,7 +44,6 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.messages import (
-    NOT_FORWARDED,
     Headers,
     RequestHead,
     ResponseHead,
@@ -52,7 +51,7 @@ from gateway.messages import (
     not_forwarded,
     strip_hop_by_hop,
 )
-from gateway.upstream import Outgoing
+from gateway.upstream import Outgoing, SentBefore
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -66,6 +65,25 @@ log = structlog.get_logger("gateway")
 MAX_BODY_BYTES = 64 * 1024
 
 
+class Forwarding(SentBefore):
+    """What the express lane made of a client's request head: its route (the deployment, the
+    target for the engine, the endpoint) and the headers it does not forward; and, once sent,
+    the engine request's head (`SentBefore`).  Kept with the memo of the head
+    (`LengthMemo.derived`, see `ServerSession.known`): a head alike but for its length has the
+    same of all these, so the next request on the connection is routed and sent from it."""
+
+    __slots__ = ("deployment_id", "drop", "endpoint", "target")
+
+    def __init__(
+        self, deployment_id: str, target: bytes, endpoint: Endpoint | None, drop: frozenset[bytes]
+    ) -> None:
+        super().__init__()
+        self.deployment_id = deployment_id
+        self.target = target  # for the engine: the path after /d/<id>
+        self.endpoint = endpoint
+        self.drop = drop  # `not_forwarded` of the head's headers
+
+
 class Exchange:
     """One request on the express lane, from its head to the end of the engine's answer."""
 
@@ -76,8 +94,8 @@ class Exchange:
         "_conn",
         "_connecting",
         "_ended",
-        "_endpoint",
         "_engine",
+        "_forwarding",
         "_fresh",
         "_gateway",
         "_last",
@@ -85,7 +103,6 @@ class Exchange:
         "_paused",
         "_request",
         "_started",
-        "_target",
         "_upstream",
         "_view",
         "head",
@@ -100,8 +117,7 @@ class Exchange:
         head: RequestHead,
         request_id: int,
         view: DeploymentView,
-        endpoint: Endpoint | None,
-        target: bytes,
+        forwarding: Forwarding,
     ) -> None:
         self._gateway = gateway
         self._conn = conn
@@ -109,8 +125,7 @@ class Exchange:
         self.request_id = request_id
         self.reading = True  # the body is arriving (`start` not called yet)
         self._view = view
-        self._endpoint = endpoint
-        self._target = target  # for the engine: the path after /d/<id>
+        self._forwarding = forwarding
         self._arrived = time.monotonic()
         self._request: Outgoing | None = None  # as sent to the engine, once leased
         self._lease: Lease | None = None
@@ -141,11 +156,9 @@ class Exchange:
         self._lease = lease
         gateway.exchanges.add(self)
         handle = lease.handle
-        headers = self.head.headers
-        drop = not_forwarded(headers, NOT_FORWARDED)
-        memo = self._conn.session.known  # of this head: `_parse_head` took it last
+        head, forwarding = self.head, self._forwarding
         self._request = request = Outgoing(
-            self.head.method, self._target, headers, drop, body, memo
+            head.method, forwarding.target, head.headers, forwarding.drop, body, forwarding
         )
         sent = pool.send_now(handle.host, handle.port, request)
         if sent is not None:
@@ -404,7 +417,8 @@ class Exchange:
         gateway.engine_failed(self._view, exc)
         self._release(reuse=False)
         relayed = strip_hop_by_hop(self._answer_headers)  # the headers the client got
-        event = gateway.cut_stream_event(relayed, self._last, self._view, self._endpoint)
+        endpoint = self._forwarding.endpoint
+        event = gateway.cut_stream_event(relayed, self._last, self._view, endpoint)
         if event is None:  # not an event stream: the client sees the answer incomplete
             if self._write(out):
                 self._end(keep=False)

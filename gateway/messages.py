@@ -135,9 +135,10 @@ class _Head(Protocol):
 
 
 H = TypeVar("H", bound=_Head)
+D = TypeVar("D")
 
 
-class LengthMemo(Generic[H]):
+class LengthMemo(Generic[H, D]):
     """A head parsed from a connection, kept to take the next one at a glance when it differs
     only in its Content-Length digits.
 
@@ -159,12 +160,13 @@ class LengthMemo(Generic[H]):
         self.stop = after[:1]  # what ends the digits: SP, HTAB or CR, never a digit
         self.index = index  # of Content-Length in the head's headers
         # What a user of the memo made of its head, to make it again for a head alike.  The
-        # express lane keeps, with a client's head, (engine Host, `forward_prefix`) and, with
-        # an engine's answer head, the client's answer head (`ServerSession.template_of`).
-        self.derived: tuple[bytes, bytes] | None = None
+        # express lane keeps, with a client's head, its route and the engine request's head
+        # (`gateway.express.Forwarding`) and, with an engine's answer head, the client's
+        # answer head (`ServerSession.template_of`).
+        self.derived: D | None = None
 
     @classmethod
-    def of(cls, head: H, buf: bytes, start: int, end: int) -> LengthMemo[H] | None:
+    def of(cls, head: H, buf: bytes, start: int, end: int) -> LengthMemo[H, D] | None:
         """A memo of `head`, parsed from `buf[start:end]`; None without a Content-Length
         line."""
         match = _LENGTH_LINE.search(buf, start, end)

@@ -32,7 +32,6 @@ from gateway.messages import (
     REASON,
     TOKEN,
     Headers,
-    LengthMemo,
     RequestHead,
     ResponseHead,
     Signal,
@@ -43,6 +42,7 @@ from gateway.messages import (
 )
 from gateway.request_head import (
     FastHead,
+    HeadMemo,
     may_complete,
     parse_head,
     parse_known_head,
@@ -124,11 +124,11 @@ class ServerSession:
         # With the fast path, h11 gets a connection only for a cycle the fast path leaves it.
         self._conn: h11.Connection | None = None if fast_path else self._new_h11()
         self._pending_head = fast_path  # bytes wait in `_buf` for `_fast_head`
-        self._memo: LengthMemo[FastHead] | None = None  # the last head with a length
+        self._memo: HeadMemo | None = None  # the last head with a length
         self._memo_misses = 0  # heads in a row that were not the memo's
         # The memo of the head the fast path took last, when it has one (it came from the
         # memo, or the memo was made of it): its `derived` is the caller's to use.
-        self.known: LengthMemo[FastHead] | None = None
+        self.known: HeadMemo | None = None
         self._max_body = max_body_bytes
         self.body_bytes = 0
         self.cycle_bytes = 0

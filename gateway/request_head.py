@@ -15,7 +15,7 @@ Pure functions over bytes; `gateway.protocol.ServerSession` decides when to call
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gateway.messages import (
     CONTENT_LENGTH_DIGITS,
@@ -49,6 +49,11 @@ class FastHead(NamedTuple):
     keep_alive: bool
     expect_continue: bool
     end: int  # where the head ends in the buffer (the body starts)
+
+
+# The memo of a client's request head; what its user keeps with it is the user's (the express
+# lane's: `gateway.express.Forwarding`).
+HeadMemo = LengthMemo[FastHead, Any]
 
 
 def may_complete(buf: bytes, max_head: int) -> bool:
@@ -114,7 +119,7 @@ def parse_head(buf: bytes, end: int, max_head: int) -> FastHead | None:
     return FastHead(method, target, headers, length, not close, expect, end)
 
 
-def remember(buf: bytes, head: FastHead) -> LengthMemo[FastHead] | None:
+def remember(buf: bytes, head: FastHead) -> HeadMemo | None:
     """A memo of `head`, just parsed from `buf`, when it has a Content-Length (see
     `LengthMemo`: a keep-alive client's next request usually has the same request line and
     headers, the same SDK, key and route, and another body)."""
@@ -123,9 +128,7 @@ def remember(buf: bytes, head: FastHead) -> LengthMemo[FastHead] | None:
     return LengthMemo.of(head, buf, 0, head.end)
 
 
-def parse_known_head(
-    memo: LengthMemo[FastHead], buf: bytes, end: int, max_head: int
-) -> FastHead | None:
+def parse_known_head(memo: HeadMemo, buf: bytes, end: int, max_head: int) -> FastHead | None:
     """What `parse_head` makes of the head `buf[:end]` when it is the memo's but for its
     Content-Length digits; None when it is not (then parse it)."""
     length = memo.digits(buf, 0)

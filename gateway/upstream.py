@@ -15,7 +15,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from gateway.deadlines import Sweeper, sweep_interval
 from gateway.engine_protocol import ClientSession, forward_prefix
@@ -26,7 +26,7 @@ from gateway.errors import (
     UpstreamPoolExhausted,
     UpstreamTimeout,
 )
-from gateway.messages import Headers, LengthMemo, ResponseHead, Signal
+from gateway.messages import Headers, ResponseHead, Signal
 from gateway.transport import ByteStream, Outbox
 
 
@@ -56,6 +56,19 @@ class EngineStatistics:
     discarded: int
 
 
+class SentBefore:
+    """The head an engine got for a client's request, up to its Content-Length value (see
+    `forward_prefix`), kept for the client's next requests alike but for their bodies (the
+    express lane keeps it with the memo of the client's head): they go to an engine with the
+    same Host as this head and their own length and body (`ClientSession.forward_known`)."""
+
+    __slots__ = ("host", "prefix")
+
+    def __init__(self) -> None:
+        self.host = b""  # the engine's Host in `prefix`; none yet
+        self.prefix = b""
+
+
 class Outgoing(NamedTuple):
     """A client's request as the express lane sends it (`ClientSession.forward`): method,
     target and headers from the client side's parser (not revalidated), minus the headers
@@ -66,9 +79,9 @@ class Outgoing(NamedTuple):
     headers: Headers
     drop: frozenset[bytes]
     body: bytes
-    # The memo of the client's head when it has one: what was sent for a request alike (but
-    # for its body) is kept with it, `derived` as (Host, `forward_prefix`).
-    memo: LengthMemo[Any] | None = None
+    # What was sent for a request alike but for its body, kept with the client's head's
+    # memo: made now when it was made for another engine Host, or not yet.
+    sent_before: SentBefore | None = None
 
 
 class _EnginePool:
@@ -481,15 +494,15 @@ class UpstreamPool:
 
     def _send(self, engine: _EnginePool, conn: _Connection, request: Outgoing) -> bool:
         """Write a request of the express lane; the read deadline starts now."""
-        method, target, headers, drop, body, memo = request
+        method, target, headers, drop, body, sent_before = request
         host = engine.host_header
-        if memo is None:
+        if sent_before is None:
             data = conn.session.forward(method, target, host, headers, drop, body)
         else:
-            derived = memo.derived
-            if derived is None or derived[0] != host:
-                derived = memo.derived = (host, forward_prefix(method, target, host, headers, drop))
-            data = conn.session.forward_known(derived[1], method, body)
+            if sent_before.host != host:
+                sent_before.prefix = forward_prefix(method, target, host, headers, drop)
+                sent_before.host = host
+            data = conn.session.forward_known(sent_before.prefix, method, body)
         try:
             conn.write(data)
         except UpstreamClosed:
@@ -615,4 +628,11 @@ class UpstreamPool:
         }
 
 
-__all__ = ["Outgoing", "UpstreamConfig", "UpstreamError", "UpstreamPool", "UpstreamResponse"]
+__all__ = [
+    "Outgoing",
+    "SentBefore",
+    "UpstreamConfig",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamResponse",
+]

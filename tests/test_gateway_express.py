@@ -51,6 +51,9 @@ def request(body: bytes = JSON_BODY, target: bytes = CHAT, extra: bytes = b"") -
     )
 
 
+MODELS_GET = b"GET /d/a/v1/models HTTP/1.1\r\nhost: gw\r\n\r\n"
+
+
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -371,6 +374,9 @@ SEQUENCES = {
     "body too large": (["ok"], [request(b"x" * 2048)], 0),
     "body over the lane's bound": (["ok"], [request(b"x" * 1000), request(b"y" * 400)], 1),
     "query string": (["ok"], [request(target=CHAT + b"?a=1"), request()], 2),
+    # A head without a length between two alike: it has no memo, and the route kept with the
+    # last memo is not its route.
+    "a head without a length between": (["ok"], [request(), MODELS_GET, request()], 2),
 }
 
 

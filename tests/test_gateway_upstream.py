@@ -19,7 +19,7 @@ from gateway.errors import (
 )
 from gateway.messages import NOT_FORWARDED, not_forwarded
 from gateway.protocol import RequestHead, ServerSession, Signal
-from gateway.upstream import Outgoing, UpstreamConfig, UpstreamPool
+from gateway.upstream import Outgoing, SentBefore, UpstreamConfig, UpstreamPool
 from tests.gateway_support import poll, run
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
@@ -320,8 +320,8 @@ def test_chunked_answer_body_arrives_whole() -> None:
 
 
 def test_a_request_alike_to_one_before_goes_out_as_forward_makes_it() -> None:
-    """The express lane's requests carry the memo of the client's head, which keeps what was
-    sent for a request alike: the next one, to this engine or another, is sent as `forward`
+    """The express lane's requests carry what was sent for a request alike, kept with the
+    memo of the client's head: the next one, to this engine or another, is sent as `forward`
     makes it (its own Host, its own body)."""
 
     async def body() -> None:
@@ -335,14 +335,17 @@ def test_a_request_alike_to_one_before_goes_out_as_forward_makes_it() -> None:
                 )
                 head = client.next_event()
                 assert isinstance(head, RequestHead)
-                assert client.known is not None  # made of this head, or this head is its
+                memo = client.known
+                assert memo is not None  # made of this head, or this head is its
+                if memo.derived is None:
+                    memo.derived = SentBefore()
                 assert client.next_event() == payload
                 assert client.next_event() is Signal.BODY_END
                 drop = not_forwarded(head.headers, NOT_FORWARDED)
-                request = Outgoing(head.method, b"/v1/x", head.headers, drop, payload)
+                request = Outgoing(head.method, b"/v1/x", head.headers, drop, payload, memo.derived)
                 await pool.open_idle("127.0.0.1", raw.port)
                 count = len(raw.requests)
-                sent = pool.send_now("127.0.0.1", raw.port, request._replace(memo=client.known))
+                sent = pool.send_now("127.0.0.1", raw.port, request)
                 assert sent is not None
                 await poll(lambda raw=raw, count=count: len(raw.requests) > count)  # type: ignore[misc]
                 host = b"127.0.0.1:%d" % raw.port

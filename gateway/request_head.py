@@ -15,7 +15,9 @@ Pure functions over bytes; `gateway.protocol.ServerSession` decides when to call
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any
+
+import msgspec
 
 from gateway.messages import (
     CONTENT_LENGTH_DIGITS,
@@ -39,8 +41,8 @@ _FRAMING = frozenset(
 )
 
 
-class FastHead(NamedTuple):
-    """A request head the fast path accepted."""
+class FastHead(msgspec.Struct, frozen=True, gc=False):
+    """A request head the fast path accepted (a struct: made in C, with no Python call)."""
 
     method: bytes
     target: bytes

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import structlog
@@ -44,7 +45,6 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.messages import (
-    Headers,
     RequestHead,
     ResponseHead,
     Signal,
@@ -132,7 +132,7 @@ class Exchange:
         self._engine: Engine | None = None
         self._upstream: EngineConnection | None = None
         self._started = False  # the answer's head went to the client
-        self._answer_headers: Headers = []  # the engine's
+        self._answer_headers: Sequence[tuple[bytes, bytes]] = ()  # the engine's, once started
         self._last = b""  # the last piece of body relayed
         self._paused = False  # the engine connection waits for the client to read
         self._chunks_through = False  # the engine's chunks go to the client as they are

@@ -581,7 +581,10 @@ class UpstreamPool:
 
     def _release(self, engine: _EnginePool, conn: _Connection | None, *, reuse: bool) -> None:
         engine.active -= 1
-        self._release_slot(engine)
+        if engine.slot_waiters:
+            self._release_slot(engine)
+        else:
+            engine.slots_free += 1  # what `_release_slot` does when nobody waits
         if conn is None:
             return
         engine.busy.discard(conn)

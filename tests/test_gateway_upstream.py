@@ -288,6 +288,34 @@ def test_busy_engine_slots_bound_the_connections() -> None:
     run(main())
 
 
+def test_a_slot_goes_to_the_request_waiting_for_it_and_then_back_to_the_pool() -> None:
+    async def main() -> None:
+        async def gated(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            while True:
+                await raw.read_request(r)
+                await raw.release.wait()
+                w.write(OK)
+
+        async with raw_server(gated) as raw:
+            # Bounded, for a failure only: a slot never given back shows as exhausted.
+            config = UpstreamConfig(max_connections_per_engine=1, connect_timeout_s=2.0)
+            pool = UpstreamPool(config)
+            first = asyncio.create_task(get(pool, raw.port))
+            await poll(lambda: len(raw.requests) == 1)
+            second = asyncio.create_task(get(pool, raw.port))  # waits for the one slot
+            await poll(lambda: bool(pool._engines[("127.0.0.1", raw.port)].slot_waiters))
+            raw.release.set()
+            assert await first == (200, b"ok")
+            assert await second == (200, b"ok")  # the slot was handed on
+            for _ in range(3):  # then given back: nobody waits for it
+                assert await get(pool, raw.port) == (200, b"ok")
+            stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
+            assert (raw.connections, stats.active, stats.idle) == (1, 0, 1)
+            await pool.close()
+
+    run(main())
+
+
 def test_idle_connections_expire() -> None:
     async def main() -> None:
         async with raw_server(keep_alive_ok) as raw:

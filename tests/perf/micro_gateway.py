@@ -1,6 +1,7 @@
 """The gateway's own Python per relayed request and per stream event, without sockets.
 
     python -m tests.perf.micro_gateway [--head wrk|litellm] [--stream] [--n N] [--profile]
+    python -m tests.perf.micro_gateway [--head wrk|litellm] --instructions
 
 The real objects of the express lane (`HTTPServer` connection, `Gateway`, `UpstreamPool`,
 both sessions) on fake transports that only collect what is written: a client request is
@@ -12,6 +13,11 @@ minimum over 20 batches (the least disturbed), split into the request side and t
 side.  `--head litellm` sends the 19 header lines LiteLLM's OpenAI client sends (observed
 behind LiteLLM 1.108.7); `--profile` prints cProfile's view of one more batch (its
 overhead inflates small functions: read it for call counts, not for times).
+
+Times drift with the machine; instructions do not.  `--instructions` runs the exchanges under
+valgrind's callgrind twice, 100 and 2,100 of them after the same warm-up, and prints the
+difference per exchange: the same count (within a few tenths of a percent) however busy the
+machine is, which tells a change of a few percent apart from noise.  It needs valgrind.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ import argparse
 import asyncio
 import cProfile
 import pstats
+import re
+import shutil
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -208,15 +218,57 @@ async def stream_events(n: int, profile: bool) -> None:
         pstats.Stats(p).sort_stats("tottime").print_stats(15)
 
 
+async def untimed(head: str, n: int) -> None:
+    """The warm-up of `exchanges`, then `n` exchanges, untimed (what `--instructions` counts)."""
+    rig = Rig()
+    request = request_bytes(head)
+    for _ in range(1000):
+        rig.exchange(request)
+    await asyncio.sleep(0)
+    for i in range(n):
+        if i % 50 == 0:
+            rig.client_out.out.clear()
+            rig.engine_out.out.clear()
+        rig.exchange(request)
+    assert rig.gateway.relayed_express == 1000 + n, "not on the express lane"
+
+
+def instructions(head: str) -> None:
+    """Instructions per exchange: two runs under callgrind, the difference per exchange."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind (Debian package valgrind)")
+    counts = []
+    for n in (100, 2100):
+        done = subprocess.run(
+            [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+             "-m", "tests.perf.micro_gateway", "--head", head, "--untimed", str(n)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        match = re.search(r"Collected : (\d+)", done.stderr)
+        if match is None:
+            raise SystemExit(f"no count in callgrind's output:\n{done.stderr[-2000:]}")
+        counts.append(int(match.group(1)))
+    per = (counts[1] - counts[0]) / 2000
+    print(f"{head} head: {per:,.0f} instructions per exchange (callgrind, 2,100 less 100)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", choices=sorted(HEADS), default="wrk")
     parser.add_argument("--stream", action="store_true", help="per stream event instead")
     parser.add_argument("--n", type=int, default=200_000, help="exchanges or events")
     parser.add_argument("--profile", action="store_true", help="also cProfile one batch")
+    parser.add_argument("--instructions", action="store_true", help="count them (callgrind)")
+    parser.add_argument("--untimed", type=int, metavar="N", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.instructions:
+        instructions(args.head)
+        return
     # On uvloop, as the gateway runs: its `loop.time()` is C, asyncio's a Python call.
-    if args.stream:
+    if args.untimed is not None:
+        uvloop.run(untimed(args.head, args.untimed))
+    elif args.stream:
         uvloop.run(stream_events(args.n, args.profile))
     else:
         uvloop.run(exchanges(args.head, args.n, args.profile))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import h11
 import pytest
 from hypothesis import example, given, settings
@@ -703,6 +705,18 @@ def raw_answer(answer: _Answer) -> bytes:
     return interim + b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if method == b"HEAD" else body)
 
 
+def one_connection(answers: list[_Answer]) -> Iterator[tuple[ClientSession, bytes, bytes]]:
+    """Each answer's connection (one for all, the request for it just sent), method and bytes."""
+    c: ClientSession | None = None
+    for answer in answers:
+        method = answer[3]
+        if c is None:
+            c = sent(method)
+        else:
+            again(c, method)
+        yield c, method, raw_answer(answer)
+
+
 @settings(max_examples=800, deadline=None)
 @example(answers=[(b"0", *_NO_BODY[1:]), (b"3", *_NO_BODY[1:])])
 @example(answers=[(b"3", *_TWICE), (b"12", *_TWICE)])
@@ -713,13 +727,7 @@ def test_answers_that_differ_in_their_length_read_as_on_a_new_connection(
     """One connection's answers alike but for the Content-Length value (what the memo takes),
     now and then with another status or header line: each reads as it would on a connection
     that never saw another answer (the same head, body, reusability, or the same error)."""
-    c: ClientSession | None = None
-    for answer in answers:
-        method, raw = answer[3], raw_answer(answer)
-        if c is None:
-            c = sent(method)
-        else:
-            again(c, method)
+    for c, method, raw in one_connection(answers):
         fresh = sent(method)
         assert answered(c, raw) == answered(fresh, raw)
         assert (c.reusable, c.clean) == (fresh.reusable, fresh.clean)
@@ -740,13 +748,7 @@ def test_a_whole_answer_alike_is_taken_as_the_parser_reads_it(
     something of): never a part of one, nor one with bytes after it, and what it takes reads
     as the parser reads it (the same length and body; the connection as reusable and as
     clean, with the memo in `known`)."""
-    c: ClientSession | None = None
-    for answer in answers:
-        method, raw = answer[3], raw_answer(answer)
-        if c is None:
-            c = sent(method)
-        else:
-            again(c, method)
+    for c, method, raw in one_connection(answers):
         assert c.alike_answer(raw[:split]) is None or split >= len(raw)
         assert c.alike_answer(raw + extra) is None or not extra
         fresh = sent(method)

@@ -297,8 +297,7 @@ class ClientSession:
     @property
     def reusable(self) -> bool:
         """The request went out, its answer was read to the end, and nobody asked to close."""
-        state = self._state  # as `complete` reads it (a call less: this runs twice a request)
-        return self._sent and self._keep_alive and (state is _S_END or state is _S_DONE)
+        return self._sent and self._keep_alive and self.complete
 
     @property
     def clean(self) -> bool:

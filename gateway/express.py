@@ -51,7 +51,7 @@ from gateway.messages import (
     not_forwarded,
     strip_hop_by_hop,
 )
-from gateway.upstream import Outgoing, SentBefore
+from gateway.upstream import EngineHead, Outgoing
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
@@ -65,23 +65,20 @@ log = structlog.get_logger("gateway")
 MAX_BODY_BYTES = 64 * 1024
 
 
-class Forwarding(SentBefore):
+class Forwarding(EngineHead):
     """What the express lane made of a client's request head: its route (the deployment, the
-    target for the engine, the endpoint) and the headers it does not forward; and, once sent,
-    the engine request's head (`SentBefore`).  Kept with the memo of the head
-    (`LengthMemo.derived`, see `ServerSession.known`): a head alike but for its length has the
-    same of all these, so the next request on the connection is routed and sent from it."""
+    endpoint) and what it becomes for the engine (`EngineHead`).  Kept with the memo of the
+    head (`LengthMemo.derived`, see `ServerSession.known`): a head alike but for its length
+    has the same of both, so the next request on the connection is routed and sent from it."""
 
-    __slots__ = ("deployment_id", "drop", "endpoint", "target")
+    __slots__ = ("deployment_id", "endpoint")
 
     def __init__(
         self, deployment_id: str, target: bytes, endpoint: Endpoint | None, drop: frozenset[bytes]
     ) -> None:
-        super().__init__()
+        super().__init__(target, drop)
         self.deployment_id = deployment_id
-        self.target = target  # for the engine: the path after /d/<id>
         self.endpoint = endpoint
-        self.drop = drop  # `not_forwarded` of the head's headers
 
 
 class Exchange:
@@ -156,10 +153,8 @@ class Exchange:
         self._lease = lease
         gateway.exchanges.add(self)
         handle = lease.handle
-        head, forwarding = self.head, self._forwarding
-        self._request = request = Outgoing(
-            head.method, forwarding.target, head.headers, forwarding.drop, body, forwarding
-        )
+        head = self.head
+        self._request = request = Outgoing(head.method, head.headers, body, self._forwarding)
         sent = pool.send_now(handle.host, handle.port, request)
         if sent is not None:
             self._hook(*sent)
@@ -272,9 +267,7 @@ class Exchange:
                     break
                 elif event is Signal.BODY_END:
                     out.append(client.end())
-                    if self._write(out):
-                        self._release(reuse=True)
-                        self._end(keep=True)
+                    self._completed(b"".join(out))
                     return
                 elif type(event) is ResponseHead:
                     out.append(self._answer_head(event))
@@ -306,22 +299,26 @@ class Exchange:
         if out is None:
             return False
         session.take_alike()
-        self._started = True
-        on_first_byte = self._gateway.on_first_byte
-        if on_first_byte is not None:
-            on_first_byte(self._view.deployment_id, time.monotonic() - self._arrived)
-        if self._send(out):
-            self._release(reuse=True)
-            self._end(keep=True)
+        self._first_byte()
+        self._completed(out)
         return True
 
-    def _answer_head(self, head: ResponseHead) -> bytes:
-        headers = head.headers
-        self._answer_headers = headers  # as the engine sent them (see `_failed`)
+    def _first_byte(self) -> None:
+        """The answer starts: nothing else can go to the client instead (see `_failed`)."""
         self._started = True
         on_first_byte = self._gateway.on_first_byte
         if on_first_byte is not None:
             on_first_byte(self._view.deployment_id, time.monotonic() - self._arrived)
+
+    def _completed(self, data: bytes) -> None:
+        """The last bytes of a whole answer: the exchange ends, its engine connection reused."""
+        if self._send(data):
+            self._release(reuse=True)
+            self._end(keep=True)
+
+    def _answer_head(self, head: ResponseHead) -> bytes:
+        self._answer_headers = headers = head.headers  # as the engine sent them (`_failed`)
+        self._first_byte()
         conn = self._conn
         upstream = self._upstream
         assert upstream is not None  # the head came from it

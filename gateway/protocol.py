@@ -523,13 +523,13 @@ class ServerSession:
             or method == b"CONNECT"
         ):
             return None
+        if body is None:
+            self._out, self._remaining = _LENGTH, int(digits)
+            body = b""
+        else:
+            self._out = _DONE  # as `end` leaves it
         before, after = template
-        if body is not None:
-            self._out = _DONE
-            return b"".join((before, digits, after, tail, b"\r\n", body))
-        self._out = _LENGTH
-        self._remaining = int(digits)
-        return b"".join((before, digits, after, tail, b"\r\n"))
+        return b"".join((before, digits, after, tail, b"\r\n", body))
 
     def _framed(self, status: int, headers: Headers, lines: list[bytes]) -> bytes:
         """The general case: h11's `_clean_up_response_headers_for_sending`, to the byte."""

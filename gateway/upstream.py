@@ -57,34 +57,34 @@ class EngineStatistics:
     discarded: int
 
 
-class SentBefore:
-    """The head an engine got for a client's request, up to its Content-Length value (see
-    `forward_prefix`), kept for the client's next requests alike but for their bodies (the
-    express lane keeps it with the memo of the client's head): they go to an engine with the
-    same Host as this head and their own length and body (`ClientSession.forward_known`)."""
+class EngineHead:
+    """What a client's request head becomes for an engine (`ClientSession.forward`): the
+    engine's target and the client's headers not forwarded; once sent, the head made of them up
+    to its Content-Length value (`forward_prefix`), with the engine Host it was made for.  The
+    express lane keeps one with the memo of the client's head, so that the client's next
+    requests alike but for their bodies go out as that head, their own length and body
+    (`ClientSession.forward_known`)."""
 
-    __slots__ = ("host", "prefix")
+    __slots__ = ("drop", "host", "prefix", "target")
 
-    def __init__(self) -> None:
-        self.host = b""  # the engine's Host in `prefix`; none yet
+    def __init__(self, target: bytes, drop: frozenset[bytes]) -> None:
+        self.target = target  # for the engine: the path after /d/<id>
+        self.drop = drop  # `not_forwarded` of the client's headers
+        self.host = b""  # the engine Host `prefix` was made for; none yet
         self.prefix = b""
 
 
 class Outgoing(msgspec.Struct, frozen=True, gc=False):
-    """A client's request as the express lane sends it (`ClientSession.forward`): method,
-    target and headers from the client side's parser (not revalidated), minus the headers
-    named in `drop`; Host and Content-Length are the pool's.  A struct, as `RequestHead`: a
-    named tuple's making and unmaking cost a request 3 % of its instructions (callgrind, the
-    micro benchmark); nothing it holds refers back to it, so the cycle collector skips it."""
+    """A client's request as the express lane sends it: method and headers from the client
+    side's parser (not revalidated), its body, and what its head becomes for the engine.  A
+    struct, as `RequestHead`: a named tuple's making and unmaking cost a request 3 % of its
+    instructions (callgrind, the micro benchmark); nothing it holds refers back to it, so the
+    cycle collector skips it."""
 
     method: bytes
-    target: bytes
     headers: Headers
-    drop: frozenset[bytes]
     body: bytes
-    # What was sent for a request alike but for its body, kept with the client's head's
-    # memo: made now when it was made for another engine Host, or not yet.
-    sent_before: SentBefore | None = None
+    head: EngineHead
 
 
 class _EnginePool:
@@ -498,18 +498,13 @@ class UpstreamPool:
     def _send(self, engine: _EnginePool, conn: _Connection, request: Outgoing) -> bool:
         """Write a request of the express lane; the read deadline starts now."""
         host = engine.host_header
-        sent_before = request.sent_before
-        if sent_before is None:
-            data = conn.session.forward(
-                request.method, request.target, host, request.headers, request.drop, request.body
+        head = request.head
+        if head.host != host:  # not sent yet, or sent to another engine
+            head.prefix = forward_prefix(
+                request.method, head.target, host, request.headers, head.drop
             )
-        else:
-            if sent_before.host != host:
-                sent_before.prefix = forward_prefix(
-                    request.method, request.target, host, request.headers, request.drop
-                )
-                sent_before.host = host
-            data = conn.session.forward_known(sent_before.prefix, request.method, request.body)
+            head.host = host
+        data = conn.session.forward_known(head.prefix, request.method, request.body)
         try:
             conn.write(data)
         except UpstreamClosed:
@@ -581,10 +576,7 @@ class UpstreamPool:
 
     def _release(self, engine: _EnginePool, conn: _Connection | None, *, reuse: bool) -> None:
         engine.active -= 1
-        if engine.slot_waiters:
-            self._release_slot(engine)
-        else:
-            engine.slots_free += 1  # what `_release_slot` does when nobody waits
+        self._release_slot(engine)
         if conn is None:
             return
         engine.busy.discard(conn)
@@ -639,8 +631,8 @@ class UpstreamPool:
 
 
 __all__ = [
+    "EngineHead",
     "Outgoing",
-    "SentBefore",
     "UpstreamConfig",
     "UpstreamError",
     "UpstreamPool",

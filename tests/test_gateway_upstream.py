@@ -19,7 +19,7 @@ from gateway.errors import (
 )
 from gateway.messages import NOT_FORWARDED, not_forwarded
 from gateway.protocol import RequestHead, ServerSession, Signal
-from gateway.upstream import Outgoing, SentBefore, UpstreamConfig, UpstreamPool
+from gateway.upstream import EngineHead, Outgoing, UpstreamConfig, UpstreamPool
 from tests.gateway_support import poll, run
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
@@ -365,12 +365,12 @@ def test_a_request_alike_to_one_before_goes_out_as_forward_makes_it() -> None:
                 assert isinstance(head, RequestHead)
                 memo = client.known
                 assert memo is not None  # made of this head, or this head is its
+                drop = not_forwarded(head.headers, NOT_FORWARDED)
                 if memo.derived is None:
-                    memo.derived = SentBefore()
+                    memo.derived = EngineHead(b"/v1/x", drop)
                 assert client.next_event() == payload
                 assert client.next_event() is Signal.BODY_END
-                drop = not_forwarded(head.headers, NOT_FORWARDED)
-                request = Outgoing(head.method, b"/v1/x", head.headers, drop, payload, memo.derived)
+                request = Outgoing(head.method, head.headers, payload, memo.derived)
                 await pool.open_idle("127.0.0.1", raw.port)
                 count = len(raw.requests)
                 sent = pool.send_now("127.0.0.1", raw.port, request)

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from actors.controller import DeploymentRecord, DeploymentSpec
@@ -301,7 +300,9 @@ def _install_spy(stack: Stack) -> None:
         ok = original_send(*args, **kwargs)
         if ok:  # else the request did not go out (the lane hands it on or answers 502)
             sent = signature_send.bind(*args, **kwargs).arguments
-            record(sent["engine"].port, msgspec.structs.asdict(sent["request"]))
+            request = sent["request"]
+            what = {"method": request.method, "target": request.head.target, "body": request.body}
+            record(sent["engine"].port, what)
         return ok
 
     # Instance attributes shadow the methods.

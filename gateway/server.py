@@ -618,35 +618,53 @@ class _Connection:
         exchange = self.exchange
         session = self.session
         if exchange is None:
+            whole = session.whole_request(data)
+            if whole is not None:  # the whole request, read at once
+                exchange = self._new_exchange(whole[0], whole[1])
+                if exchange is not None:
+                    self._start_exchange(exchange, whole[1])
+                return True
             head = session.express_head(data)
             if head is None:
                 return False
-            server = self.server
-            rid = next(server.request_ids)
-            server.requests_total += 1
-            server.requests_active += 1
-            self.idle = False
-            self.body_deadline = server.loop_time() + self.config.body_timeout_s
-            assert server.express is not None
-            exchange = server.express(self, head, rid)
+            exchange = self._new_exchange(head, None)
             if exchange is None:
-                self.hand_over(head, rid, None)
                 return True
-            self.exchange = exchange
         elif exchange.reading:
             session.receive(data)
         else:
             self.stream.hold(data)  # the next request (pipelined): after this answer
             return True
         if session.body_buffered:
-            self.deadline = 0.0  # the engine's answer has its own deadlines
-            exchange.reading = False
-            exchange.start(session.take_body())
+            self._start_exchange(exchange, session.take_body())
         elif session.waiting_for_continue:
             self.hand_over(exchange.head, exchange.request_id, None)  # the handler says 100
         else:
             self.deadline = self.body_deadline
         return True
+
+    def _new_exchange(self, head: RequestHead, body: bytes | None) -> Exchange | None:
+        """A request the express lane took the head of (and the `body` of, when read): its
+        exchange, or None when the handler has it."""
+        server = self.server
+        rid = next(server.request_ids)
+        server.requests_total += 1
+        server.requests_active += 1
+        self.idle = False
+        self.body_deadline = server.loop_time() + self.config.body_timeout_s
+        assert server.express is not None
+        exchange = server.express(self, head, rid)
+        if exchange is None:
+            self.hand_over(head, rid, body)
+            return None
+        self.exchange = exchange
+        return exchange
+
+    def _start_exchange(self, exchange: Exchange, body: bytes) -> None:
+        """The whole body is in: the exchange sends the request."""
+        self.deadline = 0.0  # the engine's answer has its own deadlines
+        exchange.reading = False
+        exchange.start(body)
 
     def hand_over(self, head: RequestHead, request_id: int, body: bytes | None) -> None:
         """The express lane leaves this request to the handler (run by our task)."""

@@ -370,6 +370,10 @@ SEQUENCES = {
     "connection: close": (["ok"], [request(extra=b"connection: close\r\n")], 1),
     "not inference": (["ok"], [request(target=b"/d/a/v1/models"), request()], 1),
     "unknown deployment": (["ok"], [request(target=b"/d/zz/v1/chat/completions")], 0),
+    # The second of two alike is read whole at once (`whole_request`): the handler gets its
+    # body with it.
+    "unknown deployment, twice": (["ok"], [request(target=b"/d/zz/v1/chat/completions")] * 2, 0),
+    "not inference, twice": (["ok"], [request(target=b"/d/a/v1/models")] * 2 + [request()], 1),
     "probe": (["ok"], [request(extra=b"x-dgxmm-health-check: 1\r\n"), request()], 1),
     "body too large": (["ok"], [request(b"x" * 2048)], 0),
     "body over the lane's bound": (["ok"], [request(b"x" * 1000), request(b"y" * 400)], 1),

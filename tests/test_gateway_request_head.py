@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import protocol
+from gateway.errors import BodyTooLarge, MalformedRequest
 from gateway.messages import header_value
 from gateway.protocol import RequestHead, ServerSession, Signal
 from gateway.request_head import FastHead, may_complete, parse_head, remember
@@ -354,3 +355,125 @@ def test_heads_that_differ_in_their_length_read_the_same_with_and_without_the_fa
             head.insert(2, tweak[:-2])
         raw += b"\r\n".join(head) + b"\r\n\r\n" + body
     same_outcome(raw, [], False, max_head)
+
+
+# --- a whole request alike to the last, taken in one call (the express lane) -----------------
+
+
+def answered(s: ServerSession) -> None:
+    s.response_head(204, [])
+    s.end()
+    s.start_next_cycle()
+
+
+def test_a_whole_request_alike_to_the_last_is_taken_in_one_call() -> None:
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=1000)
+    assert s.whole_request(_BASE) is None  # no memo yet
+    cycles(s, _BASE)
+    longer = _BASE.replace(b"Length: 2", b"Length: 12").replace(b"{}", b'{"a":"bcde"}')
+    assert s.whole_request(longer[:-1]) is None  # a part of the body
+    assert s.whole_request(longer + b"P") is None  # more than the request
+    assert s.whole_request(_BASE.replace(b"sdk", b"sdk2")) is None  # not alike
+    taken = s.whole_request(longer)
+    assert taken == (head_of(longer)[1], b'{"a":"bcde"}')
+    assert not s.body_buffered  # read to its end
+    assert s.next_event() is Signal.NEED_DATA
+    assert s.cycle_bytes == len(longer) and s.body_bytes == 12
+    answered(s)
+    assert s.whole_request(_BASE) == (head_of(_BASE)[1], b"{}")
+    answered(s)
+    s.receive(b"POST")  # a part of a head, buffered: the next read is not a request's start
+    assert s.whole_request(_BASE) is None
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=1000)
+    cycles(s, _BASE)
+    s.receive(b"")  # the client closed its side
+    assert s.whole_request(_BASE) is None
+    s = ServerSession(max_header_bytes=4096, max_body_bytes=1000)
+    cycles(s, _BASE)
+    carrier = _BASE.replace(b"Length: 2", b"Length: %d" % len(_BASE))[:-2]
+    assert cycles(s, carrier) == [head_of(carrier + _BASE)[1]]  # its body comes next
+    assert s.whole_request(_BASE) is None  # a body, not a request
+
+
+def lane(reads: list[bytes], *, whole: bool, max_head: int, max_body: int) -> list[object]:
+    """What the express lane's calls make of a connection's `reads` (each request answered
+    with a 204 once read): a request's head and body taken at once (`whole_request`, when
+    `whole`), else its head (`express_head`) and then its body once buffered (`take_body`),
+    else the usual events; the session's whole state after each step; a refusal ends it."""
+    s = ServerSession(max_header_bytes=max_head, max_body_bytes=max_body)
+    seen: list[object] = []
+    head: RequestHead | None = None  # `express_head` took it, its body is not whole yet
+    try:
+        for data in reads:
+            if head is not None:
+                s.receive(data)
+            elif whole and (taken := s.whole_request(data)) is not None:
+                seen += (*taken, state(s))
+                answered(s)
+            else:
+                head = s.express_head(data)
+                if head is None:
+                    s.receive(data)
+            if head is not None and s.body_buffered:
+                seen += (head, s.take_body(), state(s))
+                head = None
+                answered(s)
+            if head is None:  # what the connection's task reads: the usual events
+                while (event := s.next_event()) is not Signal.NEED_DATA:
+                    seen.append(event)
+                    if event is Signal.BODY_END:
+                        answered(s)
+            seen.append(state(s))
+    except (MalformedRequest, BodyTooLarge) as exc:
+        seen.append(exc.status)
+    return seen
+
+
+def state(s: ServerSession) -> dict[str, object]:
+    """Every slot of the session, its memo by what it holds (two sessions, alike)."""
+    out: dict[str, object] = {}
+    for name in ServerSession.__slots__:
+        value = getattr(s, name)
+        if name == "_conn":
+            value = value is None
+        elif name in ("_memo", "known") and value is not None:
+            value = (value.head, value.before, value.after, value.index)
+        out[name] = value
+    return out
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.sampled_from([b"0", b"3", b"12", b"007", b"00", None]), st.booleans()),
+        min_size=1,
+        max_size=5,
+    ),
+    data=st.data(),
+    max_head=st.sampled_from([16 * 1024, 104, 105, 106, 112, 113]),  # around the heads' sizes
+    max_body=st.sampled_from([1000, 11]),
+)
+def test_a_whole_request_is_taken_as_its_head_and_body_are(
+    requests: list[tuple[bytes | None, bool]], data: st.DataObject, max_head: int, max_body: int
+) -> None:
+    """A connection's requests, alike but for their lengths, now and then with a header more
+    or a GET between, in reads cut anywhere (most at a request's end): taken whole or head
+    then body, the same requests, the same refusals and the session in the same state."""
+    raw = b""
+    ends = []
+    for digits, more in requests:
+        if digits is None:
+            raw += b"GET /d/a/v1/models HTTP/1.1\r\nHost: gw\r\n\r\n"
+            ends.append(len(raw))
+            continue
+        lines = [b"POST /d/a/v1/chat/completions HTTP/1.1", b"Host: gw", b"content-type: x"]
+        lines += [b"Content-Length: " + digits, b"user-agent: sdk"]
+        if more:
+            lines.insert(2, b"x-a: 1")
+        raw += b"\r\n".join(lines) + b"\r\n\r\n" + b"x" * int(digits)
+        ends.append(len(raw))
+    at_ends = [end for end in ends if data.draw(st.integers(0, 3), label="cut") > 0]
+    anywhere = data.draw(st.lists(st.integers(1, len(raw)), max_size=2), label="cuts")
+    reads = _cut(raw, at_ends + anywhere)
+    taken = lane(reads, whole=True, max_head=max_head, max_body=max_body)
+    assert taken == lane(reads, whole=False, max_head=max_head, max_body=max_body)

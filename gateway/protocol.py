@@ -263,7 +263,7 @@ class ServerSession:
         A keep-alive client's SDK sends each small request in one write with a head alike
         to its last (see `LengthMemo`): the express lane takes it in one call, without the
         fast path's head or the body's reads (`tests/perf/micro_gateway.py --instructions`:
-        6 % of the gateway's instructions per exchange).
+        5-6 % of the gateway's instructions per exchange).
         """
         memo = self._memo
         if memo is None or not self._pending_head or self._buf or self._eof:

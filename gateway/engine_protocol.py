@@ -248,12 +248,8 @@ class ClientSession:
         derived = memo.derived
         if derived is None:
             return None
-        digits = memo.digits(data, 0)  # then the head ends where the memo's `after` does
-        if digits is None:
-            return None
-        if len(memo.before) + len(digits) + len(memo.after) + int(digits) != len(data):
-            return None  # a part of the body, or more than the answer
-        return derived, digits
+        digits = memo.whole(data)
+        return None if digits is None else (derived, digits)
 
     def take_alike(self) -> None:
         """The answer `alike_answer` found whole is received and read to its end, as

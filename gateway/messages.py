@@ -196,6 +196,17 @@ class LengthMemo(Generic[H, D]):
             return None
         return digits
 
+    def whole(self, data: bytes) -> bytes | None:
+        """The Content-Length digits when `data` is exactly one whole message whose head is
+        the memo's but for them: that head, then as many bytes as they say, nothing after
+        (not a part of the body, nor more than the message); None when not."""
+        digits = self.digits(data, 0)  # then the head ends where `after` does
+        if digits is None:
+            return None
+        if len(self.before) + len(digits) + len(self.after) + int(digits) != len(data):
+            return None
+        return digits
+
     def headers_with(self, digits: bytes) -> Headers:
         """A copy of the memo's headers with `digits` as the Content-Length value."""
         headers = self.head.headers.copy()

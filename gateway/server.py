@@ -627,6 +627,8 @@ class _Connection:
             head = session.express_head(data)
             if head is None:
                 return False
+            # Its body may still be arriving, for the lane or the handler: by when it must be in.
+            self.body_deadline = self.server.loop_time() + self.config.body_timeout_s
             exchange = self._new_exchange(head, None)
             if exchange is None:
                 return True
@@ -651,7 +653,6 @@ class _Connection:
         server.requests_total += 1
         server.requests_active += 1
         self.idle = False
-        self.body_deadline = server.loop_time() + self.config.body_timeout_s
         assert server.express is not None
         exchange = server.express(self, head, rid)
         if exchange is None:

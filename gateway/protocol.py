@@ -263,7 +263,7 @@ class ServerSession:
         A keep-alive client's SDK sends each small request in one write with a head alike
         to its last (see `LengthMemo`): the express lane takes it in one call, without the
         fast path's head or the body's reads (`tests/perf/micro_gateway.py --instructions`:
-        5-6 % of the gateway's instructions per exchange).  That is why the state `_begin`
+        4-5 % of the gateway's instructions per exchange).  That is why the state `_begin`
         and `take_body` would leave is set here, not by calling them: a property test
         (`test_a_whole_request_is_taken_as_its_head_and_body_are`) holds every slot of the
         session to theirs.

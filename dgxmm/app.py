@@ -27,8 +27,10 @@ from actors.watchdog import WatchdogActor
 from dgxmm.config import Config, ConfigError, load_config
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
+from dgxmm.gateway_key import GatewayKeys
 from dgxmm.private import auth_key, private_umask, secure_tree
 from events.state import DeploymentState
+from gateway.access import Access
 from gateway.app import Gateway
 from gateway.server import HTTPServer
 from gateway.server import ServerConfig as HTTPConfig
@@ -83,6 +85,7 @@ class App:
         self.runtime: Runtime | None = None
         self.controller: Controller | None = None
         self.gateway: Gateway | None = None
+        self.gateway_keys: GatewayKeys | None = None
         self.admin: HTTPServer | None = None
         self.api: Any = None
         self.watchdog: WatchdogActor | None = None
@@ -182,7 +185,13 @@ class App:
         )
         await controller.load()
         self.snapshotter = Snapshotter(store, lambda: controller.system)
-        self.gateway = Gateway(controller)
+        access = Access(loopback_open=cfg.server.gateway_auth == "loopback-open")
+        self.gateway_keys = keys = GatewayKeys(
+            data_dir, access, overlap_s=cfg.server.gateway_key_overlap_s
+        )
+        await asyncio.to_thread(keys.load)
+        keys.start()
+        self.gateway = Gateway(controller, access=access)
         server = await self.gateway.serve(
             cfg.server.gateway_host,
             cfg.server.gateway_port,
@@ -213,7 +222,11 @@ class App:
         except ImportError:
             return
         assert self.controller is not None and self.store is not None
-        self.litellm = LiteLLMBridge(self.config, self.controller, self.store, self.clock)
+        keys = self.gateway_keys
+        self.litellm = LiteLLMBridge(
+            self.config, self.controller, self.store, self.clock,
+            gateway_key=keys.current if keys is not None else None,
+        )  # fmt: skip
         await self.litellm.start()
 
     async def _start_admin(self) -> None:
@@ -246,6 +259,7 @@ class App:
             metrics_public=cfg.server.metrics_public,
             ops=ops,
             latencies=latencies,
+            gateway_keys=self._key_rotation(),
         )
         ops.admin_server = lambda: api.server
         self.api = api
@@ -257,6 +271,16 @@ class App:
         auth.local_token = await asyncio.to_thread(
             write_cli_file, Path(cfg.server.data_dir), cfg.server.admin_host, self.admin.port
         )
+
+    def _key_rotation(self) -> Any:
+        """What the admin API's gateway-key routes call: fingerprints, and a rotation that
+        re-registers the new key in LiteLLM before the old one is refused."""
+        from dgxmm.admin.gateway_key_api import KeyRoutes
+
+        keys, bridge = self.gateway_keys, self.litellm
+        if keys is None:
+            return None
+        return KeyRoutes(keys, bridge.register_key if bridge is not None else None)
 
     def _operators(self) -> tuple[Any, Any]:
         """Engine logs, start progress, the queue, /healthz, and the latency histograms."""
@@ -336,7 +360,10 @@ class App:
             lines.append("Try it:")
             message = '[{"role": "user", "content": "Hello"}]'
             body = f'{{"model": "{first.model}", "messages": {message}}}'
-            lines.append(f"  curl -s {url} -H 'content-type: application/json' -d '{body}'")
+            # The key by reference: the banner (often in a log) never shows the key itself.
+            key_file = (Path(cfg.data_dir) / "gateway.key").resolve()
+            auth = f'-H "authorization: Bearer $(cat {key_file})"'
+            lines.append(f"  curl -s {url} {auth} -H 'content-type: application/json' -d '{body}'")
         return "\n".join(lines)
 
     async def stop(self) -> None:
@@ -359,6 +386,8 @@ class App:
             await _step("admin_server", self.admin.shutdown(5.0))
         if self.gateway is not None:
             await _step("gateway", self.gateway.shutdown(self.config.server.shutdown_grace_s))
+        if self.gateway_keys is not None:
+            await _step("gateway_keys", self.gateway_keys.close())
         if self.watchdog is not None:
             await _step("watchdog", self.watchdog.stop())
         if self.litellm is not None:

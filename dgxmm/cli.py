@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("name", metavar="NAME", help="the deployment's name or id")
     logs.add_argument("--tail", metavar="N", type=int, default=100, help="the last N lines")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    from dgxmm.admin.gateway_key_cli import add_parser as add_key_parser
+
+    add_key_parser(sub, remote)
 
     user = sub.add_parser("user", help="manage users")
     user_sub = user.add_subparsers(dest="user_command", required=True, metavar="ACTION")
@@ -227,6 +230,10 @@ def _main(argv: Sequence[str] | None) -> int:
                 from dgxmm.admin.client import logs_command
 
                 return _remote(logs_command, args)
+            case "gateway-key":
+                from dgxmm.admin.gateway_key_cli import main as key_main
+
+                return _remote(key_main, args)
             case "user" if args.user_command == "add":
                 return _delegate("dgxmm.admin.auth", "add_user_main", args)
             case "user" | "token":

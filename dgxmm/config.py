@@ -51,6 +51,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cookie_secure: bool = False  # mark the session cookie Secure (DGXMM behind HTTPS)
     shutdown_grace_s: float = 30.0  # on SIGTERM, how long answers in flight may still run
     metrics_public: bool = False  # /metrics without a login, for clients on loopback only
+    # The gateway key (docs/security.md): "loopback-open" lets 127.0.0.1 in without it (demo).
+    gateway_auth: Literal["required", "loopback-open"] = "required"
+    gateway_key_overlap_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 600.0
 
     @property
     def db_path(self) -> Path:

@@ -57,7 +57,7 @@ def secure_tree(data_dir: Path, db: Path) -> None:
         with contextlib.suppress(OSError):
             for child in engines.rglob("*"):
                 _tighten(child, 0o700 if child.is_dir() else 0o600)
-    for name in (AUTH_KEY_FILE, "demo-admin-password"):
+    for name in (AUTH_KEY_FILE, "demo-admin-password", "gateway.key", "gateway.key.previous"):
         _tighten(data_dir / name, 0o600)
 
 

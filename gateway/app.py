@@ -20,6 +20,7 @@ import structlog
 
 from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
 from gateway import health, queued
+from gateway.access import Access
 from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
 from gateway.errors import UpstreamError
 from gateway.express import Exchange, Forwarding
@@ -90,8 +91,12 @@ class Gateway:
         config: GatewayConfig | None = None,
         upstream: UpstreamPool | None = None,
         clock: Callable[[], float] = time.time,
+        access: Access | None = None,
     ) -> None:
         self.controller = controller
+        # The gateway key check (`gateway.access`); None: no check (a gateway built alone, as
+        # in tests of the relay; DGXMM always passes one).
+        self.access = access
         self.config = config or GatewayConfig()
         self.upstream = upstream or UpstreamPool(UpstreamConfig())
         self.clock = clock
@@ -186,6 +191,12 @@ class Gateway:
                 return None
             if memo is not None:
                 memo.derived = forwarding
+        access = self.access
+        # A head alike to one that passed under the same keys carries the same Authorization.
+        if access is not None and forwarding.checked is not access.keys:
+            if not access.allows(head.headers, conn.peer):
+                return None  # the handler answers 401
+            forwarding.checked = access.keys
         view = self.controller.view(forwarding.deployment_id)
         if view is None:
             return None
@@ -211,6 +222,11 @@ class Gateway:
 
     async def handle(self, request: Request, responder: Responder) -> None:
         """Answer one request (the `HTTPServer` handler)."""
+        access = self.access
+        if access is not None and not access.allows(request.headers, request.client):
+            status, headers, body = access.refusal(request.headers)
+            await responder.respond(status, headers, body)
+            return
         target = request.target
         parts = _split_target(target)
         if parts is None:

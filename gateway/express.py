@@ -71,7 +71,7 @@ class Forwarding(EngineHead):
     head (`LengthMemo.derived`, see `ServerSession.known`): a head alike but for its length
     has the same of both, so the next request on the connection is routed and sent from it."""
 
-    __slots__ = ("deployment_id", "endpoint")
+    __slots__ = ("checked", "deployment_id", "endpoint")
 
     def __init__(
         self, deployment_id: str, target: bytes, endpoint: Endpoint | None, drop: frozenset[bytes]
@@ -79,6 +79,8 @@ class Forwarding(EngineHead):
         super().__init__(target, drop)
         self.deployment_id = deployment_id
         self.endpoint = endpoint
+        # The gateway keys (`Access.keys`) the head's Authorization passed under, if any.
+        self.checked: tuple[bytes, ...] | None = None
 
 
 class Exchange:

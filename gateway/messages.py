@@ -72,8 +72,11 @@ class ResponseHead(msgspec.Struct, frozen=True, gc=False):
 
 
 # Request headers never passed to an engine: hop-by-hop ones, Host and Content-Length (the
-# pool sets them), Expect (the body is already complete: no 100-continue upstream), the probe.
-NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-dgxmm-health-check"}
+# pool sets them), Expect (the body is already complete: no 100-continue upstream), the probe,
+# and Authorization: the gateway key stops at the gateway (`gateway.access`), engines need none.
+NOT_FORWARDED = HOP_BY_HOP | {
+    b"host", b"content-length", b"expect", b"x-dgxmm-health-check", b"authorization",
+}  # fmt: skip
 
 
 def field_lines(block: bytes) -> Headers:

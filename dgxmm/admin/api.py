@@ -39,6 +39,7 @@ from dgxmm.admin import bodies, metrics, static
 from dgxmm.admin.accounts import AccountRoutes
 from dgxmm.admin.auth import Auth, AuthError, Principal
 from dgxmm.admin.errors import ApiError, error_body, from_refusal
+from dgxmm.admin.gateway_key_api import NoKeyRoutes
 from dgxmm.admin.guards import MAX_JSON_DEPTH, json_too_deep, memory_problem, redact_record
 from dgxmm.admin.histograms import Latencies
 from dgxmm.admin.ops import LOG_TAIL_DEFAULT, LOG_TAIL_MAX, OpsApi
@@ -154,6 +155,7 @@ class AdminApi:
         hub_config: HubConfig | None = None,
         ops: OpsApi | None = None,
         latencies: Latencies | None = None,
+        gateway_keys: Any = None,
     ) -> None:
         self.controller = controller
         self.store = store
@@ -170,6 +172,7 @@ class AdminApi:
         self.max_body_bytes = max_body_bytes
         self.hub = EventHub(controller, clock, hub_config)
         self.accounts = AccountRoutes(auth, store)
+        self.keys = gateway_keys or NoKeyRoutes()  # the gateway-key routes
         auth.on_session_end.append(self.hub.drop_session)  # a removed user's streams end too
         self.server: HTTPServer | None = None
         self.replies: collections.Counter[int] = collections.Counter()
@@ -246,7 +249,7 @@ class AdminApi:
         if route.method not in SAFE_METHODS:
             call.body = await self._read_json(request)
         owner, _, name = route.handler.rpartition(".")
-        handler = getattr(self.accounts, name) if owner else getattr(self, "_h_" + name)
+        handler = getattr(getattr(self, owner), name) if owner else getattr(self, "_h_" + name)
         try:
             reply = await handler(call)
         except Refusal as exc:

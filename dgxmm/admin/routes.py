@@ -63,6 +63,8 @@ ROUTES: tuple[Route, ...] = (
     Route("PATCH", ("litellm",), "litellm_configure", Access.ADMIN),
     Route("POST", ("litellm", "sync"), "litellm_sync", Access.ADMIN),
     Route("GET", ("events", "stream"), "event_stream", Access.VIEWER),
+    Route("GET", ("gateway-key",), "keys.show", Access.ADMIN),
+    Route("POST", ("gateway-key", "rotate"), "keys.rotate", Access.ADMIN),
     # Operators' routes (dgxmm/admin/ops.py).
     Route("GET", ("deployments", "{id}", "logs"), "deployment_logs", Access.VIEWER),
     Route("GET", ("deployments", "{id}", "progress"), "deployment_progress", Access.VIEWER),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -49,8 +50,16 @@ _SETTING_KEYS = ("enabled", "url", "backend", "config_path", "master_key_env")
 class LiteLLMBridge:
     """Owns the sync back-end and its status."""
 
-    def __init__(self, config: Config, controller: Controller, store: EventStore, clock: Clock):
+    def __init__(
+        self,
+        config: Config,
+        controller: Controller,
+        store: EventStore,
+        clock: Clock,
+        gateway_key: Callable[[], str] | None = None,
+    ):
         self._config = config
+        self._gateway_key = gateway_key  # the gateway entries' api_key, read at every sync
         self._controller = controller
         self._store = store
         self._clock = clock
@@ -94,7 +103,8 @@ class LiteLLMBridge:
                 backend=s["backend"],
                 config_path=s["config_path"],
                 box_id=self._config.server.box_id,
-            )
+            ),
+            gateway_key=self._gateway_key,
         )
 
     # --- running -------------------------------------------------------------------------
@@ -220,6 +230,23 @@ class LiteLLMBridge:
             "loaded_at": load.loaded_at,
             "load_error": load.load_error,
         }
+
+    async def register_key(self, timeout_s: float) -> bool:
+        """Re-register every entry with the current gateway key (a rotation); True once
+        LiteLLM is seen serving them (file back-end: after its worker restarted; api back-end:
+        when its API took them).  Raises SyncFailed when they could not be written; False
+        when the integration is off or the load was not confirmed within `timeout_s`."""
+        if not self._settings["enabled"]:
+            return False
+        await self._sync(force=True)
+        backend = self._backend
+        if isinstance(backend, ConfigFileSync):
+            try:
+                await backend.wait_until_loaded(timeout_s)
+            except SyncFailed as exc:
+                log.warning("gateway_key_load_unconfirmed", error=str(exc))
+                return False
+        return True
 
     async def sync_now(self) -> dict[str, Any]:
         """Sync at once (the UI's "Sync now"); returns the status."""

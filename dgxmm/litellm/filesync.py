@@ -110,8 +110,16 @@ class ConfigFileSync(_Backend):
         clock: Callable[[], float] = time.time,
         check_first_s: float = CHECK_FIRST_S,
         check_max_s: float = CHECK_MAX_S,
+        gateway_key: Callable[[], str] | None = None,
     ) -> None:
-        super().__init__(url, master_key, box_id=box_id, master_key_env=master_key_env, clock=clock)
+        super().__init__(
+            url,
+            master_key,
+            box_id=box_id,
+            master_key_env=master_key_env,
+            clock=clock,
+            gateway_key=gateway_key,
+        )
         self.path = Path(path)
         self._clock = clock
         self._check_first_s = check_first_s
@@ -143,7 +151,7 @@ class ConfigFileSync(_Backend):
         """Write the file now if the model list changed; check LiteLLM in the background."""
         async with self._tracker.lock:
             try:
-                wrote = await self._write_if_changed(_rendered(entries))
+                wrote = await self._write_if_changed(_rendered(entries, self._gateway_key()))
             except SyncFailed as exc:
                 self._tracker.failed(self.kind, exc)
                 raise
@@ -270,7 +278,7 @@ class ConfigFileSync(_Backend):
         try:
             mode = self.path.stat().st_mode & 0o777
         except FileNotFoundError:
-            mode = 0o644
+            mode = 0o600  # it holds the gateway key: LiteLLM's user (DGXMM's, or a group) only
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
             try:

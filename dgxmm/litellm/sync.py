@@ -37,6 +37,7 @@ import structlog
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
+from dgxmm.gateway_key import key_id
 from gateway import client
 
 if TYPE_CHECKING:
@@ -50,7 +51,10 @@ GATEWAY_TIMEOUT_MARGIN_S = 600.0  # LiteLLM's timeout = queue limit + this (cold
 HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
 # The deploy wizard's hint when it preselects Always on (the seed's words).
 HINT = "On demand needs LiteLLM (it starts models on requests that come through it)"
-UPSTREAM_API_KEY = "dgxmm-no-key"  # LiteLLM's openai client insists on a key; nobody checks it
+# Engine entries: LiteLLM's openai client insists on a key, and engines check none.  Gateway
+# entries carry the gateway key (`dgxmm.gateway_key`), which the gateway requires.
+UPSTREAM_API_KEY = "dgxmm-no-key"
+KEY_ID_FIELD = "dgxmm_key_id"  # model_info: the gateway key's fingerprint (never the key)
 ID_STEM = "dgxmm-"
 GATEWAY_ID_SUFFIX = "-gw"
 
@@ -131,8 +135,11 @@ def desired_entries(
     return sorted(entries, key=lambda e: e.model_id)
 
 
-def litellm_deployment(entry: ModelEntry) -> dict[str, Any]:
+def litellm_deployment(entry: ModelEntry, gateway_key: str = "") -> dict[str, Any]:
     """One entry as LiteLLM's `model_list` item and `/model/new` body.
+
+    A gateway entry's `api_key` is `gateway_key`, and its `model_info` names the key's
+    fingerprint: LiteLLM's `/model/info` hides keys, the fingerprint shows which one it holds.
 
     `openai/` makes LiteLLM strip the prefix, send `"model": upstream_model`, forward the
     Responses API natively and translate Anthropic `/v1/messages` to the Responses API.  Gateway
@@ -145,6 +152,9 @@ def litellm_deployment(entry: ModelEntry) -> dict[str, Any]:
         "api_key": UPSTREAM_API_KEY,
     }
     info: dict[str, Any] = {"id": entry.model_id, "dgxmm_deployment_id": entry.deployment_id}
+    if entry.via_gateway and gateway_key:
+        params["api_key"] = gateway_key
+        info[KEY_ID_FIELD] = key_id(gateway_key)
     if entry.timeout_s is not None:
         params["timeout"] = entry.timeout_s
         params["stream_timeout"] = entry.timeout_s
@@ -174,8 +184,11 @@ def differs(want: Mapping[str, Any], have: Mapping[str, Any]) -> bool:
     for key, value in want_params.items():
         if key != "api_key" and not _same_value(value, have_params.get(key)):
             return True
+    have_info = have.get("model_info") or {}
+    if want["model_info"].get(KEY_ID_FIELD) != have_info.get(KEY_ID_FIELD):
+        return True  # registered with another gateway key (a rotation)
     want_hc = want["model_info"].get("health_check_params") or None
-    have_hc = (have.get("model_info") or {}).get("health_check_params") or None
+    have_hc = have_info.get("health_check_params") or None
     return bool(want_hc != have_hc)
 
 
@@ -357,8 +370,9 @@ def _owned(items: Iterable[Mapping[str, Any]], box_id: str) -> dict[str, Mapping
     return owned
 
 
-def _rendered(entries: Iterable[ModelEntry]) -> dict[str, dict[str, Any]]:
-    return {e.model_id: litellm_deployment(e) for e in sorted(entries, key=lambda e: e.model_id)}
+def _rendered(entries: Iterable[ModelEntry], gateway_key: str = "") -> dict[str, dict[str, Any]]:
+    ordered = sorted(entries, key=lambda e: e.model_id)
+    return {e.model_id: litellm_deployment(e, gateway_key) for e in ordered}
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,8 +393,10 @@ class _Backend:
         master_key_env: str,
         clock: Callable[[], float],
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        gateway_key: Callable[[], str] | None = None,
     ) -> None:
         self._client = LiteLLMClient(url, master_key or "", request_timeout_s)
+        self._gateway_key = gateway_key or str  # str() is "": entries keep UPSTREAM_API_KEY
         self._has_key = bool(master_key)
         self._key_env = master_key_env
         self._box_id = box_id
@@ -430,6 +446,7 @@ class ApiSync(_Backend):
         master_key_env: str = "LITELLM_MASTER_KEY",
         clock: Callable[[], float] = time.time,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        gateway_key: Callable[[], str] | None = None,
     ) -> None:
         super().__init__(
             url,
@@ -438,13 +455,14 @@ class ApiSync(_Backend):
             master_key_env=master_key_env,
             clock=clock,
             request_timeout_s=request_timeout_s,
+            gateway_key=gateway_key,
         )
 
     def __repr__(self) -> str:
         return f"ApiSync({self._client.url!r}, box_id={self._box_id!r})"
 
     async def _sync(self, entries: list[ModelEntry]) -> dict[str, int]:
-        want = _rendered(entries)
+        want = _rendered(entries, self._gateway_key())
         live = _owned(await self._client.list_entries(), self._box_id)
         added = [i for i in want if i not in live]
         changed = [i for i in want if i in live and differs(want[i], live[i])]
@@ -510,9 +528,12 @@ class DisabledSync:
 
 
 def make_sync(
-    settings: LiteLLMSettings, environ: Mapping[str, str] | None = None
+    settings: LiteLLMSettings,
+    environ: Mapping[str, str] | None = None,
+    gateway_key: Callable[[], str] | None = None,
 ) -> ApiSync | ConfigFileSync | DisabledSync:
-    """The back-end these settings ask for; the master key comes from `settings.master_key_env`."""
+    """The back-end these settings ask for; the master key comes from `settings.master_key_env`,
+    the gateway key (the gateway entries' `api_key`) from `gateway_key()` at every sync."""
     from dgxmm.litellm.filesync import ConfigFileSync  # the file back-end builds on this module
 
     if not settings.enabled:
@@ -528,7 +549,12 @@ def make_sync(
             key,
             box_id=settings.box_id,
             master_key_env=settings.master_key_env,
+            gateway_key=gateway_key,
         )
     return ApiSync(
-        settings.url, key, box_id=settings.box_id, master_key_env=settings.master_key_env
+        settings.url,
+        key,
+        box_id=settings.box_id,
+        master_key_env=settings.master_key_env,
+        gateway_key=gateway_key,
     )

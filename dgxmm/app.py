@@ -27,7 +27,7 @@ from actors.watchdog import WatchdogActor
 from dgxmm.config import Config, ConfigError, load_config
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
-from dgxmm.gateway_key import GatewayKeys
+from dgxmm.litellm.gateway_key import GatewayKeys
 from dgxmm.private import auth_key, private_umask, secure_tree
 from events.state import DeploymentState
 from gateway.access import Access

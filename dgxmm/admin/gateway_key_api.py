@@ -1,6 +1,6 @@
 """The admin API's gateway-key routes: the key's fingerprint, and a rotation.
 
-`GET gateway-key` shows fingerprints only (`dgxmm.gateway_key.key_id`): the key itself is
+`GET gateway-key` shows fingerprints only (`dgxmm.litellm.gateway_key.key_id`): the key itself is
 never in an API answer.  `POST gateway-key/rotate` (what `dgxmm gateway-key rotate` calls)
 makes a new key, re-registers LiteLLM's entries with it and answers once LiteLLM serves
 them (or the wait ran out); the old key is refused `previous_until` at the latest.
@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from dgxmm.admin.errors import ApiError
-from dgxmm.gateway_key import GatewayKeys
+from dgxmm.litellm.gateway_key import GatewayKeys
 
 Reply = tuple[int, Any]
 REGISTER_WAIT_S = 120.0  # LiteLLM's worker restart takes 7-42 s; the API call must end

@@ -37,7 +37,7 @@ import structlog
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
-from dgxmm.gateway_key import key_id
+from dgxmm.litellm.gateway_key import key_id
 from gateway import client
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ HEALTH_CHECK_HEADER = "x-dgxmm-health-check"
 # The deploy wizard's hint when it preselects Always on (the seed's words).
 HINT = "On demand needs LiteLLM (it starts models on requests that come through it)"
 # Engine entries: LiteLLM's openai client insists on a key, and engines check none.  Gateway
-# entries carry the gateway key (`dgxmm.gateway_key`), which the gateway requires.
+# entries carry the gateway key (`dgxmm.litellm.gateway_key`), which the gateway requires.
 UPSTREAM_API_KEY = "dgxmm-no-key"
 KEY_ID_FIELD = "dgxmm_key_id"  # model_info: the gateway key's fingerprint (never the key)
 ID_STEM = "dgxmm-"

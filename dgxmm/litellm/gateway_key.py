@@ -38,7 +38,7 @@ import structlog
 from actors.errors import SyncFailed
 from gateway.access import Access
 
-log = structlog.get_logger("dgxmm.gateway_key")
+log = structlog.get_logger("dgxmm.litellm.gateway_key")
 
 KEY_FILE = "gateway.key"
 PREVIOUS_FILE = "gateway.key.previous"

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests.gateway_support import gateway_auth
+
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 # The flags this machine's closed network and root user need (see the machine notes).
@@ -230,7 +232,7 @@ class Dgxmm:
                 "POST",
                 f"/d/{deployment_id}/v1/chat/completions",
                 body=json.dumps(body),
-                headers={"content-type": "application/json"},
+                headers={"content-type": "application/json", **gateway_auth(self.data_dir)},
             )
             resp = conn.getresponse()
             raw = resp.read()

@@ -1,4 +1,5 @@
-"""Test support for the gateway: a scripted controller, a tiny engine, a raw HTTP client."""
+"""Test support for the gateway: a scripted controller, a tiny engine, a raw HTTP client, and
+the gateway key of a DGXMM under test (its gateway refuses requests without it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import h11
@@ -19,6 +21,17 @@ from gateway.upstream import UpstreamConfig, UpstreamPool
 
 T = TypeVar("T")
 DEADLINE_S = 10.0
+KEY_FILE = "gateway.key"  # dgxmm.litellm.gateway_key.KEY_FILE (tests read what DGXMM wrote)
+
+
+def gateway_key(data_dir: Path) -> str:
+    """The gateway key of the DGXMM whose data directory is `data_dir`."""
+    return (data_dir / KEY_FILE).read_text().strip()
+
+
+def gateway_auth(data_dir: Path) -> dict[str, str]:
+    """The Authorization header LiteLLM sends that DGXMM's gateway, as a dict."""
+    return {"authorization": f"Bearer {gateway_key(data_dir)}"}
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
@@ -492,16 +505,19 @@ class Reply:
 class Client:
     """One keep-alive client connection parsed with h11 (independent of the server code)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: str | None = None
+    ) -> None:
         self.reader = reader
         self.writer = writer
         self.conn = h11.Connection(h11.CLIENT)
+        self.key = key  # sent as `Authorization: Bearer` unless a request names its own
 
     @classmethod
-    async def connect(cls, port: int) -> Client:
-        """Open a connection to 127.0.0.1:port."""
+    async def connect(cls, port: int, key: str | None = None) -> Client:
+        """Open a connection to 127.0.0.1:port (sending the gateway key `key` if given)."""
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        return cls(reader, writer)
+        return cls(reader, writer, key)
 
     async def send(
         self,
@@ -514,6 +530,8 @@ class Client:
         if isinstance(body, dict):
             body = json.dumps(body).encode()
         hdrs = [("host", "gw"), *(headers or [])]
+        if self.key is not None and not any(n.lower() == "authorization" for n, _ in hdrs):
+            hdrs.append(("authorization", f"Bearer {self.key}"))
         if body or method == "POST":
             hdrs.append(("content-length", str(len(body))))
         data = self.conn.send(h11.Request(method=method, target=target, headers=hdrs))
@@ -595,9 +613,10 @@ async def request_once(
     target: str,
     body: bytes | dict[str, Any] = b"",
     headers: list[tuple[str, str]] | None = None,
+    key: str | None = None,
 ) -> Reply:
     """One request on its own connection."""
-    client = await Client.connect(port)
+    client = await Client.connect(port, key)
     try:
         return await client.request(method, target, body, headers)
     finally:

@@ -36,6 +36,7 @@ from typing import Any, Literal
 import pytest
 
 from tests.e2e_support import docker_problem, remove_containers_of
+from tests.gateway_support import gateway_auth
 from tests.litellm_support import Response, http_request
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,10 +143,20 @@ def call(
 class SseStream:
     """A streaming POST read one SSE event (the lines up to a blank line) at a time."""
 
-    def __init__(self, port: int, path: str, body: object, timeout_s: float = READY_S) -> None:
+    def __init__(
+        self,
+        port: int,
+        path: str,
+        body: object,
+        timeout_s: float = READY_S,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
         self._conn.request(
-            "POST", path, json.dumps(body).encode(), {"content-type": "application/json"}
+            "POST",
+            path,
+            json.dumps(body).encode(),
+            {"content-type": "application/json", **(headers or {})},
         )
         self.response = self._conn.getresponse()
 
@@ -407,8 +418,14 @@ class Serve:
     def chat(self, name: str) -> Response:
         """A short non-streaming chat completion for `name` through the gateway."""
         return call(
-            self.gateway_port, "POST", self.gateway_path(name), chat_body(name, stream=False)
-        )
+            self.gateway_port, "POST", self.gateway_path(name), chat_body(name, stream=False),
+            self.gateway_auth,
+        )  # fmt: skip
+
+    @property
+    def gateway_auth(self) -> dict[str, str]:
+        """The Authorization header the gateway requires (what LiteLLM sends)."""
+        return gateway_auth(self.data_dir)
 
     def gateway_path(self, name: str, endpoint: str = "chat/completions") -> str:
         """The gateway path LiteLLM would call for `name`."""

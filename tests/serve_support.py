@@ -30,6 +30,7 @@ from events import model as m
 from storage.eventlog import EventStore
 from tests.api_support import ApiClient, login
 from tests.e2e_support import process_identity
+from tests.gateway_support import gateway_key
 
 PROJECT = Path(__file__).resolve().parent.parent
 START_DEADLINE_S = 60.0
@@ -81,6 +82,11 @@ class Serve:
     def db(self) -> Path:
         """The event log."""
         return self.root / "data" / "dgxmm.db"
+
+    @property
+    def gateway_key(self) -> str:
+        """The key its gateway requires (what LiteLLM is given)."""
+        return gateway_key(self.root / "data")
 
     def spawn(self, *, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
         """Start the process without waiting for it."""
@@ -221,6 +227,14 @@ def start_demo(tmp_path: Path, deadline_s: float = 60.0) -> tuple[subprocess.Pop
         assert line, f"dgxmm exited: {banner}"
         banner += line
     return proc, banner
+
+
+def banner_auth(banner: str) -> dict[str, str]:
+    """The Authorization header of the banner's curl command: it reads the gateway key from
+    the file it names (`$(cat <data_dir>/gateway.key)`), as a shell would."""
+    found = re.search(r'-H "authorization: Bearer \$\(cat (\S+)\)"', banner)
+    assert found is not None, banner
+    return {"authorization": "Bearer " + Path(found.group(1)).read_text().strip()}
 
 
 def stop_demo(proc: subprocess.Popen[str]) -> None:

@@ -94,12 +94,12 @@ def _events(body: bytes) -> list[bytes]:
     return [e for e in body.replace(b"\r\n", b"\n").split(b"\n\n") if e.strip()]
 
 
-async def client_call(port: int, dep: str, model: str, stream: bool) -> str:
+async def client_call(port: int, dep: str, model: str, stream: bool, key: str) -> str:
     """One request through the gateway: "complete", "error" (explicit), "cut" (the
     connection dropped without an explicit end), "hung" or "bad" (a malformed answer)."""
     client: Client | None = None
     try:
-        client = await Client.connect(port)
+        client = await Client.connect(port, key)
         await client.send(
             "POST", f"/d/{dep}/v1/chat/completions", chat_body(model, stream=stream, max_tokens=12)
         )
@@ -146,7 +146,11 @@ class Load:
         while not self._stop.is_set():
             dep = self.rng.choice(sorted(self.deps))
             outcome = await client_call(
-                self.serve.gateway_port, dep, self.deps[dep], self.rng.random() < 0.6
+                self.serve.gateway_port,
+                dep,
+                self.deps[dep],
+                self.rng.random() < 0.6,
+                self.serve.gateway_key,
             )
             self.outcomes[outcome] += 1
             if outcome in ("cut", "error"):
@@ -239,7 +243,9 @@ async def check_invariants(
         report.check(n <= 1, f"no duplicated engine: {d['name']} has {n}")
         if d["state"] == "ready":
             held += d["memory_bytes"] / 2**30
-            outcome = await client_call(serve.gateway_port, d["id"], d["model"], False)
+            outcome = await client_call(
+                serve.gateway_port, d["id"], d["model"], False, serve.gateway_key
+            )
             report.check(
                 outcome == "complete" and n == 1,
                 f"ready deployment serves: {d['name']} answered {outcome} with {n} engine",

@@ -27,7 +27,7 @@ from events import model as m
 from events.state import SystemState, fold
 from storage.eventlog import EventStore
 from tests.replay_support import replay_document
-from tests.serve_support import start_demo, stop_demo
+from tests.serve_support import banner_auth, start_demo, stop_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_796_035_320.0  # 2026-11-30T10:42:00Z
@@ -691,7 +691,7 @@ def test_events_follow_of_one_deployment_prints_only_its_new_events_from_a_runni
                 {"cookie": cookie, "x-csrf-token": session["csrf_token"]},
             )
         # demo-chat is stopped: this request starts it, waits in the queue, and is served.
-        status, _, reply = http(url[1], json.loads(body[1]))
+        status, _, reply = http(url[1], json.loads(body[1]), banner_auth(banner))
         assert status == 200 and reply["object"] == "chat.completion"
         lines: list[m.Recorded] = []
         while not any(r.type == "RequestLeftQueue" for r in lines):

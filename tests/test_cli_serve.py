@@ -26,6 +26,7 @@ from dgxmm.engines.logs import RESTARTED
 from events import model as m
 from storage.eventlog import EventStore
 from tests.browser_support import PROJECT_DIR, ApiClient, ApiFailure, Dgxmm, run_dgxmm, wait_for
+from tests.gateway_support import gateway_auth
 
 DEADLINE_S = 60.0
 
@@ -228,7 +229,8 @@ def test_every_gateway_answer_names_its_request_and_a_waited_one_is_in_the_queue
         try:
             body = {"model": "test/cli-rid", "messages": [{"role": "user", "content": "Hi"}]}
             conn.request("POST", f"/d/{dep['id']}/v1/chat/completions", body=json.dumps(body),
-                         headers={"content-type": "application/json"})  # fmt: skip
+                         headers={"content-type": "application/json",
+                                  **gateway_auth(served.data_dir)})  # fmt: skip
             resp = conn.getresponse()
             resp.read()
             return resp.status, resp.getheader("x-dgxmm-request-id")
@@ -255,7 +257,9 @@ def test_every_gateway_answer_names_its_request_and_a_waited_one_is_in_the_queue
     story = dgxmm(served, "replay", "--request", waited_id)  # the log from the configuration
     assert story.returncode == 0, story.stderr
     assert waited_id in story.stdout and "cli-rid" in story.stdout
-    status, missing, _ = http_get(served.gateway_port, "/d/nope/v1/models")
+    status, missing, _ = http_get(
+        served.gateway_port, "/d/nope/v1/models", gateway_auth(served.data_dir)
+    )
     assert status == 404 and missing.getheader("x-dgxmm-request-id", "").isdigit()
 
 

@@ -472,7 +472,7 @@ def test_sigterm_answers_every_waiting_request_and_ends_every_stream_explicitly(
             await until(lambda: _state_is(serve, fast, "ready"), "term-fast is ready")
             port = serve.gateway_port
 
-            streaming = await Client.connect(port)
+            streaming = await Client.connect(port, serve.gateway_key)
             await streaming.send(
                 "POST",
                 f"/d/{fast}/v1/chat/completions",
@@ -480,7 +480,7 @@ def test_sigterm_answers_every_waiting_request_and_ends_every_stream_explicitly(
             )
             assert (await streaming.head())[0] == 200
             await streaming.read_until(b"data: ")
-            queued = await Client.connect(port)
+            queued = await Client.connect(port, serve.gateway_key)
             await queued.send(
                 "POST", f"/d/{big}/v1/chat/completions", chat_body("sim/term-big", stream=True)
             )
@@ -488,7 +488,11 @@ def test_sigterm_answers_every_waiting_request_and_ends_every_stream_explicitly(
             await queued.read_until(b"queued")
             waiting = asyncio.ensure_future(
                 request_once(
-                    port, "POST", f"/d/{slow}/v1/chat/completions", chat_body("sim/term-slow")
+                    port,
+                    "POST",
+                    f"/d/{slow}/v1/chat/completions",
+                    chat_body("sim/term-slow"),
+                    key=serve.gateway_key,
                 )
             )
 

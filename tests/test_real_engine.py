@@ -78,7 +78,10 @@ def test_a_cold_start_through_the_gateway_gives_real_tokens_and_the_engines_stre
         assert serve.state("gemma") == "ready"
 
         via_gateway = SseStream(
-            serve.gateway_port, serve.gateway_path("gemma"), chat_body("gemma", stream=True)
+            serve.gateway_port,
+            serve.gateway_path("gemma"),
+            chat_body("gemma", stream=True),
+            headers=serve.gateway_auth,
         ).rest()
         direct = SseStream(
             serve.engine_port("gemma"), "/v1/chat/completions", chat_body("gemma", stream=True)
@@ -107,6 +110,7 @@ def test_a_direct_call_keeps_a_real_engine_awake_while_a_queued_model_waits_then
             serve.gateway_path("second"),
             chat_body("second", stream=True),
             timeout_s=240,
+            headers=serve.gateway_auth,
         )
         first_event = queued.next_event()
         assert first_event is not None
@@ -160,6 +164,7 @@ def test_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_starts_
             serve.gateway_port,
             serve.gateway_path("gemma"),
             chat_body("gemma", stream=True, max_tokens=900, ignore_eos=True),
+            headers=serve.gateway_auth,
         )
         for _ in range(3):
             assert stream.next_event() is not None

@@ -24,6 +24,7 @@ import uvloop
 
 from actors.ports import EngineHandle
 from gateway import express
+from gateway.access import Access
 from gateway.app import Gateway, GatewayConfig
 from gateway.engine_protocol import ClientSession
 from gateway.server import Connection, HTTPServer, ServerConfig
@@ -282,6 +283,7 @@ async def scenario(
     grace_s: float = 2.0,
     warm: bool = True,
     engine_down: bool = False,
+    access: Access | None = None,
 ) -> Outcome:
     """Run `client` on one connection to a gateway in front of a scripted engine.
 
@@ -298,6 +300,7 @@ async def scenario(
         config=GatewayConfig(express=express),
         upstream=UpstreamPool(upstream or UpstreamConfig()),
         clock=lambda: 1700000000.0,
+        access=access,
     )
     http = await gateway.serve("127.0.0.1", 0, server)
     if warm:
@@ -412,6 +415,67 @@ def test_the_express_lane_answers_as_the_handler_does(
     fast, slow = both(go, loop)
     assert fast.comparable() == slow.comparable()
     assert (fast.express, slow.express) == (carried, 0)
+
+
+KEY = "dgxmm-gw-express-test-key"
+AUTH = b"authorization: Bearer %s\r\n" % KEY.encode()
+# Alike to AUTH but for one byte of the key: the memo of a head must not carry it through.
+NEAR = b"authorization: Bearer %s\r\n" % (KEY[:-1] + "X").encode()
+KEYED = {
+    # requests of the client, requests the lane must carry
+    "the key": ([request(extra=AUTH)] * 3, 3),
+    "no key": ([request()] * 2, 0),
+    "a wrong key, then the key": ([request(extra=NEAR), request(extra=AUTH)], 1),
+    "the key, then one byte off": ([request(extra=AUTH), request(extra=NEAR)], 1),
+    "the key, then none": ([request(extra=AUTH), request(), request(extra=AUTH)], 2),
+    "the scheme in capitals": ([request(extra=AUTH.replace(b"Bearer", b"BEARER"))], 1),
+    "another scheme": ([request(extra=AUTH.replace(b"Bearer", b"Basic"))], 0),
+    "a probe without the key": ([request(extra=b"x-dgxmm-health-check: 1\r\n")], 0),
+    "models without the key": ([MODELS_GET], 0),
+    "an unknown deployment without the key": ([request(target=b"/d/zz/v1/chat/completions")], 0),
+}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("name", KEYED)
+def test_the_gateway_key_is_checked_alike_on_both_paths(name: str, loop: str) -> None:
+    requests, carried = KEYED[name]
+
+    async def go(express: bool) -> Outcome:
+        access = Access([KEY])
+        return await scenario(["ok"], sequential(*requests), express=express, access=access)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert (fast.express, slow.express) == (carried, 0)
+    refused = [a for a in fast.answers if a.startswith(b"HTTP/1.1 401 ")]
+    assert len(fast.seen) == carried and len(refused) == len(requests) - carried
+    assert not any(KEY.encode() in seen for seen in fast.seen)  # the key stops at the gateway
+    for answer in refused:
+        assert b"www-authenticate: Bearer\r\n" in answer
+        assert b'"code":"invalid_api_key"' in answer and KEY.encode() not in answer
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_retired_key_is_refused_on_a_connection_that_used_it_before(loop: str) -> None:
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        answers = []
+        for keys in ([KEY, "the-next-key"], ["the-next-key"]):
+            assert rig.gateway.access is not None
+            rig.gateway.access.set_keys(keys)  # a rotation: the overlap, then the old one goes
+            writer.write(request(extra=AUTH))
+            answers.append(await read_answer(reader))
+        return answers
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["ok"], client, express=express, access=Access([KEY]))
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    assert [a[:12] for a in fast.answers] == [b"HTTP/1.1 200", b"HTTP/1.1 401"]
+    assert len(fast.seen) == 1 and fast.express == 1
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -108,6 +108,7 @@ class Gateway:
         self.health_checks = 0
         self.health_checks_relayed = 0  # always-on probes passed to the engine
         self.refused = 0
+        self.unauthorized = 0  # 401: no gateway key, or a wrong one
         self.engine_failures = 0
         self.closing = False  # set by `shutdown`: cut streams say why
         self._answers: set[UpstreamResponse] = set()  # engines' answers being relayed
@@ -171,6 +172,7 @@ class Gateway:
             "health_checks": self.health_checks,
             "health_checks_relayed": self.health_checks_relayed,
             "refused": self.refused,
+            "unauthorized": self.unauthorized,
             "engine_failures": self.engine_failures,
             "server": self.server.statistics() if self.server else None,
             "engines": self.upstream.statistics(),
@@ -224,6 +226,7 @@ class Gateway:
         """Answer one request (the `HTTPServer` handler)."""
         access = self.access
         if access is not None and not access.allows(request.headers, request.client):
+            self.unauthorized += 1
             status, headers, body = access.refusal(request.headers)
             await responder.respond(status, headers, body)
             return

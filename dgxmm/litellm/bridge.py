@@ -241,6 +241,8 @@ class LiteLLMBridge:
         await self._sync(force=True)
         backend = self._backend
         if isinstance(backend, ConfigFileSync):
+            if not backend.can_check():
+                return False  # without the master key DGXMM cannot see what LiteLLM serves
             try:
                 await backend.wait_until_loaded(timeout_s)
             except SyncFailed as exc:

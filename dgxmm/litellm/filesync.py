@@ -132,6 +132,10 @@ class ConfigFileSync(_Backend):
     def __repr__(self) -> str:
         return f"ConfigFileSync({str(self.path)!r}, box_id={self._box_id!r})"
 
+    def can_check(self) -> bool:
+        """Whether the background check can see what LiteLLM serves (it has the master key)."""
+        return self._has_key
+
     def load_status(self) -> LoadStatus:
         """Writes so far, the last one, and whether LiteLLM has loaded it."""
         return self._load

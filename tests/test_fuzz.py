@@ -4,7 +4,13 @@ Hypothesis generates request heads, bodies and JSON for the admin API and the ga
 real `HTTPServer`s on loopback, in a thread of their own, in front of a simulated box and a
 simulated engine), and argument lists for `dgxmm`; a fixed corpus adds the cases of the
 hostile-input report (HEAD, 200k-level JSON, garbled configs, ...).  Meanwhile a healthy
-client keeps using both listeners and must see no error at all.  Each test is bounded
+client keeps using both listeners and must see no error at all.
+
+The gateway requires its key (issue 38): generated heads carry `Authorization` values from
+the right key to near misses (a byte off, a prefix, another scheme, no scheme), and a case
+without the right key never reaches the engine.  A real DGXMM (`App`, with its event log)
+gets generated requests with wrong keys too: its log shows no model started and no request
+queued, and its gateway relayed nothing.  Each test is bounded
 (`DGXMM_FUZZ_EXAMPLES`, default 300 cases per generator; about a minute in all) and prints
 how many cases it tried.
 """
@@ -30,9 +36,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors.controller import DeploymentSpec
+from actors.memory_broker import GIB
+from actors.ports import EngineHandle
 from dgxmm import cli
-from simulations.engine import SimOptions
+from dgxmm.app import App
+from dgxmm.config import Config, MemoryConfig, RuntimeConfig, ServerConfig
+from events import model as m
+from gateway.access import Access
+from simulations.engine import SimOptions, serve
 from tests.api_support import api_box
+from tests.litellm_support import AppInThread, free_port, stop_leftover_engines
 from tests.test_gateway_sim import MODEL, sim_rig
 
 EXAMPLES = int(os.environ.get("DGXMM_FUZZ_EXAMPLES", "300"))
@@ -44,6 +58,8 @@ FUZZ = settings(
 )
 IO_TIMEOUT_S = 5.0
 CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+KEY = b"dgxmm-gw-fuzz-0123456789abcdefghijklmnopqrstuvwxyz"  # the rig's gateway key
+AUTH = b"authorization: Bearer " + KEY
 
 
 # --- the rig: both listeners in a thread, and a healthy client ---------------------------------
@@ -62,6 +78,8 @@ class Rig:
     healthy_errors: list[str] = field(default_factory=list)
     tried: dict[str, int] = field(default_factory=dict)
     wake: Callable[[], object] = lambda: None  # ends the listeners' loop (set by it)
+    # Requests the engine of deployment `a` received (the healthy client uses `h`, on its own).
+    engine_requests: Callable[[], int] = lambda: 0
 
     def count(self, what: str) -> None:
         self.tried[what] = self.tried.get(what, 0) + 1
@@ -99,7 +117,21 @@ def statuses(reply: bytes) -> list[int]:
 def _serve(rig: Rig, tmp: Path) -> None:
     async def main() -> None:
         options = SimOptions(flavour="vllm", model=MODEL, tokens=4)  # type: ignore[arg-type]
-        async with api_box(tmp) as box, sim_rig(options) as (_engine, _ctl, gateway):
+        access = Access([KEY.decode()])
+        async with (
+            api_box(tmp) as box,
+            sim_rig(options, access) as (engine, controller, gateway),
+        ):
+            healthy = await serve(options)
+            controller.add(
+                "h",
+                handle=EngineHandle(deployment_id="h", host="127.0.0.1", port=healthy.port,
+                                    runtime_id="sim"),
+                served_model=MODEL,
+            )  # fmt: skip
+            rig.engine_requests = lambda: asyncio.run_coroutine_threadsafe(
+                _count(engine), loop
+            ).result(IO_TIMEOUT_S)
             rig.admin_port, rig.gateway_port = box.port, gateway.port
             admin = await box.login("alice")
             rig.cookie, rig.csrf = admin.cookie or "", admin.csrf or ""
@@ -107,6 +139,10 @@ def _serve(rig: Rig, tmp: Path) -> None:
             rig.wake = lambda: loop.call_soon_threadsafe(stop.set)
             rig.ready.set()
             await stop.wait()
+            await healthy.close()
+
+    async def _count(engine: Any) -> int:
+        return int(engine.statistics().inference_requests)
 
     loop = asyncio.new_event_loop()
 
@@ -126,8 +162,8 @@ def _healthy(rig: Rig) -> None:
         "connection: close\r\n\r\n"
     ).encode()
     chat = (
-        b"POST /d/a/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(CHAT), CHAT)
+        b"POST /d/h/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"%s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (AUTH, len(CHAT), CHAT)
     )
     while not rig.stop.is_set():
         for port, raw in ((rig.admin_port, session), (rig.gateway_port, chat)):
@@ -172,8 +208,13 @@ def check(rig: Rig, port: int, raw: bytes, what: str, *, half_close: bool = True
     that hangs up may get no answer, so complete requests say `connection: close` instead.
     """
     rig.count(what)
+    keyed = KEY in raw  # possibly the right key: it may reach the engine
+    reached = rig.engine_requests() if port == rig.gateway_port and not keyed else 0
     reply = exchange(port, raw, half_close=half_close)
     codes = statuses(reply)
+    if port == rig.gateway_port and not keyed:
+        assert rig.engine_requests() == reached, ("reached the engine without the key", raw[:300])
+        rig.count("gateway without the key")
     # RFC 9112 6.1: a transfer coding the server does not implement gets 501; every other
     # refusal of malformed input is a 4xx.
     allowed = {501} if b"transfer-encoding" in raw.lower() else set()
@@ -210,6 +251,15 @@ HEADER_NAMES = [
 ]  # fmt: skip
 
 token_bytes = st.binary(min_size=0, max_size=40)
+# Authorization values: the right one (the door opens: the interior is fuzzed too), and near
+# misses that must never open it.
+auth_values = st.sampled_from(
+    [
+        b"Bearer " + KEY, b"bearer  " + KEY + b" ", b"Bearer " + KEY[:-1],
+        b"Bearer " + KEY + b"x", b"Bearer " + KEY.upper(), b"Bearer " + KEY[:-1] + b"\x00",
+        b"Basic " + KEY, KEY, b"Bearer", b"Bearer ", b"Bearer " + KEY[::-1], b"",
+    ]
+) | st.builds(lambda t: b"Bearer " + t, token_bytes)  # fmt: skip
 text_token = st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF), max_size=40)
 
 
@@ -237,6 +287,8 @@ def heads(draw: st.DrawFn, paths: list[str]) -> bytes:
     )  # fmt: skip
     if draw(st.booleans()):
         headers.insert(0, (b"host", b"x"))
+    if draw(st.integers(0, 3)):  # mostly with an Authorization header, right or not
+        headers.insert(draw(st.integers(0, len(headers))), (b"authorization", draw(auth_values)))
     body = draw(st.binary(max_size=512) | jsons.map(lambda v: json.dumps(v).encode()))
     head = b" ".join(x for x in (method, target, version) if x or draw(st.booleans()))
     lines = [head] + [n + b": " + v for n, v in headers]
@@ -306,7 +358,7 @@ def test_the_gateway_answers_generated_json_bodies_without_a_5xx(rig: Rig, value
     body = json.dumps(value).encode()
     raw = (
         b"POST /d/a/v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        b"%s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (AUTH, len(body), body)
     )
     [code] = check(rig, rig.gateway_port, raw, "gateway json", half_close=False)
     assert code < 500
@@ -340,6 +392,122 @@ def test_the_reports_corpus_gets_no_5xx_and_heads_get_an_answer(
     codes = check(rig, port, raw, "corpus")
     if raw.startswith(b"HEAD "):
         assert codes, "HEAD gets an answer (like GET, without a body)"
+
+
+# --- a real DGXMM: a wrong key starts nothing and reaches no engine (its event log) -----------
+
+LOCKED_ENDPOINTS = [
+    ("POST", "chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {}),
+    ("POST", "chat/completions", {"messages": [], "stream": True}, {}),
+    ("POST", "completions", {"prompt": "hi"}, {}),
+    ("POST", "embeddings", {"input": "hi"}, {}),
+    ("POST", "responses", {"input": "hi"}, {}),
+    ("POST", "chat/completions", {"messages": []}, {"x-dgxmm-health-check": "1"}),
+    ("GET", "models", None, {}),
+    ("GET", "models/fz", None, {}),
+]
+NEAR_MISSES = ["none", "byte off", "prefix", "longer", "upper", "basic", "no scheme", "empty"]
+
+
+def near_miss(key: str, how: str, noise: str) -> str | None:
+    """An Authorization value that is not the key (None: no header)."""
+    return {
+        "none": None, "byte off": "Bearer " + key[:-1] + ("A" if key[-1] != "A" else "B"),
+        "prefix": "Bearer " + key[: len(key) // 2], "longer": "Bearer " + key + "x",
+        "upper": "Bearer " + key.upper(), "basic": "Basic " + key, "no scheme": key,
+        "empty": "Bearer ", "noise": "Bearer " + noise,
+    }[how]  # fmt: skip
+
+
+@dataclass
+class Locked:
+    dgxmm: AppInThread
+    ids: dict[str, str]
+    key: str
+    baseline: int  # the event log's last seq before the fuzzing
+
+    @property
+    def port(self) -> int:
+        return int(self.dgxmm.app.config.server.gateway_port)
+
+    def events_since(self) -> list[m.Recorded]:
+        store = self.dgxmm.app.store
+        return list(self.dgxmm.run(store.read(since_seq=self.baseline)))
+
+    def relayed(self) -> tuple[int, int, int]:
+        stats = self.dgxmm.read(self.dgxmm.app.gateway.statistics)
+        return stats["relayed"], stats["relayed_express"], stats["health_checks_relayed"]
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Locked]:
+    data_dir = tmp_path_factory.mktemp("locked")
+    config = Config(
+        server=ServerConfig(data_dir=str(data_dir), admin_port=free_port(), gateway_port=0),
+        memory=MemoryConfig(total_gib=8.0, reserve_gib=0.0, watchdog_threshold_gib=0.0),
+        runtime=RuntimeConfig(kind="process"),
+    )
+    dgxmm = AppInThread(App(config)).start()
+    try:
+        controller = dgxmm.app.controller
+        ids = {}
+        for name, mode in (("fz-ready", "always_on"), ("fz-sleep", "on_demand")):
+            spec = DeploymentSpec(
+                name=name, engine="sim", model=f"fz/{name}", memory_bytes=GIB, mode=mode
+            )
+            ids[name] = dgxmm.run(controller.create(spec, "admin:fuzz")).id
+
+        def states() -> dict[str, str]:
+            return {r.name: r.state for r in controller.records()}
+
+        deadline = time.monotonic() + 60
+        while dgxmm.read(states) != {"fz-ready": "ready", "fz-sleep": "ready"}:
+            assert time.monotonic() < deadline, dgxmm.read(states)
+            time.sleep(0.05)  # poll interval; the deadline bounds the wait
+        dgxmm.run(controller.stop(ids["fz-sleep"], "admin:fuzz"))
+        while dgxmm.read(states)["fz-sleep"] != "stopped":
+            assert time.monotonic() < deadline, dgxmm.read(states)
+            time.sleep(0.05)  # poll interval; the deadline bounds the wait
+        key = dgxmm.read(dgxmm.app.gateway_keys.current)
+        last = dgxmm.run(dgxmm.app.store.read())
+        yield Locked(dgxmm, ids, key, last[-1].seq if last else 0)
+    finally:
+        dgxmm.stop()
+        stop_leftover_engines(data_dir)
+
+
+@FUZZ
+@given(
+    name=st.sampled_from(["fz-ready", "fz-sleep"]),
+    endpoint=st.sampled_from(LOCKED_ENDPOINTS),
+    how=st.sampled_from([*NEAR_MISSES, "noise"]),
+    noise=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=60),
+    extra=st.lists(st.tuples(st.sampled_from(HEADER_NAMES[5:]), text_token), max_size=3),
+)
+def test_a_wrong_key_starts_no_model_and_reaches_no_engine_as_the_event_log_shows(
+    locked: Locked, name: str, endpoint: tuple[str, str, Any, dict[str, str]], how: str,
+    noise: str, extra: list[tuple[str, str]],
+) -> None:  # fmt: skip
+    method, path, body, headers = endpoint
+    value = near_miss(locked.key, how, noise)
+    assert value is None or value.split(" ")[-1] != locked.key or not value.startswith("Bearer")
+    lines = [f"{method} /d/{locked.ids[name]}/v1/{path} HTTP/1.1", "host: x"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    lines += [f"{k}: {v}" for k, v in extra if k not in ("authorization", "content-length",
+                                                         "transfer-encoding", "host")]  # fmt: skip
+    if value is not None:
+        lines.append(f"authorization: {value}")
+    data = b"" if body is None else json.dumps({"model": f"fz/{name}", **body}).encode()
+    lines += ["connection: close", f"content-length: {len(data)}"]
+    raw = "\r\n".join(lines).encode("utf-8", "replace") + b"\r\n\r\n" + data
+    before = locked.relayed()
+    codes = statuses(exchange(locked.port, raw, half_close=False))
+    assert codes and all(c < 500 for c in codes), (codes, raw[:300])
+    assert codes[0] in (400, 401), (codes, raw[:300])  # refused at the door (or malformed)
+    assert locked.relayed() == before, "a request without the key reached an engine"
+    started = [r for r in locked.events_since() if r.stream.startswith("deployment:")
+               or r.stream == m.STREAM_QUEUE]  # fmt: skip
+    assert started == [], [r.type for r in started]
 
 
 # --- the CLI --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import h11
 import pytest
 
 from actors.ports import EngineHandle
+from gateway.access import Access
 from gateway.app import Gateway
 from gateway.server import HTTPServer
 from simulations.engine import SimOptions, SimServer, serve
@@ -58,14 +59,15 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 
 @contextlib.asynccontextmanager
 async def sim_rig(
-    options: SimOptions,
+    options: SimOptions, access: Access | None = None
 ) -> AsyncIterator[tuple[SimServer, ScriptedController, HTTPServer]]:
-    """A simulated engine, deployment `a` ready on it, and the gateway."""
+    """A simulated engine, deployment `a` ready on it, and the gateway (with `access`, the
+    gateway key's check)."""
     engine = await serve(options)
     controller = ScriptedController()
     handle = EngineHandle(deployment_id="a", host="127.0.0.1", port=engine.port, runtime_id="sim")
     controller.add("a", handle=handle, served_model=MODEL)
-    gateway = Gateway(controller)
+    gateway = Gateway(controller, access=access)
     server = await gateway.serve("127.0.0.1", 0)
     try:
         yield engine, controller, server

@@ -36,6 +36,7 @@ from typing import Any
 import uvloop
 
 from actors.ports import EngineHandle
+from gateway.access import Access
 from gateway.app import Gateway
 from gateway.server import HTTPServer, ServerConfig, _Connection
 from gateway.transport import ByteStream
@@ -44,8 +45,12 @@ from tests.gateway_support import ScriptedController
 
 BODY = b'{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":8}'
 HEADS = {
-    # wrk's POST with the benchmark's script: Host, Content-Length, Content-Type
-    "wrk": b"host: 127.0.0.1:8401\r\ncontent-type: application/json\r\n",
+    # wrk's POST with the benchmark's script: Host, Content-Length, Content-Type, and the
+    # gateway key (which the gateway requires, as LiteLLM's head below carries it)
+    "wrk": (
+        b"host: 127.0.0.1:8401\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer k\r\n"
+    ),
     "litellm": (
         b"host: 127.0.0.1:8401\r\naccept-encoding: gzip, deflate\r\nconnection: keep-alive\r\n"
         b"authorization: Bearer k\r\naccept: application/json\r\n"
@@ -116,7 +121,8 @@ class Rig:
         controller = ScriptedController()
         handle = EngineHandle(deployment_id="d0", host="127.0.0.1", port=9, runtime_id="b")
         controller.add("d0", handle=handle, served_model="bench")
-        self.gateway = gateway = Gateway(controller)
+        # The gateway key's check, as DGXMM runs it (both heads carry the key "k").
+        self.gateway = gateway = Gateway(controller, access=Access(["k"]))
         server = HTTPServer(gateway.handle, ServerConfig())
         server._loop = asyncio.get_running_loop()
         server.request_id_header = b"x-dgxmm-request-id"

@@ -389,6 +389,16 @@ def test_no_key_is_in_the_logs_the_api_the_ui_or_the_event_log(stack: Stack) -> 
     )  # fmt: skip
     assert events.returncode == 0, events.stderr
     seen["dgxmm events"] = events.stdout
+    # The CLI shows the fingerprint.
+    shown = subprocess.run(
+        [sys.executable, "-m", "dgxmm.cli", "gateway-key", "show", "--config",
+         str(stack.cli_config)],
+        capture_output=True, text=True, timeout=60, cwd=PROJECT, check=False,
+        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(seen["api gateway-key"])["key_id"] in shown.stdout
+    seen["dgxmm gateway-key show"] = shown.stdout
     # DGXMM's own log output (structlog), which says when keys were made and rotated.
     logged = stack.log_path.read_text()
     assert "gateway_key_rotated" in logged

@@ -389,9 +389,9 @@ class _Backend:
         url: str,
         master_key: str | None,
         *,
-        box_id: str,
-        master_key_env: str,
-        clock: Callable[[], float],
+        box_id: str = "",
+        master_key_env: str = "LITELLM_MASTER_KEY",
+        clock: Callable[[], float] = time.time,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         gateway_key: Callable[[], str] | None = None,
     ) -> None:
@@ -436,27 +436,6 @@ class ApiSync(_Backend):
     """
 
     kind = "api"
-
-    def __init__(
-        self,
-        url: str,
-        master_key: str | None,
-        *,
-        box_id: str = "",
-        master_key_env: str = "LITELLM_MASTER_KEY",
-        clock: Callable[[], float] = time.time,
-        request_timeout_s: float = REQUEST_TIMEOUT_S,
-        gateway_key: Callable[[], str] | None = None,
-    ) -> None:
-        super().__init__(
-            url,
-            master_key,
-            box_id=box_id,
-            master_key_env=master_key_env,
-            clock=clock,
-            request_timeout_s=request_timeout_s,
-            gateway_key=gateway_key,
-        )
 
     def __repr__(self) -> str:
         return f"ApiSync({self._client.url!r}, box_id={self._box_id!r})"

@@ -12,10 +12,20 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
+from dgxmm.app import App
+from dgxmm.config import (
+    Config,
+    ConfigError,
+    MemoryConfig,
+    RuntimeConfig,
+    ServerConfig,
+    load_config,
+)
 from dgxmm.litellm.gateway_key import KEY_FILE, PREVIOUS_FILE, GatewayKeys, key_id
 from dgxmm.litellm.sync import differs, litellm_deployment
 from gateway.access import Access
 from tests.gateway_support import poll, run
+from tests.litellm_support import AppInThread, free_port, http_request
 
 LOCAL = ("127.0.0.1", 40000)
 REMOTE = ("192.0.2.7", 40000)
@@ -202,3 +212,42 @@ def test_an_entry_registered_with_another_key_differs_though_litellm_hides_keys(
         del have["litellm_params"]["api_key"]  # /model/info does not show it
     assert differs(want, have)
     assert not differs(want, litellm_deployment(entry(True), "new-key"))
+
+
+# --- the configuration ------------------------------------------------------------------------
+
+
+def test_the_gateway_requires_its_key_unless_the_config_says_loopback_open(tmp_path: Path) -> None:
+    assert load_config(None).server.gateway_auth == "required"
+    path = tmp_path / "dgxmm.toml"
+    path.write_text('[server]\ngateway_auth = "loopback-open"\n')
+    assert load_config(path).server.gateway_auth == "loopback-open"
+    path.write_text('[server]\ngateway_auth = "open"\n')
+    with pytest.raises(ConfigError, match="gateway_auth"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("mode", "status"), [("required", 401), ("loopback-open", 404)])
+def test_a_running_dgxmm_lets_loopback_in_without_the_key_only_when_loopback_open(
+    tmp_path: Path, mode: str, status: int
+) -> None:
+    config = Config(
+        server=ServerConfig(
+            data_dir=str(tmp_path / "data"), admin_port=free_port(), gateway_port=0,
+            gateway_auth=mode,  # type: ignore[arg-type]
+        ),
+        memory=MemoryConfig(total_gib=8.0, reserve_gib=0.0, watchdog_threshold_gib=0.0),
+        runtime=RuntimeConfig(kind="process"),
+    )  # fmt: skip
+    dgxmm = AppInThread(App(config)).start()
+    try:
+        url = dgxmm.app.config.server.public_gateway_url
+        answer = http_request(url, path="/d/nope/v1/models", timeout_s=10)
+        assert answer.status == status, answer.body  # 404: past the door, no such deployment
+        key = (tmp_path / "data" / KEY_FILE).read_text().strip()
+        keyed = http_request(
+            url, path="/d/nope/v1/models", headers={"authorization": f"Bearer {key}"}
+        )
+        assert keyed.status == 404
+    finally:
+        dgxmm.stop()

@@ -48,8 +48,7 @@ HEADS = {
     # wrk's POST with the benchmark's script: Host, Content-Length, Content-Type, and the
     # gateway key (which the gateway requires, as LiteLLM's head below carries it)
     "wrk": (
-        b"host: 127.0.0.1:8401\r\ncontent-type: application/json\r\n"
-        b"authorization: Bearer k\r\n"
+        b"host: 127.0.0.1:8401\r\ncontent-type: application/json\r\nauthorization: Bearer k\r\n"
     ),
     "litellm": (
         b"host: 127.0.0.1:8401\r\naccept-encoding: gzip, deflate\r\nconnection: keep-alive\r\n"

@@ -8,12 +8,12 @@ comparison with each accepted key.  Every route needs it, probes and `GET /v1/mo
 whoever reaches the gateway's port without the key gets 401 and nothing else (no engine, no
 start, no model list).
 
-`loopback_open` is the demo's mode: a client on the loopback interface (127.0.0.0/8, ::1) gets
-in without a key, so anything running on this box as any user can use every model; clients
-on other addresses still need the key.
+`loopback_open` (`[server] gateway_auth = "loopback-open"`, for a single-user box): a client
+on the loopback interface (127.0.0.0/8, ::1) gets in without a key, so anything running on
+this box as any user can use every model; clients on other addresses still need the key.
 
-Pure, no I/O: the key is `dgxmm`'s (`dgxmm.gateway_key`), which tells `Access` when the keys
-change.  A key never appears in an answer: the 401 says only what is missing.
+Pure, no I/O: the key is `dgxmm`'s (`dgxmm.litellm.gateway_key`), which tells `Access` when
+the keys change.  A key never appears in an answer: the 401 says only what is missing.
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ UNAUTHORIZED_HEADERS: Headers = [
     (b"www-authenticate", b"Bearer"),
 ]
 # OpenAI's own answer to a missing or wrong key: 401, type "invalid_request_error", code
-# "invalid_api_key".  Clients and SDKs (LiteLLM's included) map exactly this to an
-# authentication error, so a misconfigured key is reported as what it is.
+# "invalid_api_key", so clients and SDKs treat it as OpenAI's.  A wrong key's message begins
+# with OpenAI's words, "Incorrect API key provided": LiteLLM 1.108.7 maps any upstream body
+# with "invalid_request_error" to a 400 BadRequestError unless it says exactly that, and then
+# to an AuthenticationError (401), which tells an operator whose LiteLLM holds a stale key what
+# is wrong.  (LiteLLM always sends a key, so the missing-key answer is for other callers.)
 MISSING_KEY = (
     "the DGXMM gateway needs its key (Authorization: Bearer <key>); call the model through LiteLLM"
 )
 WRONG_KEY = (
-    "the key in Authorization is not the DGXMM gateway's key; call the model through LiteLLM"
+    "Incorrect API key provided: not the DGXMM gateway's key; call the model through LiteLLM"
 )
 
 

@@ -80,7 +80,9 @@ def test_the_401_is_openai_shaped_names_what_is_missing_and_never_the_key() -> N
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
     assert "needs its key" in error["message"]
     _, _, wrong = access.refusal(bearer("secret-kez"))
-    assert "not the DGXMM gateway's key" in json.loads(wrong)["error"]["message"]
+    message = json.loads(wrong)["error"]["message"]
+    # OpenAI's words: LiteLLM maps this to an AuthenticationError, not to a 400.
+    assert message.startswith("Incorrect API key provided") and "gateway's key" in message
     assert b"secret" not in wrong
 
 

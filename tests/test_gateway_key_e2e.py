@@ -408,3 +408,18 @@ def test_no_key_is_in_the_logs_the_api_the_ui_or_the_event_log(stack: Stack) -> 
             assert key not in text, f"a gateway key in {where}"
     # What is shown instead: the fingerprint.
     assert json.loads(seen["api gateway-key"])["key_id"]
+
+
+def test_a_litellm_holding_a_stale_key_reports_an_authentication_error(stack: Stack) -> None:
+    """Last in the module: LiteLLM cools the entry down after it."""
+    access = stack.app.gateway.access if stack.app.gateway is not None else None
+    assert access is not None
+    current = stack.key()
+    stack.dgxmm.read(lambda: access.set_keys(["a-key-litellm-does-not-hold"]))
+    try:
+        answer = stack.via_litellm("/v1/chat/completions", chat(ALWAYS))
+    finally:
+        stack.dgxmm.read(lambda: access.set_keys([current]))
+    assert answer.status == 401, answer.body
+    assert b"AuthenticationError" in answer.body and b"Incorrect API key provided" in answer.body
+    assert current.encode() not in answer.body

@@ -21,6 +21,7 @@ import msgspec
 import structlog
 
 from actors.admission import RETRY_AFTER_S, DeploymentView, Refused
+from actors.cold_start import EngineLogLines
 from actors.deployment import (
     Adopt,
     ChangeMode,
@@ -130,6 +131,7 @@ class Controller:
         defaults: dict[str, Any] | None = None,
         stop_timeout_s: float = 30.0,
         health_failure_window_s: float | None = None,
+        log_lines: EngineLogLines | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -151,6 +153,7 @@ class Controller:
         if health_failure_window_s is not None:
             self._hooks.health_failure_window_s = health_failure_window_s
         self._hooks.activity = self._on_activity
+        self._hooks.log_lines = log_lines
         self.queue = QueueActor(
             clock=clock,
             store=store,

@@ -26,6 +26,7 @@ from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
 from dgxmm.config import Config, ConfigError, load_config
 from dgxmm.engines import adapters as engines
+from dgxmm.engines.logs import launch_lines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
 from dgxmm.private import auth_key, private_umask, secure_tree
 from events.state import DeploymentState
@@ -179,6 +180,7 @@ class App:
             defaults=cfg.ondemand_defaults(),
             stop_timeout_s=cfg.runtime.stop_timeout_s,
             health_failure_window_s=cfg.runtime.health_failure_window_s,
+            log_lines=launch_lines(runtime),
         )
         await controller.load()
         self.snapshotter = Snapshotter(store, lambda: controller.system)

@@ -1,0 +1,182 @@
+"""Where a cold start's time goes: engine log milestones, a request's phases, the estimate.
+
+Everything here is pure and owns three things:
+
+- `milestone_of(engine, line)`: the loading milestones an engine prints while it starts
+  (vLLM: weights loaded, model loaded, engine initialised (profile, KV cache, warm-up), API
+  server starting; llama.cpp: model loaded, server listening).  The deployment actor records
+  each as `EngineMilestoneReached`, once per start.
+- `request_phases(...)`: a request that waited for a start, cut into contiguous phases that
+  add up exactly to its wait (arrival at the gateway to the engine's first byte relayed to
+  it).  Each phase is named for what ends it, so a phase that did not happen (no victims, an
+  engine that prints no milestone) is simply absent and the next one takes its time.
+- `median_recent(durations)`: the median of a deployment's last `ESTIMATE_STARTS` cold
+  starts, shown as an estimate ("est.") where a start is waited for.
+
+Phase names are stable (`PHASES`), for `dgxmm replay --request --json`, `/metrics` and the
+web UI.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+# Milestones an engine's log shows, in the order they happen.
+MILESTONES = ("weights_loaded", "model_loaded", "engine_initialized", "server_listening")
+
+# Phases in order, each named for the moment that ends it:
+#   waiting_for_memory  arrival -> its start was requested (only a request queued for memory)
+#   stopping_victims    start requested -> the launch began (models put to sleep made room)
+#   launch              -> the runtime's start call returned (process / container runs)
+#   loading_weights     -> weights loaded (vLLM)
+#   loading_model       -> model loaded (vLLM, llama.cpp)
+#   engine_init         -> vLLM's profile, KV cache and warm-up done
+#   server_start        -> the engine's HTTP server listens
+#   ready               -> DGXMM saw the engine ready (its health probe answered)
+#   first_byte          -> the engine's first byte reached the waiting request
+PHASES = (
+    "waiting_for_memory",
+    "stopping_victims",
+    "launch",
+    "loading_weights",
+    "loading_model",
+    "engine_init",
+    "server_start",
+    "ready",
+    "first_byte",
+)
+PHASE_OF_MILESTONE = {
+    "weights_loaded": "loading_weights",
+    "model_loaded": "loading_model",
+    "engine_initialized": "engine_init",
+    "server_listening": "server_start",
+}
+MILESTONE_TEXT = {
+    "weights_loaded": "weights loaded",
+    "model_loaded": "model loaded",
+    "engine_initialized": "profile, KV cache and warm-up done",
+    "server_listening": "server listening",
+}
+
+ESTIMATE_STARTS = 5  # the estimate is the median of this many last cold starts
+MAX_LINE_CHARS = 2048  # longer lines are no milestone; never run a pattern over them
+
+_NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
+_VLLM: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("weights_loaded", re.compile(rf"Loading weights took {_NUMBER} ?s")),
+    ("model_loaded", re.compile(rf"Model loading took .*? and {_NUMBER} ?s")),
+    ("engine_initialized", re.compile(rf"init engine (?:\([^)]*\) )?took {_NUMBER} ?s")),
+    ("server_listening", re.compile(r"Starting vLLM (?:API )?server\b")),
+)
+_LLAMACPP: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("model_loaded", re.compile(r"\bmain: model loaded\b")),
+    ("server_listening", re.compile(r"\bserver is listening on\b")),
+)
+_PATTERNS = {"vllm": _VLLM, "sim": _VLLM, "llamacpp": _LLAMACPP}
+
+
+class Milestone(msgspec.Struct, frozen=True):
+    """A milestone found in a log line, with the engine's own duration when it says one."""
+
+    name: str
+    took_s: float | None = None
+
+
+def milestone_of(engine: str, line: str) -> Milestone | None:
+    """The loading milestone `line` of `engine`'s log announces, or None (pure)."""
+    if len(line) > MAX_LINE_CHARS:
+        return None
+    for name, pattern in _PATTERNS.get(engine, ()):
+        found = pattern.search(line)
+        if found is not None:
+            took = float(found.group(1)) if found.groups() else None
+            return Milestone(name, took)
+    return None
+
+
+class Phase(msgspec.Struct, frozen=True, kw_only=True):
+    """One phase of a request's wait: its name, when it began and how long it took."""
+
+    name: str
+    began_at: float  # epoch seconds
+    seconds: float
+    detail: str = ""
+
+
+class Victim(msgspec.Struct, frozen=True, kw_only=True):
+    """A model put to sleep to make room for the start, and how long it took to stop."""
+
+    deployment_id: str
+    name: str
+    drain_s: float | None  # None: still stopping when the log ends
+
+
+class StartMarks(msgspec.Struct, frozen=True, kw_only=True):
+    """The recorded moments of one start (epoch seconds); None where unknown."""
+
+    requested_at: float | None = None
+    launch_began_at: float | None = None
+    launched_at: float | None = None
+    milestones: list[tuple[str, float]] = []
+    ready_at: float | None = None
+    victims: list[Victim] = []
+
+
+def request_phases(
+    arrived_at: float, first_byte_at: float, *, queued: bool, start: StartMarks
+) -> list[Phase]:
+    """The phases of a request's wait, contiguous from arrival to first byte (pure).
+
+    Every moment is clamped into the wait and after the one before it, so the durations are
+    never negative and add up to `first_byte_at - arrived_at` exactly.  A moment before the
+    arrival (the request joined a start under way) ends no phase of this request: the time
+    from its arrival goes to the phase under way then.
+    """
+    end = max(arrived_at, first_byte_at)
+    marks: list[tuple[float | None, str, str]] = []
+    if queued:
+        marks.append((start.requested_at, "waiting_for_memory", ""))
+    if start.victims:
+        drains = ", ".join(
+            f"{v.name} {'still stopping' if v.drain_s is None else f'{v.drain_s:.1f} s'}"
+            for v in start.victims
+        )
+        marks.append((start.launch_began_at, "stopping_victims", drains))
+    marks.append((start.launched_at, "launch", ""))
+    for name, at in sorted(start.milestones, key=lambda item: MILESTONES.index(item[0])):
+        marks.append((at, PHASE_OF_MILESTONE[name], MILESTONE_TEXT[name]))
+    marks.append((start.ready_at, "ready", ""))
+    phases: list[Phase] = []
+    began = arrived_at
+    for mark, name, detail in marks:
+        if mark is None or mark <= arrived_at:
+            continue
+        at = min(max(mark, began), end)
+        phases.append(Phase(name=name, began_at=began, seconds=at - began, detail=detail))
+        began = at
+    phases.append(Phase(name="first_byte", began_at=began, seconds=end - began))
+    return phases
+
+
+def start_phases(start: StartMarks) -> list[Phase]:
+    """The phases of one start from its request to ready, for `/metrics` and the web UI."""
+    if start.requested_at is None:
+        return []
+    end = start.ready_at if start.ready_at is not None else start.requested_at
+    phases = request_phases(start.requested_at, end, queued=False, start=start)
+    return [p for p in phases if p.name != "first_byte"]
+
+
+def median_recent(durations: Sequence[float], n: int = ESTIMATE_STARTS) -> float | None:
+    """The median of the last `n` durations, or None without any (pure)."""
+    recent = list(durations[-n:])
+    return statistics.median(recent) if recent else None
+
+
+def phase_total(phases: Iterable[Phase]) -> float:
+    """The phases' seconds added up."""
+    return sum(p.seconds for p in phases)

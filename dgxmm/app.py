@@ -264,12 +264,16 @@ class App:
         """Engine logs, start progress, the queue, /healthz, and the latency histograms."""
         from dgxmm.admin.histograms import Latencies
         from dgxmm.admin.ops import OpsApi
+        from dgxmm.admin.phase_metrics import StartPhases
         from dgxmm.engines.logs import EngineLogs, Redactor
 
         controller, store, gateway = self.controller, self.store, self.gateway
         assert controller is not None and store is not None
         latencies = Latencies()
         store.add_listener(latencies.recorded)
+        phases = StartPhases()
+        store.add_listener(phases.recorded)
+        latencies.extra.append(phases.histogram)
         if gateway is not None:
             gateway.on_first_byte = latencies.first_byte.observe
 

@@ -46,11 +46,15 @@ class Histogram:
         series = self._series.get(deployment)
         return sum(series[0]) if series is not None else 0
 
+    def labels(self, key: str, name_of: Callable[[str], str]) -> str:
+        """The label set of one series (`key` is its deployment id)."""
+        return f'deployment="{escape_label(name_of(key))}",id="{key}"'
+
     def render(self, name_of: Callable[[str], str]) -> list[str]:
         """The exposition lines (cumulative buckets, +Inf, sum, count)."""
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        for dep_id, (counts, total) in sorted(self._series.items()):
-            label = f'deployment="{escape_label(name_of(dep_id))}",id="{dep_id}"'
+        for key, (counts, total) in sorted(self._series.items()):
+            label = self.labels(key, name_of)
             running = 0
             for bound, n in zip(self.buckets, counts, strict=False):
                 running += n
@@ -121,6 +125,7 @@ class Latencies:
             TTFB_BUCKETS,
         )
         self._cold = ColdStarts()
+        self.extra: list[Histogram] = []  # more histograms fed elsewhere (cold-start phases)
 
     def recorded(self, records: list[m.Recorded]) -> None:
         """A store listener: count what the new events tell."""
@@ -136,6 +141,6 @@ class Latencies:
     def render(self, name_of: Callable[[str], str]) -> str:
         """The three histograms' exposition text."""
         lines: list[str] = []
-        for histogram in (self.cold_start, self.queue_wait, self.first_byte):
+        for histogram in (self.cold_start, self.queue_wait, self.first_byte, *self.extra):
             lines.extend(histogram.render(name_of))
         return "\n".join(lines) + "\n"

@@ -1,4 +1,9 @@
-"""Watching an engine's log for its loading milestones while it starts.
+"""Cold starts, actors side: the engine's loading milestones, and each deployment's history.
+
+`watch_milestones` reads an engine's log while it starts; `StartHistory` keeps the last cold
+starts of each deployment for the expected start time (`Controller.start_history`).
+
+Watching an engine's log for its loading milestones while it starts:
 
 The deployment actor runs `watch_milestones` beside its readiness wait, from the launch
 until the engine is ready (or the start ends otherwise), and records what it reports as
@@ -14,17 +19,28 @@ reads, in a task of its own, and is cancelled the moment the wait for readiness 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import collections
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import structlog
 
 from actors.errors import ActorError
 from actors.ports import EngineHandle
-from events.cold_start import MILESTONES, milestone_of
+from events import model as m
+from events.cold_start import ESTIMATE_STARTS, MILESTONES, median_recent, milestone_of
+from storage.eventlog import EventStore
 
 log = structlog.get_logger("dgxmm.cold_start")
 
 MAX_LINES = 50_000  # a chatty engine's start; past it the milestones are not looked for
+SEED_EVENTS = 200  # start events read back per deployment at start-up
+_HISTORY_TYPES = (
+    "StartRequested",
+    "EngineReady",
+    "EngineStartFailed",
+    "EngineStopped",
+    "EngineLost",
+)
 
 
 # The lines an engine writes from its launch on, until cancelled.
@@ -68,3 +84,62 @@ def stop_watching(task: asyncio.Task[None] | None) -> None:
     """Cancel the watch (it ends at its next await; it keeps no resource)."""
     if task is not None:
         task.cancel()
+
+
+class StartHistory:
+    """Each deployment's last cold starts (`StartRequested` to `EngineReady`), for the
+    expected start time; a start that failed, was stopped or lost counts nothing.
+
+    Fed by the store as events are recorded, seeded at start-up from the newest events of
+    each deployment's stream (`SEED_EVENTS`).  Bounded: `ESTIMATE_STARTS` per deployment.
+    """
+
+    def __init__(self, keep: int = ESTIMATE_STARTS) -> None:
+        self._keep = keep
+        self._began: dict[str, float] = {}
+        self._done: dict[str, collections.deque[float]] = {}
+
+    def recorded(self, records: list[m.Recorded]) -> None:
+        """A store listener."""
+        for rec in records:
+            self.feed(rec)
+
+    def feed(self, rec: m.Recorded) -> None:
+        """Fold one record."""
+        if not rec.stream.startswith("deployment:"):
+            return
+        dep_id = rec.stream.partition(":")[2]
+        ev = rec.event
+        if isinstance(ev, m.StartRequested):
+            self._began.setdefault(dep_id, rec.ts)
+        elif isinstance(ev, m.EngineReady):
+            began = self._began.pop(dep_id, None)
+            if began is not None:
+                done = self._done.setdefault(dep_id, collections.deque(maxlen=self._keep))
+                done.append(max(0.0, rec.ts - began))
+        elif isinstance(ev, m.EngineStartFailed | m.EngineStopped | m.EngineLost):
+            self._began.pop(dep_id, None)
+        elif isinstance(ev, m.DeploymentRemoved):
+            self._began.pop(dep_id, None)
+            self._done.pop(dep_id, None)
+
+    def expected_s(self, deployment_id: str) -> float | None:
+        """The median of its last cold starts (an estimate), or None without history."""
+        done = self._done.get(deployment_id)
+        return None if not done else round(median_recent(list(done), self._keep) or 0.0, 1)
+
+    async def seed(self, store: EventStore, deployment_ids: Iterable[str]) -> None:
+        """Read each deployment's newest start events (through the stream's index)."""
+        for dep_id in deployment_ids:
+            newest = [
+                rec
+                async for rec in store.iterate(
+                    stream=m.deployment_stream(dep_id),
+                    types=_HISTORY_TYPES,
+                    descending=True,
+                    limit=SEED_EVENTS,
+                )
+            ]
+            for rec in reversed(newest):
+                self.feed(rec)
+            self._began.pop(dep_id, None)  # a start under way at the restart was not timed

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from events import model as m
+
 # Milestones an engine's log shows, in the order they happen.
 MILESTONES = ("weights_loaded", "model_loaded", "engine_initialized", "server_listening")
 
@@ -163,12 +165,42 @@ def request_phases(
 
 
 def start_phases(start: StartMarks) -> list[Phase]:
-    """The phases of one start from its request to ready, for `/metrics` and the web UI."""
+    """The phases of one start from its request to ready (or, while it starts, to its last
+    known moment), for `/metrics` and the web UI."""
     if start.requested_at is None:
         return []
-    end = start.ready_at if start.ready_at is not None else start.requested_at
-    phases = request_phases(start.requested_at, end, queued=False, start=start)
+    phases = request_phases(start.requested_at, last_mark(start), queued=False, start=start)
     return [p for p in phases if p.name != "first_byte"]
+
+
+def last_mark(start: StartMarks) -> float:
+    """The latest moment known of a start (its ready, while it starts its last milestone)."""
+    if start.ready_at is not None:
+        return start.ready_at
+    known = [start.requested_at, start.launch_began_at, start.launched_at]
+    known += [at for _, at in start.milestones]
+    return max((t for t in known if t is not None), default=0.0)
+
+
+def marks_of(records: Iterable[m.Recorded]) -> StartMarks:
+    """The marks of the last start among one deployment's records, oldest first (pure)."""
+    marks = StartMarks()
+    for rec in records:
+        ev = rec.event
+        if isinstance(ev, m.StartRequested) and (marks.requested_at is None or marks.ready_at):
+            marks = StartMarks(requested_at=rec.ts)
+        elif isinstance(ev, m.EngineStarting) and marks.launched_at is None:
+            marks = msgspec.structs.replace(
+                marks, launched_at=rec.ts, launch_began_at=ev.launch_began_at
+            )
+        elif isinstance(ev, m.EngineMilestoneReached) and marks.ready_at is None:
+            found = (ev.milestone, ev.at)
+            marks = msgspec.structs.replace(marks, milestones=[*marks.milestones, found])
+        elif isinstance(ev, m.EngineReady) and marks.ready_at is None:
+            marks = msgspec.structs.replace(marks, ready_at=rec.ts)
+        elif isinstance(ev, m.EngineStartFailed | m.EngineStopped | m.EngineLost):
+            marks = StartMarks()  # that start ended without being ready
+    return marks
 
 
 def median_recent(durations: Sequence[float], n: int = ESTIMATE_STARTS) -> float | None:

@@ -13,12 +13,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.cold_start import watch_milestones
+from events import model as m
 from events.cold_start import (
     MILESTONES,
     PHASES,
     Milestone,
     StartMarks,
     Victim,
+    last_mark,
+    marks_of,
     median_recent,
     milestone_of,
     phase_total,
@@ -246,3 +249,30 @@ def test_the_watch_reports_each_milestone_once_and_ends_when_all_were_seen() -> 
         ("server_listening", None),
     ]
     assert "never read" not in read
+
+
+def _rec(seq: int, ts: float, event: m.AnyEvent) -> m.Recorded:
+    return m.Recorded(seq=seq, ts=ts, stream="deployment:d1", version=seq, actor="x", event=event)
+
+
+def test_the_last_start_s_marks_skip_a_failed_one_and_end_at_its_last_mark_while_under_way() -> (
+    None
+):
+    records = [
+        _rec(1, T0, m.StartRequested(reason="admin")),
+        _rec(2, T0 + 1, m.EngineStarting(runtime_id="pid:1", host="h", port=1)),
+        _rec(3, T0 + 2, m.EngineStartFailed(reason="boom", failures=1)),
+        _rec(4, T0 + 100, m.StartRequested(reason="request", request_id="r")),
+        _rec(5, T0 + 101, m.EngineStarting(runtime_id="pid:2", host="h", port=1,
+                                           launch_began_at=T0 + 100.5)),
+        _rec(6, T0 + 110, m.EngineMilestoneReached(milestone="weights_loaded", at=T0 + 109)),
+    ]  # fmt: skip
+    marks = marks_of(records)
+    assert marks.requested_at == T0 + 100 and marks.launch_began_at == T0 + 100.5
+    assert last_mark(marks) == T0 + 109
+    assert [(p.name, p.seconds) for p in start_phases(marks)] == [
+        ("launch", 1.0),
+        ("loading_weights", 8.0),
+    ]
+    ready = marks_of([*records, _rec(7, T0 + 120, m.EngineReady())])
+    assert [p.name for p in start_phases(ready)] == ["launch", "loading_weights", "ready"]

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import msgspec
 
 from events import model as m
-from events.cold_start import Phase, StartMarks, Victim, request_phases
+from events.cold_start import Phase, StartMarks, Victim, marks_of, request_phases
 from storage.eventlog import EventStore
 
 FIRST_BYTE_WITHIN = 100_000  # events after a request was served in which its first byte is
@@ -96,27 +96,8 @@ async def _start_marks(
             break
     else:
         return StartMarks(), None
-    requested_at = launch_began = launched = ready = None
-    start_seq = None
-    milestones: list[tuple[str, float]] = []
-    for rec in reversed(chosen):
-        ev = rec.event
-        if isinstance(ev, m.StartRequested):
-            requested_at, start_seq = rec.ts, rec.seq
-        elif isinstance(ev, m.EngineStarting) and launched is None:
-            launched, launch_began = rec.ts, ev.launch_began_at
-        elif isinstance(ev, m.EngineMilestoneReached):
-            milestones.append((ev.milestone, ev.at))
-        elif isinstance(ev, m.EngineReady) and ready is None:
-            ready = rec.ts
-    marks = StartMarks(
-        requested_at=requested_at,
-        launch_began_at=launch_began,
-        launched_at=launched,
-        milestones=milestones,
-        ready_at=ready,
-    )
-    return marks, start_seq
+    start_seq = chosen[-1].seq
+    return marks_of(reversed(chosen)), start_seq
 
 
 async def _victims(

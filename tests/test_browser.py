@@ -637,6 +637,15 @@ def test_the_start_progress_line_shows_elapsed_time_last_cold_start_and_last_log
         expect(progress).to_contain_text(
             "engine: INFO:     sim-engine vllm test/slow-start bound to"
         )
+        # Its one earlier start is its expected start time, labelled as an estimate; the
+        # phases come from the engine's log as it loads (the sim prints vLLM's lines).
+        expect(progress.locator("#start-estimate")).to_have_text(
+            re.compile(r" · expected [67]\.\d s \(est\.\)")
+        )
+        expect(progress.locator('#start-phases li[data-phase="launch"]')).to_be_visible()
+        expect(progress.locator('#start-phases li[data-phase="loading_weights"]')).to_contain_text(
+            re.compile(r"loading weights \d\.\d s")
+        )
         shot(page, "25-deployment-start-progress")
         expect(progress).to_be_hidden(timeout=30_000)
         expect(page.locator("#deployment-badge")).to_have_text("Ready")

@@ -20,14 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 
 import structlog
 
 from actors.errors import ActorError
 from actors.ports import EngineHandle
 from events import model as m
-from events.cold_start import ESTIMATE_STARTS, MILESTONES, median_recent, milestone_of
+from events.cold_start import (
+    ESTIMATE_STARTS,
+    MILESTONES,
+    ColdStarts,
+    median_recent,
+    milestone_of,
+)
 from storage.eventlog import EventStore
 
 log = structlog.get_logger("dgxmm.cold_start")
@@ -96,7 +102,7 @@ class StartHistory:
 
     def __init__(self, keep: int = ESTIMATE_STARTS) -> None:
         self._keep = keep
-        self._began: dict[str, float] = {}
+        self._pairing = ColdStarts()
         self._done: dict[str, collections.deque[float]] = {}
 
     def recorded(self, records: list[m.Recorded]) -> None:
@@ -106,22 +112,12 @@ class StartHistory:
 
     def feed(self, rec: m.Recorded) -> None:
         """Fold one record."""
-        if not rec.stream.startswith("deployment:"):
-            return
-        dep_id = rec.stream.partition(":")[2]
-        ev = rec.event
-        if isinstance(ev, m.StartRequested):
-            self._began.setdefault(dep_id, rec.ts)
-        elif isinstance(ev, m.EngineReady):
-            began = self._began.pop(dep_id, None)
-            if began is not None:
-                done = self._done.setdefault(dep_id, collections.deque(maxlen=self._keep))
-                done.append(max(0.0, rec.ts - began))
-        elif isinstance(ev, m.EngineStartFailed | m.EngineStopped | m.EngineLost):
-            self._began.pop(dep_id, None)
-        elif isinstance(ev, m.DeploymentRemoved):
-            self._began.pop(dep_id, None)
-            self._done.pop(dep_id, None)
+        found = self._pairing.feed(rec)
+        if found is not None:
+            dep_id, seconds = found
+            self._done.setdefault(dep_id, collections.deque(maxlen=self._keep)).append(seconds)
+        elif isinstance(rec.event, m.DeploymentRemoved):
+            self._done.pop(rec.stream.partition(":")[2], None)
 
     def expected_s(self, deployment_id: str) -> float | None:
         """The median of its last cold starts (an estimate), or None without history."""
@@ -131,15 +127,28 @@ class StartHistory:
     async def seed(self, store: EventStore, deployment_ids: Iterable[str]) -> None:
         """Read each deployment's newest start events (through the stream's index)."""
         for dep_id in deployment_ids:
-            newest = [
-                rec
-                async for rec in store.iterate(
-                    stream=m.deployment_stream(dep_id),
-                    types=_HISTORY_TYPES,
-                    descending=True,
-                    limit=SEED_EVENTS,
-                )
-            ]
-            for rec in reversed(newest):
+            for rec in await newest_events(store, dep_id, _HISTORY_TYPES, SEED_EVENTS):
                 self.feed(rec)
-            self._began.pop(dep_id, None)  # a start under way at the restart was not timed
+            self._pairing.forget(dep_id)  # a start under way at the restart was not timed
+
+
+async def newest_events(
+    store: EventStore,
+    deployment_id: str,
+    types: Collection[str],
+    limit: int,
+    until_seq: int | None = None,
+) -> list[m.Recorded]:
+    """The newest `limit` events of those types on one deployment's stream, oldest first
+    (read newest first through the stream's index, so a long log costs nothing more)."""
+    newest = [
+        rec
+        async for rec in store.iterate(
+            stream=m.deployment_stream(deployment_id),
+            types=types,
+            until_seq=until_seq,
+            descending=True,
+            limit=limit,
+        )
+    ]
+    return newest[::-1]

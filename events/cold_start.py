@@ -10,6 +10,7 @@ Everything here is pure and owns three things:
   add up exactly to its wait (arrival at the gateway to the engine's first byte relayed to
   it).  Each phase is named for what ends it, so a phase that did not happen (no victims, an
   engine that prints no milestone) is simply absent and the next one takes its time.
+- `ColdStarts`: pairs each start's request with its ready (the cold starts' durations).
 - `median_recent(durations)`: the median of a deployment's last `ESTIMATE_STARTS` cold
   starts, shown as an estimate ("est.") where a start is waited for.
 
@@ -201,6 +202,38 @@ def marks_of(records: Iterable[m.Recorded]) -> StartMarks:
         elif isinstance(ev, m.EngineStartFailed | m.EngineStopped | m.EngineLost):
             marks = StartMarks()  # that start ended without being ready
     return marks
+
+
+class ColdStarts:
+    """Pairs each deployment's `StartRequested` with its `EngineReady` (pure folding)."""
+
+    def __init__(self) -> None:
+        self._began: dict[str, float] = {}
+
+    def feed(self, rec: m.Recorded) -> tuple[str, float] | None:
+        """(deployment id, cold-start seconds) when `rec` ends a start, else None.
+
+        A start that failed, was stopped, lost or removed counts nothing.
+        """
+        if not rec.stream.startswith("deployment:"):
+            return None
+        dep_id = rec.stream.partition(":")[2]
+        event = rec.event
+        if isinstance(event, m.StartRequested):
+            self._began.setdefault(dep_id, rec.ts)
+        elif isinstance(event, m.EngineReady):
+            began = self._began.pop(dep_id, None)
+            if began is not None:
+                return dep_id, max(0.0, rec.ts - began)
+        elif isinstance(
+            event, m.EngineStartFailed | m.EngineStopped | m.EngineLost | m.DeploymentRemoved
+        ):
+            self._began.pop(dep_id, None)
+        return None
+
+    def forget(self, deployment_id: str) -> None:
+        """Drop the start under way of one deployment (it will not be timed)."""
+        self._began.pop(deployment_id, None)
 
 
 def median_recent(durations: Sequence[float], n: int = ESTIMATE_STARTS) -> float | None:

@@ -98,24 +98,22 @@ LLAMA_OTHER = [
 ]
 
 
-@pytest.mark.parametrize(("line", "expected"), VLLM_LINES)
-def test_vllm_milestones_are_read_from_its_log_lines(line: str, expected: Milestone) -> None:
-    assert milestone_of("vllm", line) == expected
+@pytest.mark.parametrize(
+    ("engine", "line", "expected"),
+    [("vllm", *case) for case in VLLM_LINES] + [("llamacpp", *case) for case in LLAMA_LINES],
+)
+def test_milestones_are_read_from_the_engine_s_log_lines(
+    engine: str, line: str, expected: Milestone
+) -> None:
+    assert milestone_of(engine, line) == expected
 
 
-@pytest.mark.parametrize("line", VLLM_OTHER)
-def test_other_vllm_lines_are_no_milestone(line: str) -> None:
-    assert milestone_of("vllm", line) is None
-
-
-@pytest.mark.parametrize(("line", "expected"), LLAMA_LINES)
-def test_llama_cpp_milestones_are_read_from_its_log_lines(line: str, expected: Milestone) -> None:
-    assert milestone_of("llamacpp", line) == expected
-
-
-@pytest.mark.parametrize("line", LLAMA_OTHER)
-def test_other_llama_cpp_lines_are_no_milestone(line: str) -> None:
-    assert milestone_of("llamacpp", line) is None
+@pytest.mark.parametrize(
+    ("engine", "line"),
+    [("vllm", line) for line in VLLM_OTHER] + [("llamacpp", line) for line in LLAMA_OTHER],
+)
+def test_the_engine_s_other_lines_are_no_milestone(engine: str, line: str) -> None:
+    assert milestone_of(engine, line) is None
 
 
 def test_an_engine_reads_only_its_own_milestones() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from dgxmm.admin.metrics import escape_label
 from events import model as m
+from events.cold_start import ColdStarts
 
 COLD_START_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 1200.0)
 QUEUE_WAIT_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0)
@@ -64,34 +65,6 @@ class Histogram:
             lines.append(f"{self.name}_sum{{{label}}} {total[0]!r}")
             lines.append(f"{self.name}_count{{{label}}} {running}")
         return lines
-
-
-class ColdStarts:
-    """Pairs each deployment's `StartRequested` with its `EngineReady` (pure folding)."""
-
-    def __init__(self) -> None:
-        self._began: dict[str, float] = {}
-
-    def feed(self, rec: m.Recorded) -> tuple[str, float] | None:
-        """(deployment id, cold-start seconds) when `rec` ends a start, else None.
-
-        A start that failed, was stopped, lost or removed counts nothing.
-        """
-        if not rec.stream.startswith("deployment:"):
-            return None
-        dep_id = rec.stream.partition(":")[2]
-        event = rec.event
-        if isinstance(event, m.StartRequested):
-            self._began.setdefault(dep_id, rec.ts)
-        elif isinstance(event, m.EngineReady):
-            began = self._began.pop(dep_id, None)
-            if began is not None:
-                return dep_id, max(0.0, rec.ts - began)
-        elif isinstance(
-            event, m.EngineStartFailed | m.EngineStopped | m.EngineLost | m.DeploymentRemoved
-        ):
-            self._began.pop(dep_id, None)
-        return None
 
 
 def last_cold_start(records: Iterable[m.Recorded]) -> float | None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from actors.cold_start import newest_events
 from events import model as m
 from events.cold_start import Phase, StartMarks, Victim, marks_of, request_phases
 from storage.eventlog import EventStore
@@ -79,18 +80,9 @@ async def _start_marks(
     store: EventStore, dep_id: str, until_seq: int
 ) -> tuple[StartMarks, int | None]:
     """The marks of the last start of `dep_id` before `until_seq`, and its seq."""
-    newest_first = [
-        rec
-        async for rec in store.iterate(
-            stream=m.deployment_stream(dep_id),
-            types=_START_TYPES,
-            until_seq=until_seq,
-            descending=True,
-            limit=LOOKBACK,
-        )
-    ]
+    oldest_first = await newest_events(store, dep_id, _START_TYPES, LOOKBACK, until_seq)
     chosen: list[m.Recorded] = []
-    for rec in newest_first:
+    for rec in reversed(oldest_first):
         chosen.append(rec)
         if isinstance(rec.event, m.StartRequested):
             break

@@ -678,8 +678,11 @@ def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_
                     r"waiting for q-holder \(used \d+ s ago\)"
                 )
             )
+            # It never started: no expected start time, rather than a guess.
+            expect(row.locator("td.estimate")).to_have_text("–")
             (queued,) = admin_api.call("GET", "queue")["requests"]
             assert queued["waiting_for"] == ["q-holder"], queued
+            assert queued["expected_start_s"] is None, queued
             shot(page, "26-dashboard-queue")
             admin_api.call("POST", f"deployments/{holder['id']}/stop")  # its memory comes back
             status, body = answer.result(timeout=60)

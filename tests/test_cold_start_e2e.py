@@ -90,9 +90,27 @@ def test_a_request_that_made_room_for_a_vllm_like_start_is_told_in_phases(tmp_pa
             small = (await api.ok("POST", "/dgxmm/api/deployments", small_spec, 201))["id"]
             await until(lambda: _is(state(small), "ready"), "small is ready")
 
-            answer = await request_once(
-                serve.gateway_port, "POST", f"/d/{big}/v1/chat/completions", chat_body("sim/big")
+            # Its one start so far is its expected start time, shown where a start is waited for.
+            record = await api.ok("GET", f"/dgxmm/api/deployments/{big}")
+            expected = record["expected_start_s"]
+            assert 2.0 < expected < 20.0, record
+            sent = asyncio.ensure_future(
+                request_once(
+                    serve.gateway_port,
+                    "POST",
+                    f"/d/{big}/v1/chat/completions",
+                    chat_body("sim/big"),
+                )
             )
+            rows: list[dict[str, Any]] = []
+
+            async def waiting() -> bool:
+                rows[:] = (await api.ok("GET", "/dgxmm/api/queue"))["requests"]
+                return bool(rows)
+
+            await until(waiting, "the request waits in the queue")
+            assert [r["expected_start_s"] for r in rows] == [expected], rows
+            answer = await sent
             assert answer.status == 200, answer.body
             request_id = answer.header("x-dgxmm-request-id")
             assert request_id is not None

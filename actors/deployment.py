@@ -596,8 +596,8 @@ class DeploymentActor(Actor):
         if msg.attempt != self._attempt or self.state.lifecycle is not Lifecycle.STARTING:
             return
         event = m.EngineMilestoneReached(milestone=msg.milestone, at=msg.at, took_s=msg.took_s)
+        # Nothing the queue, LiteLLM or the deployment's record depend on changed: no hook.
         await self._record("system", event)
-        self._changed()
 
     async def _on_booted(self, msg: _Booted) -> None:
         if msg.attempt != self._attempt or self.state.lifecycle is not Lifecycle.STARTING:

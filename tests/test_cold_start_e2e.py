@@ -26,7 +26,7 @@ from dgxmm.admin.phase_metrics import StartPhases
 from events import model as m
 from events.cold_start import PHASES
 from tests.gateway_support import request_once
-from tests.real_engine_support import poll, serving
+from tests.real_engine_support import RuntimeKind, poll, serving
 from tests.serve_support import PROJECT, Serve, chat_body, sim_spec, write_config
 
 DEADLINE_S = 60.0
@@ -199,8 +199,15 @@ def test_the_phase_histogram_counts_each_phase_of_a_start_and_of_its_waiting_req
 
 
 @pytest.mark.llama
-def test_a_real_llama_cpp_start_is_told_in_phases(tmp_path: Path) -> None:
-    with serving(tmp_path, "process") as serve:
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        pytest.param("process", id="process"),
+        pytest.param("docker", id="docker", marks=pytest.mark.docker),
+    ],
+)
+def test_a_real_llama_cpp_start_is_told_in_phases(tmp_path: Path, runtime: RuntimeKind) -> None:
+    with serving(tmp_path, runtime) as serve:
         serve.deploy("gemma")
         serve.wait_state("gemma", "ready")
         serve.api("POST", f"/deployments/{serve.deployments['gemma']}/stop", {})

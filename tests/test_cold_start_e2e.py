@@ -9,12 +9,6 @@ with the real llama.cpp is in `test_a_real_llama_cpp_start_is_told_in_phases`.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
-import math
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -24,10 +18,10 @@ import pytest
 
 from dgxmm.admin.phase_metrics import StartPhases
 from events import model as m
-from events.cold_start import PHASES
+from tests.cold_start_support import assert_adds_up, replay_wait
 from tests.gateway_support import request_once
 from tests.real_engine_support import RuntimeKind, poll, serving
-from tests.serve_support import PROJECT, Serve, chat_body, sim_spec, write_config
+from tests.serve_support import Serve, chat_body, sim_spec, write_config
 
 DEADLINE_S = 60.0
 T0 = 1_767_225_600.0
@@ -43,30 +37,6 @@ async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
     while not await check():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         await asyncio.sleep(0.05)
-
-
-def replay_wait(db: Path, request_id: str) -> tuple[dict[str, Any], str]:
-    """`dgxmm replay --request ID`: its JSON `wait` and its text."""
-    base = [sys.executable, "-m", "dgxmm.cli", "replay", "--db", str(db), "--request", request_id]
-    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
-    as_json = subprocess.run([*base, "--json"], capture_output=True, text=True, env=env, timeout=60)
-    as_text = subprocess.run(base, capture_output=True, text=True, env=env, timeout=60)
-    assert as_json.returncode == 0 and as_text.returncode == 0, (as_json.stderr, as_text.stderr)
-    wait = json.loads(as_json.stdout)["wait"]
-    assert wait is not None, as_json.stdout
-    return wait, as_text.stdout
-
-
-def assert_adds_up(wait: dict[str, Any]) -> None:
-    """Contiguous, non-negative phases that add up to the request's wait within 1 %."""
-    phases = wait["phases"]
-    names = [p["name"] for p in phases]
-    assert names == sorted(names, key=PHASES.index), names
-    assert all(p["seconds"] >= 0 for p in phases)
-    for before, after in itertools.pairwise(phases):
-        assert math.isclose(before["began_at"] + before["seconds"], after["began_at"], abs_tol=1e-6)
-    total = sum(p["seconds"] for p in phases)
-    assert abs(total - wait["wait_s"]) <= 0.01 * wait["wait_s"], (total, wait["wait_s"])
 
 
 def test_a_request_that_made_room_for_a_vllm_like_start_is_told_in_phases(tmp_path: Path) -> None:

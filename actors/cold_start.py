@@ -13,7 +13,8 @@ until the engine is ready (or the start ends otherwise), and records what it rep
 
 Bounded by design: each milestone is reported at most once per start, the watch ends when
 all of them were seen or after `MAX_LINES` lines, and it never delays the start: it only
-reads, in a task of its own, and is cancelled the moment the wait for readiness ends.
+reads, in a task of its own, and is cancelled when the wait for readiness ends (a second
+after ready, for the lines printed just before it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from storage.eventlog import EventStore
 log = structlog.get_logger("dgxmm.cold_start")
 
 MAX_LINES = 50_000  # a chatty engine's start; past it the milestones are not looked for
+AFTER_READY_S = 1.0  # the watch reads on this long after ready (see `stop_watching`)
 SEED_EVENTS = 200  # start events read back per deployment at start-up
 _HISTORY_TYPES = (
     "StartRequested",
@@ -86,9 +88,16 @@ def start_watching(
     return asyncio.get_running_loop().create_task(watch, name=f"milestones:{handle.deployment_id}")
 
 
-def stop_watching(task: asyncio.Task[None] | None) -> None:
-    """Cancel the watch (it ends at its next await; it keeps no resource)."""
-    if task is not None:
+def stop_watching(task: asyncio.Task[None] | None, *, ready: bool = False) -> None:
+    """Cancel the watch (it ends at its next await; it keeps no resource).  Once the engine
+    is ready it reads on for `AFTER_READY_S`: a line printed just before the health probe
+    answered (llama.cpp prints "model loaded" as it starts answering) is read a little
+    later, and still counts."""
+    if task is None:
+        return
+    if ready:
+        asyncio.get_running_loop().call_later(AFTER_READY_S, task.cancel)
+    else:
         task.cancel()
 
 

@@ -533,6 +533,7 @@ class DeploymentActor(Actor):
                         )
                     ),
                 )
+                outcome = None
                 try:
                     outcome = await wait_until_ready(
                         runtime=self._runtime,
@@ -544,7 +545,7 @@ class DeploymentActor(Actor):
                         deadline=launched_at + spec.startup_timeout_s,
                     )
                 finally:
-                    stop_watching(watch)
+                    stop_watching(watch, ready=outcome is BootOutcome.READY)
                 if outcome is BootOutcome.READY:
                     self.tell(_Booted(attempt=attempt))
                     return
@@ -592,10 +593,18 @@ class DeploymentActor(Actor):
         self._changed()
 
     async def _on_milestone(self, msg: _Milestone) -> None:
-        """The engine's log showed a loading milestone: one event, a few per start."""
-        if msg.attempt != self._attempt or self.state.lifecycle is not Lifecycle.STARTING:
+        """The engine's log showed a loading milestone: one event, a few per start.  One
+        read just after the engine answered ready was printed before: it counts at ready."""
+        dep = self.state
+        if msg.attempt != self._attempt:
             return
-        event = m.EngineMilestoneReached(milestone=msg.milestone, at=msg.at, took_s=msg.took_s)
+        if dep.lifecycle is Lifecycle.STARTING:
+            at = msg.at
+        elif dep.lifecycle is Lifecycle.READY:
+            at = min(msg.at, dep.changed_at)
+        else:
+            return
+        event = m.EngineMilestoneReached(milestone=msg.milestone, at=at, took_s=msg.took_s)
         # Nothing the queue, LiteLLM or the deployment's record depend on changed: no hook.
         await self._record("system", event)
 

@@ -77,7 +77,7 @@ _VLLM: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 _LLAMACPP: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("model_loaded", re.compile(r"\bmain: model loaded\b")),
-    ("server_listening", re.compile(r"\bserver is listening on\b")),
+    ("server_listening", re.compile(r"\bmain: (?:server is )?listening on\b")),
 )
 _PATTERNS = {"vllm": _VLLM, "sim": _VLLM, "llamacpp": _LLAMACPP}
 
@@ -194,7 +194,7 @@ def marks_of(records: Iterable[m.Recorded]) -> StartMarks:
             marks = msgspec.structs.replace(
                 marks, launched_at=rec.ts, launch_began_at=ev.launch_began_at
             )
-        elif isinstance(ev, m.EngineMilestoneReached) and marks.ready_at is None:
+        elif isinstance(ev, m.EngineMilestoneReached) and marks.requested_at is not None:
             found = (ev.milestone, ev.at)
             marks = msgspec.structs.replace(marks, milestones=[*marks.milestones, found])
         elif isinstance(ev, m.EngineReady) and marks.ready_at is None:

@@ -85,6 +85,8 @@ VLLM_OTHER = [
 # llama.cpp's llama-server (b6000 and later), as it starts.
 LLAMA_LINES = [
     ("main: model loaded", Milestone("model_loaded")),
+    ("srv          main: model loaded", Milestone("model_loaded")),
+    ("srv          main: listening on http://127.0.0.1:41234", Milestone("server_listening")),
     (
         "main: server is listening on http://127.0.0.1:8080 - starting the main loop",
         Milestone("server_listening"),

@@ -17,7 +17,7 @@ import msgspec
 
 from actors.cold_start import newest_events
 from events import model as m
-from events.cold_start import Phase, StartMarks, Victim, marks_of, request_phases
+from events.cold_start import MILESTONES, Phase, StartMarks, Victim, marks_of, request_phases
 from storage.eventlog import EventStore
 
 FIRST_BYTE_WITHIN = 100_000  # events after a request was served in which its first byte is
@@ -89,7 +89,18 @@ async def _start_marks(
     else:
         return StartMarks(), None
     start_seq = chosen[-1].seq
-    return marks_of(reversed(chosen)), start_seq
+    # A milestone read just after ready may be recorded after the first byte (at ready).
+    late = [
+        rec
+        async for rec in store.iterate(
+            stream=m.deployment_stream(dep_id),
+            since_seq=until_seq,
+            types=("EngineMilestoneReached", "StartRequested"),
+            limit=len(MILESTONES) + 1,
+        )
+    ]
+    ends = next((i for i, r in enumerate(late) if isinstance(r.event, m.StartRequested)), None)
+    return marks_of([*reversed(chosen), *late[:ends]]), start_seq
 
 
 async def _victims(

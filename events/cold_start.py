@@ -76,8 +76,9 @@ _VLLM: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("server_listening", re.compile(r"Starting vLLM (?:API )?server\b")),
 )
 _LLAMACPP: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("model_loaded", re.compile(r"\bmain: model loaded\b")),
-    ("server_listening", re.compile(r"\bmain: (?:server is )?listening on\b")),
+    # `main: ...` in older builds, `srv  llama_server: ...` in newer ones.
+    ("model_loaded", re.compile(r"\b(?:main|llama_server): model loaded\b")),
+    ("server_listening", re.compile(r"\b(?:main|llama_server): (?:server is )?listening on\b")),
 )
 _PATTERNS = {"vllm": _VLLM, "sim": _VLLM, "llamacpp": _LLAMACPP}
 

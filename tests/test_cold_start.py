@@ -82,17 +82,23 @@ VLLM_OTHER = [
     'INFO:     127.0.0.1:53412 - "GET /health HTTP/1.1" 200 OK',
 ]
 
-# llama.cpp's llama-server (b6000 and later), as it starts.
+# llama.cpp's llama-server as it starts: the build of scripts/build-llama-server (its lines
+# copied from a run), and the older `main: ...` wording.
 LLAMA_LINES = [
+    ("0.06.195.211 I srv  llama_server: model loaded", Milestone("model_loaded")),
+    (
+        "0.06.195.793 I srv  llama_server: listening on http://127.0.0.1:18977",
+        Milestone("server_listening"),
+    ),
     ("main: model loaded", Milestone("model_loaded")),
-    ("srv          main: model loaded", Milestone("model_loaded")),
-    ("srv          main: listening on http://127.0.0.1:41234", Milestone("server_listening")),
     (
         "main: server is listening on http://127.0.0.1:8080 - starting the main loop",
         Milestone("server_listening"),
     ),
 ]
 LLAMA_OTHER = [
+    "0.00.026.817 I srv    load_model: loading model '/models/gemma3-270m-q4_k_m-1.0.0.gguf'",
+    "0.06.193.048 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 512",
     "main: loading model",
     "srv    load_model: loading model '/models/gemma3-270m-q4_k_m.gguf'",
     "llama_model_loader: loaded meta data with 39 key-value pairs",

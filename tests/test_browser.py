@@ -703,7 +703,14 @@ def test_the_wizard_tells_the_truth_for_a_deployment_that_did_not_fit(
         open_hash(page, dgxmm, "/deploy")
         page.get_by_label("Name", exact=True).fill("no-room")
         page.get_by_label("Engine", exact=True).select_option("sim")
+        # The memory step tells how long a start of the same model took here, as an estimate.
+        estimate = page.locator("#wiz-start-estimate")
+        page.get_by_label("Model", exact=True).fill("test/filler")
+        expect(estimate).to_have_text(
+            re.compile(r"Expected start: about \d+ s \(est\., from filler's last cold starts\)\.")
+        )
         page.get_by_label("Model", exact=True).fill("test/no-room")
+        expect(estimate).to_be_hidden()  # no deployment of it ever started: no estimate
         page.get_by_label("Memory (GiB)").fill("3")
         page.get_by_role("button", name="Next").click()
         page.get_by_role("radio", name="Always on", exact=True).check()

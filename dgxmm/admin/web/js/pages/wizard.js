@@ -110,6 +110,17 @@ export function render({ navigate, notify }) {
   }
   model.control.addEventListener("input", showStartEstimate);
   engine.control.addEventListener("change", showStartEstimate);
+  // A start that ends while the wizard is open brings its history: look again.  The page
+  // has no teardown, so the listener leaves once the wizard is gone.
+  let attached = false;
+  const unsubscribe = live.subscribe((kind) => {
+    if (!startHint.isConnected) {
+      if (attached) unsubscribe();
+      return;
+    }
+    attached = true;
+    if (kind === "deployment" || kind === "snapshot") showStartEstimate();
+  });
   const args = field(
     "Engine arguments",
     h("textarea", { name: "args", rows: "2", spellcheck: "false" }),

@@ -200,3 +200,24 @@ def test_a_real_llama_cpp_start_is_told_in_phases(tmp_path: Path, runtime: Runti
         milestones = [e["data"]["milestone"] for e in serve.events("gemma")
                       if e["type"] == "EngineMilestoneReached"]  # fmt: skip
         assert "model_loaded" in milestones, milestones
+
+
+def test_a_milestone_recorded_just_after_ready_still_counts_in_the_histogram() -> None:
+    phases = StartPhases()
+    d = "deployment:d1"
+    phases.recorded(
+        [
+            _rec(1, T0, d, m.StartRequested(reason="admin")),
+            _rec(2, T0 + 1, d, m.EngineStarting(runtime_id="pid:1", host="h", port=1)),
+            _rec(3, T0 + 5, d, m.EngineReady()),
+            # llama.cpp prints "model loaded" as it starts answering: read after ready.
+            _rec(4, T0 + 5.1, d, m.EngineMilestoneReached(milestone="model_loaded", at=T0 + 5)),
+        ]
+    )
+    assert phases.histogram.count("d1\0launch") == 0  # not counted before it settled
+    phases.recorded([_rec(5, T0 + 60, "queue", m.RequestLeftQueue(
+        request_id="r9", deployment_id="d2", reason="served"))])  # fmt: skip
+    assert phases.histogram.count("d1\0launch") == 1
+    text = "\n".join(phases.histogram.render(lambda dep_id: dep_id))
+    assert 'phase="loading_model"} 4.0' in text, text
+    assert 'phase="ready"} 0.0' in text, text

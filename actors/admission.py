@@ -81,6 +81,10 @@ class Waiter(Protocol):
         """The client hung up: leave the queue; nothing starts just for this request."""
         ...
 
+    def first_byte(self) -> None:
+        """The engine's first byte is being relayed to it (recorded once: its wait ends)."""
+        ...
+
 
 class Controller(Protocol):
     """The on-demand controller as the gateway sees it."""

@@ -21,6 +21,7 @@ import msgspec
 import structlog
 
 from actors.admission import RETRY_AFTER_S, DeploymentView, Refused
+from actors.cold_start import EngineLogLines, StartHistory
 from actors.deployment import (
     Adopt,
     ChangeMode,
@@ -97,6 +98,8 @@ class DeploymentRecord(msgspec.Struct, frozen=True, kw_only=True):
     effective_make_room_after_s: int = 0
     # Why a deployment created (or started by an admin) did not start, until it starts.
     not_started: str | None = None
+    # Median of its last cold starts, in seconds: an estimate; None without history.
+    expected_start_s: float | None = None
 
 
 class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,6 +133,7 @@ class Controller:
         defaults: dict[str, Any] | None = None,
         stop_timeout_s: float = 30.0,
         health_failure_window_s: float | None = None,
+        log_lines: EngineLogLines | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -151,6 +155,8 @@ class Controller:
         if health_failure_window_s is not None:
             self._hooks.health_failure_window_s = health_failure_window_s
         self._hooks.activity = self._on_activity
+        self._hooks.log_lines = log_lines
+        self.start_history = StartHistory()  # for the expected start time (an estimate)
         self.queue = QueueActor(
             clock=clock,
             store=store,
@@ -208,6 +214,8 @@ class Controller:
         state = await load_state(self.store, _evolve_or_fail)
         self.system = state
         self.store.add_listener(self._fold)
+        await self.start_history.seed(self.store, state.deployments)
+        self.store.add_listener(self.start_history.recorded)
         self.queue.start()
         for dep in state.deployments.values():
             self._spawn(dep)
@@ -606,6 +614,7 @@ class Controller:
                 default_idle, self.default_make_room_s()
             ),
             not_started=self._not_started.get(dep.deployment_id),
+            expected_start_s=self.start_history.expected_s(dep.deployment_id),
         )
 
     def records(self) -> list[DeploymentRecord]:

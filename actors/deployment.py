@@ -29,6 +29,7 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
+from actors.cold_start import EngineLogLines, start_watching, stop_watching
 from actors.errors import ActorError, CommandRefused, RuntimeFailure
 from actors.memory_broker import Candidate, MemoryBroker, gib
 from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
@@ -191,6 +192,14 @@ class IdleCheck(Command, frozen=True, kw_only=True):
 class _Launched(Command, frozen=True, kw_only=True):
     handle: EngineHandle
     attempt: int
+    launch_began_at: float | None = None
+
+
+class _Milestone(Command, frozen=True, kw_only=True):
+    milestone: str
+    took_s: float | None
+    at: float
+    attempt: int
 
 
 class _Booted(Command, frozen=True, kw_only=True):
@@ -264,6 +273,7 @@ class Hooks:
         self.stop_timeout_s = 30.0  # SIGTERM, then SIGKILL after this
         self.health_failure_window_s = HEALTH_FAILURE_WINDOW_S
         self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
+        self.log_lines: EngineLogLines | None = None  # engine logs, for start milestones
 
 
 class DeploymentActor(Actor):
@@ -395,6 +405,8 @@ class DeploymentActor(Actor):
                 return await self._idle_check()
             case _Launched():
                 return await self._on_launched(message)
+            case _Milestone():
+                return await self._on_milestone(message)
             case _Booted():
                 return await self._on_booted(message)
             case _BootFailed():
@@ -498,6 +510,7 @@ class DeploymentActor(Actor):
         handle: EngineHandle | None = None
         try:
             async with self._broker.launch_slot(self.deployment_id):
+                launch_began_at = self.clock.wall()
                 launch = asyncio.ensure_future(self._runtime.launch(spec))
                 try:
                     handle = await asyncio.shield(launch)
@@ -506,17 +519,33 @@ class DeploymentActor(Actor):
                     raise
                 self._handle = handle
                 self._broker.launched(self.deployment_id)
-                self.tell(_Launched(handle=handle, attempt=attempt))
-                launched_at = self.clock.now()
-                outcome = await wait_until_ready(
-                    runtime=self._runtime,
-                    probe=self._probe,
-                    clock=self.clock,
-                    engine=spec.engine,
-                    handle=handle,
-                    launched_at=launched_at,
-                    deadline=launched_at + spec.startup_timeout_s,
+                self.tell(
+                    _Launched(handle=handle, attempt=attempt, launch_began_at=launch_began_at)
                 )
+                launched_at = self.clock.now()
+                watch = start_watching(
+                    self._hooks.log_lines,
+                    handle,
+                    spec.engine,
+                    lambda name, took: self.tell(
+                        _Milestone(
+                            milestone=name, took_s=took, at=self.clock.wall(), attempt=attempt
+                        )
+                    ),
+                )
+                outcome = None
+                try:
+                    outcome = await wait_until_ready(
+                        runtime=self._runtime,
+                        probe=self._probe,
+                        clock=self.clock,
+                        engine=spec.engine,
+                        handle=handle,
+                        launched_at=launched_at,
+                        deadline=launched_at + spec.startup_timeout_s,
+                    )
+                finally:
+                    stop_watching(watch, ready=outcome is BootOutcome.READY)
                 if outcome is BootOutcome.READY:
                     self.tell(_Booted(attempt=attempt))
                     return
@@ -555,10 +584,29 @@ class DeploymentActor(Actor):
         await self._record(
             "system",
             m.EngineStarting(
-                runtime_id=msg.handle.runtime_id, host=msg.handle.host, port=msg.handle.port
+                runtime_id=msg.handle.runtime_id,
+                host=msg.handle.host,
+                port=msg.handle.port,
+                launch_began_at=msg.launch_began_at,
             ),
         )
         self._changed()
+
+    async def _on_milestone(self, msg: _Milestone) -> None:
+        """The engine's log showed a loading milestone: one event, a few per start.  One
+        read just after the engine answered ready was printed before: it counts at ready."""
+        dep = self.state
+        if msg.attempt != self._attempt:
+            return
+        if dep.lifecycle is Lifecycle.STARTING:
+            at = msg.at
+        elif dep.lifecycle is Lifecycle.READY:
+            at = min(msg.at, dep.changed_at)
+        else:
+            return
+        event = m.EngineMilestoneReached(milestone=msg.milestone, at=at, took_s=msg.took_s)
+        # Nothing the queue, LiteLLM or the deployment's record depend on changed: no hook.
+        await self._record("system", event)
 
     async def _on_booted(self, msg: _Booted) -> None:
         if msg.attempt != self._attempt or self.state.lifecycle is not Lifecycle.STARTING:

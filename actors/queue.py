@@ -76,6 +76,7 @@ class WaiterImpl:
         self.future: asyncio.Future[LeaseImpl] = asyncio.get_running_loop().create_future()
         self.timer: TimerHandle | None = None
         self.jumped_ahead = False
+        self.first_byte_seen = False
 
     async def wait(self) -> LeaseImpl:
         """The lease once the model is ready; raises Refused otherwise."""
@@ -86,6 +87,12 @@ class WaiterImpl:
         self._queue.leave(self, "client_gone")
         if self.future.done() and not self.future.cancelled() and self.future.exception() is None:
             self.future.result().release()  # admitted just before the hang-up
+
+    def first_byte(self) -> None:
+        """The engine's first byte is being relayed to this request: its wait ends."""
+        if not self.first_byte_seen:
+            self.first_byte_seen = True
+            self._queue.first_byte(self)
 
     @property
     def done(self) -> bool:
@@ -262,6 +269,17 @@ class QueueActor(Actor):
                 deployment_id=waiter.deployment_id,
                 reason=reason,
                 waited_s=round(self.clock.now() - waiter.arrived, 3),
+            )
+        )
+
+    def first_byte(self, waiter: WaiterImpl) -> None:
+        """Record the end of a waited request's wait (the last phase of its cold start)."""
+        self._record(
+            m.FirstByteRelayed(
+                request_id=waiter.request_id,
+                deployment_id=waiter.deployment_id,
+                waited_s=round(self.clock.now() - waiter.arrived, 6),
+                at=self.clock.wall(),
             )
         )
 

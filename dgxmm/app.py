@@ -26,6 +26,7 @@ from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
 from dgxmm.config import Config, ConfigError, load_config
 from dgxmm.engines import adapters as engines
+from dgxmm.engines.logs import launch_lines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
 from dgxmm.litellm.gateway_key import GatewayKeys
 from dgxmm.private import auth_key, private_umask, secure_tree
@@ -182,6 +183,7 @@ class App:
             defaults=cfg.ondemand_defaults(),
             stop_timeout_s=cfg.runtime.stop_timeout_s,
             health_failure_window_s=cfg.runtime.health_failure_window_s,
+            log_lines=launch_lines(runtime),
         )
         await controller.load()
         self.snapshotter = Snapshotter(store, lambda: controller.system)
@@ -286,12 +288,16 @@ class App:
         """Engine logs, start progress, the queue, /healthz, and the latency histograms."""
         from dgxmm.admin.histograms import Latencies
         from dgxmm.admin.ops import OpsApi
+        from dgxmm.admin.phase_metrics import StartPhases
         from dgxmm.engines.logs import EngineLogs, Redactor
 
         controller, store, gateway = self.controller, self.store, self.gateway
         assert controller is not None and store is not None
         latencies = Latencies()
         store.add_listener(latencies.recorded)
+        phases = StartPhases()
+        store.add_listener(phases.recorded)
+        latencies.extra.append(phases.histogram)
         if gateway is not None:
             gateway.on_first_byte = latencies.first_byte.observe
 

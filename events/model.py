@@ -98,6 +98,21 @@ class EngineStarting(Event, frozen=True, kw_only=True):
     runtime_id: str
     host: str
     port: int
+    # When the runtime's launch call began (epoch seconds); None in logs written before
+    # cold-start phases were recorded.  The launch phase runs from it to this event.
+    launch_began_at: float | None = None
+
+
+class EngineMilestoneReached(Event, frozen=True, kw_only=True):
+    """The engine's log showed a loading milestone while it started (a few per start).
+
+    `milestone` is one of `events.cold_start.MILESTONES`; `at` is when DGXMM read the line
+    (epoch seconds); `took_s` the engine's own figure when its line gives one.
+    """
+
+    milestone: str
+    at: float
+    took_s: float | None = None
 
 
 class EngineReady(Event, frozen=True, kw_only=True):
@@ -198,6 +213,16 @@ class RequestLeftQueue(Event, frozen=True, kw_only=True):
     deployment_id: str
     reason: LeaveReason
     waited_s: float = 0.0
+
+
+class FirstByteRelayed(Event, frozen=True, kw_only=True):
+    """The engine's first byte reached a request that waited for a start (never recorded
+    for a request to a ready model).  `waited_s` runs from its arrival at the gateway."""
+
+    request_id: str
+    deployment_id: str
+    waited_s: float
+    at: float  # epoch seconds
 
 
 # --- settings, users, LiteLLM -----------------------------------------------------------
@@ -305,6 +330,7 @@ AnyEvent = (
     | PendingModeCleared
     | StartRequested
     | EngineStarting
+    | EngineMilestoneReached
     | EngineReady
     | EngineStartFailed
     | StopRequested
@@ -317,6 +343,7 @@ AnyEvent = (
     | RequestQueued
     | RequestAdmitted
     | RequestLeftQueue
+    | FirstByteRelayed
     | SettingsChanged
     | UserCreated
     | UserRemoved

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from events import model as m
+from events.cold_start import MILESTONE_TEXT
 from events.state import DeploymentState, Lifecycle
 
 QUEUE_TIMEOUT_AUDIT_EVERY_S = 60.0
@@ -202,6 +203,9 @@ def _title(rec: m.Recorded, names: dict[str, str]) -> str | None:
             return "Starting"
         case m.EngineStarting():
             return "Loading"
+        case m.EngineMilestoneReached():
+            what = MILESTONE_TEXT.get(ev.milestone, ev.milestone)
+            return f"Loading: {what}" + ("" if ev.took_s is None else f" ({ev.took_s:g} s)")
         case m.EngineReady():
             return "Ready"
         case m.EngineStartFailed():

@@ -419,7 +419,7 @@ class Gateway:
             handle = lease.handle
             await self._relay(
                 handle.host, handle.port, request, body, responder, view, target, mode, endpoint,
-                arrived=arrived,
+                arrived=arrived, on_head=waiter.first_byte,
             )  # fmt: skip
         finally:
             lease.release()
@@ -471,6 +471,7 @@ class Gateway:
         endpoint: Endpoint | None = None,
         *,
         arrived: float = 0.0,
+        on_head: Callable[[], None] | None = None,
     ) -> None:
         headers = request.headers
         try:
@@ -490,6 +491,8 @@ class Gateway:
         self._answers.add(answer)
         if arrived and self.on_first_byte is not None:
             self.on_first_byte(view.deployment_id, time.monotonic() - arrived)
+        if on_head is not None:
+            on_head()
         try:
             if mode is _Mode.PASS:
                 await self._pass(answer, responder, view, endpoint)

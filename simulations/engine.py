@@ -26,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,9 @@ class SimOptions:
     metrics: bool = False  # llama.cpp --metrics / SGLang --enable-metrics (vLLM: always on)
     data_parallel_size: int = 1  # vLLM `engine` / SGLang `dp_rank` label values
     tp_size: int = 1  # SGLang repeats its gauges per `tp_rank`
+    # Print vLLM's loading milestones to stderr while starting (the CLI turns it on), so
+    # DGXMM's cold-start phases can be read from a simulated engine's log end to end.
+    log_milestones: bool = False
 
     @property
     def warmup_s(self) -> float:
@@ -333,8 +337,18 @@ class SimServer:
         )
 
     async def _after_delay(self) -> None:
-        await asyncio.sleep(self.options.startup_delay_s)
+        if self.options.log_milestones and self._flavour == "vllm":
+            await self._vllm_milestones(self.options.startup_delay_s)
+        else:
+            await asyncio.sleep(self.options.startup_delay_s)
         await self._loaded()
+
+    async def _vllm_milestones(self, delay_s: float) -> None:
+        """vLLM's start-up lines, spread over the delay as a real start spreads them."""
+        began = time.monotonic()
+        for share, line in VLLM_MILESTONES:
+            await asyncio.sleep(max(0.0, began + share * delay_s - time.monotonic()))
+            _log(line.format(took=share * delay_s, url=f"http://{self.host}:{self.port}"))
 
     async def _loaded(self) -> None:
         if self.options.fail_at_start is not None:
@@ -750,7 +764,19 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
         metrics=ns.metrics,
         data_parallel_size=ns.data_parallel_size,
         tp_size=ns.tp_size,
+        log_milestones=True,
     )
+
+
+# (share of the start-up delay, line): the lines DGXMM reads milestones from, worded as vLLM.
+VLLM_MILESTONES = (
+    (0.4, "INFO 00-00 00:00:00 [default_loader.py:262] Loading weights took {took:.2f} seconds"),
+    (0.45, "INFO 00-00 00:00:00 [gpu_model_runner.py:2021] Model loading took 0.51 GiB and "
+     "{took:.6f} seconds"),
+    (0.9, "INFO 00-00 00:00:00 [core.py:214] init engine (profile, create kv cache, warmup "
+     "model) took {took:.2f} seconds"),
+    (1.0, "INFO 00-00 00:00:00 [api_server.py:1885] Starting vLLM API server 0 on {url}"),
+)  # fmt: skip
 
 
 def _log(line: str) -> None:

@@ -90,6 +90,9 @@ class ScriptedWaiter:
         """The lease, or `Refused`."""
         return await asyncio.shield(self.future)
 
+    def first_byte(self) -> None:
+        """The engine's answer reached the request; the scripted queue records nothing."""
+
     def cancel(self) -> None:
         """The client left."""
         if not self.cancelled:

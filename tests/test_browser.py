@@ -637,6 +637,15 @@ def test_the_start_progress_line_shows_elapsed_time_last_cold_start_and_last_log
         expect(progress).to_contain_text(
             "engine: INFO:     sim-engine vllm test/slow-start bound to"
         )
+        # Its one earlier start is its expected start time, labelled as an estimate; the
+        # phases come from the engine's log as it loads (the sim prints vLLM's lines).
+        expect(progress.locator("#start-estimate")).to_have_text(
+            re.compile(r" · expected [67]\.\d s \(est\.\)")
+        )
+        expect(progress.locator('#start-phases li[data-phase="launch"]')).to_be_visible()
+        expect(progress.locator('#start-phases li[data-phase="loading_weights"]')).to_contain_text(
+            re.compile(r"loading weights \d\.\d s")
+        )
         shot(page, "25-deployment-start-progress")
         expect(progress).to_be_hidden(timeout=30_000)
         expect(page.locator("#deployment-badge")).to_have_text("Ready")
@@ -669,8 +678,11 @@ def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_
                     r"waiting for q-holder \(used \d+ s ago\)"
                 )
             )
+            # It never started: no expected start time, rather than a guess.
+            expect(row.locator("td.estimate")).to_have_text("–")
             (queued,) = admin_api.call("GET", "queue")["requests"]
             assert queued["waiting_for"] == ["q-holder"], queued
+            assert queued["expected_start_s"] is None, queued
             shot(page, "26-dashboard-queue")
             admin_api.call("POST", f"deployments/{holder['id']}/stop")  # its memory comes back
             status, body = answer.result(timeout=60)
@@ -691,7 +703,14 @@ def test_the_wizard_tells_the_truth_for_a_deployment_that_did_not_fit(
         open_hash(page, dgxmm, "/deploy")
         page.get_by_label("Name", exact=True).fill("no-room")
         page.get_by_label("Engine", exact=True).select_option("sim")
+        # The memory step tells how long a start of the same model took here, as an estimate.
+        estimate = page.locator("#wiz-start-estimate")
+        page.get_by_label("Model", exact=True).fill("test/filler")
+        expect(estimate).to_have_text(
+            re.compile(r"Expected start: about \d+ s \(est\., from filler's last cold starts\)\.")
+        )
         page.get_by_label("Model", exact=True).fill("test/no-room")
+        expect(estimate).to_be_hidden()  # no deployment of it ever started: no estimate
         page.get_by_label("Memory (GiB)").fill("3")
         page.get_by_role("button", name="Next").click()
         page.get_by_role("radio", name="Always on", exact=True).check()

@@ -108,9 +108,11 @@ def test_ps_lists_each_deployment_with_engine_mode_state_memory_and_traffic(
     assert done.returncode == 0, done.stderr
     header, *rows = done.stdout.splitlines()
     assert header.split() == ["NAME", "ENGINE", "MODE", "STATE", "MEMORY", "IN", "FLIGHT",
-                              "QUEUED", "LAST", "USED"]  # fmt: skip
-    row = next(r for r in rows if r.startswith("ps-one "))
-    assert row.split() == ["ps-one", "sim", "always", "on", "Ready", "2", "GiB", "0", "0", "never"]
+                              "QUEUED", "START", "(EST.)", "LAST", "USED"]  # fmt: skip
+    row = next(r for r in rows if r.startswith("ps-one ")).split()
+    assert row[:9] == ["ps-one", "sim", "always", "on", "Ready", "2", "GiB", "0", "0"]
+    assert row[9] == "est." and row[10].endswith("s")  # its one start so far
+    assert row[11:] == ["never"]
 
 
 def test_stop_and_start_by_name_change_the_deployment_on_the_server(

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dgxmm.admin.histograms import ColdStarts, Histogram, last_cold_start
+from dgxmm.admin.histograms import Histogram, last_cold_start
 from dgxmm.admin.ops import Holder, health_problems, human_duration, wait_reason
 from events import model as m
+from events.cold_start import ColdStarts
 from tests.api_support import STARTUP_S, Box, api_box, error_of, run_box
 
 API = "/dgxmm/api"

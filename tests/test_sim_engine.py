@@ -641,6 +641,7 @@ def test_parse_args_maps_every_flag() -> None:
         tp_size=2,
         data_parallel_size=3,
         warmup_delay_s=0.5,
+        log_milestones=True,
     )
 
 

@@ -226,7 +226,10 @@ def _ago(now: float, then: float | None) -> str:
 
 def ps_lines(deployments: list[dict[str, Any]], now: float) -> list[str]:
     """`dgxmm ps` as a table, then a line for each deployment with a problem (pure)."""
-    header = ("NAME", "ENGINE", "MODE", "STATE", "MEMORY", "IN FLIGHT", "QUEUED", "LAST USED")
+    header = (
+        "NAME", "ENGINE", "MODE", "STATE", "MEMORY", "IN FLIGHT", "QUEUED", "START (EST.)",
+        "LAST USED",
+    )  # fmt: skip
     rows = [header]
     notes = []
     for d in deployments:
@@ -244,6 +247,7 @@ def ps_lines(deployments: list[dict[str, Any]], now: float) -> list[str]:
                 f"{d.get('memory_bytes', 0) / _GIB:g} GiB",
                 str(d.get("in_flight", 0)),
                 str(d.get("queued", 0) + d.get("waiting_for_start", 0)),
+                estimate_text(d.get("expected_start_s")),
                 _ago(now, d.get("last_used_at")),
             )
         )
@@ -253,6 +257,16 @@ def ps_lines(deployments: list[dict[str, Any]], now: float) -> list[str]:
         for r in rows
     ]
     return table + notes
+
+
+def estimate_text(seconds: float | None) -> str:
+    """An expected start time, labelled as the estimate it is ("-" without history)."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"est. {seconds:.1f}s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"est. {minutes}m{rest:02d}s"
 
 
 def _client(args: Any) -> AdminClient:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from dgxmm.admin.metrics import escape_label
 from events import model as m
+from events.cold_start import ColdStarts
 
 COLD_START_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 1200.0)
 QUEUE_WAIT_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0)
@@ -46,11 +47,15 @@ class Histogram:
         series = self._series.get(deployment)
         return sum(series[0]) if series is not None else 0
 
+    def labels(self, key: str, name_of: Callable[[str], str]) -> str:
+        """The label set of one series (`key` is its deployment id)."""
+        return f'deployment="{escape_label(name_of(key))}",id="{key}"'
+
     def render(self, name_of: Callable[[str], str]) -> list[str]:
         """The exposition lines (cumulative buckets, +Inf, sum, count)."""
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        for dep_id, (counts, total) in sorted(self._series.items()):
-            label = f'deployment="{escape_label(name_of(dep_id))}",id="{dep_id}"'
+        for key, (counts, total) in sorted(self._series.items()):
+            label = self.labels(key, name_of)
             running = 0
             for bound, n in zip(self.buckets, counts, strict=False):
                 running += n
@@ -60,34 +65,6 @@ class Histogram:
             lines.append(f"{self.name}_sum{{{label}}} {total[0]!r}")
             lines.append(f"{self.name}_count{{{label}}} {running}")
         return lines
-
-
-class ColdStarts:
-    """Pairs each deployment's `StartRequested` with its `EngineReady` (pure folding)."""
-
-    def __init__(self) -> None:
-        self._began: dict[str, float] = {}
-
-    def feed(self, rec: m.Recorded) -> tuple[str, float] | None:
-        """(deployment id, cold-start seconds) when `rec` ends a start, else None.
-
-        A start that failed, was stopped, lost or removed counts nothing.
-        """
-        if not rec.stream.startswith("deployment:"):
-            return None
-        dep_id = rec.stream.partition(":")[2]
-        event = rec.event
-        if isinstance(event, m.StartRequested):
-            self._began.setdefault(dep_id, rec.ts)
-        elif isinstance(event, m.EngineReady):
-            began = self._began.pop(dep_id, None)
-            if began is not None:
-                return dep_id, max(0.0, rec.ts - began)
-        elif isinstance(
-            event, m.EngineStartFailed | m.EngineStopped | m.EngineLost | m.DeploymentRemoved
-        ):
-            self._began.pop(dep_id, None)
-        return None
 
 
 def last_cold_start(records: Iterable[m.Recorded]) -> float | None:
@@ -121,6 +98,7 @@ class Latencies:
             TTFB_BUCKETS,
         )
         self._cold = ColdStarts()
+        self.extra: list[Histogram] = []  # more histograms fed elsewhere (cold-start phases)
 
     def recorded(self, records: list[m.Recorded]) -> None:
         """A store listener: count what the new events tell."""
@@ -136,6 +114,6 @@ class Latencies:
     def render(self, name_of: Callable[[str], str]) -> str:
         """The three histograms' exposition text."""
         lines: list[str] = []
-        for histogram in (self.cold_start, self.queue_wait, self.first_byte):
+        for histogram in (self.cold_start, self.queue_wait, self.first_byte, *self.extra):
             lines.extend(histogram.render(name_of))
         return "\n".join(lines) + "\n"

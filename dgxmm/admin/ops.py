@@ -8,7 +8,9 @@ which the API turns into its usual error body.
   with `follow=1` an SSE stream (`event: line`, one JSON string per line) that goes on
   across engine restarts.  Viewers may read; `engines.extra_env` values are redacted.
 - `GET .../deployments/{id}/progress`: while a deployment starts, how long it has been
-  starting, how long its last successful cold start took, and its engine's last log line.
+  starting, how long its last successful cold start took, its phases so far (launch, the
+  engine's loading milestones), its expected start time (an estimate) and its engine's last
+  log line.
 - `GET .../queue`: every waiting request with its model, age, deadline, position and
   what it waits for, in words.
 - `GET /healthz` (no login): 200 when the event log is writable and both listeners serve,
@@ -37,6 +39,7 @@ from actors.runtime import Clock
 from dgxmm.admin.histograms import last_cold_start
 from dgxmm.engines.logs import EngineLogs
 from events import model as m
+from events.cold_start import last_mark, marks_of, start_phases
 from events.state import Lifecycle
 from gateway.server import HTTPServer, Request, Responder
 from storage.eventlog import EventStore
@@ -267,6 +270,12 @@ class OpsApi:
         if starting and self.logs is not None:
             last_line = await self.logs.last_line(dep.deployment_id)
         record = self.controller.record(actor)
+        marks = marks_of(records)
+        phases = [{"name": p.name, "seconds": round(p.seconds, 3), "detail": p.detail}
+                  for p in start_phases(marks)]  # fmt: skip
+        in_phase = None
+        if starting and marks.requested_at is not None:
+            in_phase = round(max(0.0, now - last_mark(marks)), 1)
         return {
             "deployment_id": dep.deployment_id,
             "state": dep.lifecycle.value,
@@ -274,6 +283,11 @@ class OpsApi:
             "started_at": started_at if starting else None,
             "elapsed_s": round(now - started_at, 1) if starting and started_at else None,
             "last_cold_start_s": _round(last_cold_start(records)),
+            # The start's phases so far (the last start's, once ready), and how long the one
+            # under way has run; the expected start time is an estimate from its history.
+            "phases": phases,
+            "in_phase_s": in_phase,
+            "expected_start_s": record.expected_start_s,
             "last_log_line": last_line,
             "last_error": dep.last_error,
             "not_started": record.not_started,
@@ -340,6 +354,7 @@ class OpsApi:
                     "deadline_at": round(wall + (w.deadline - now), 3),
                     "deadline_in_s": round(max(0.0, w.deadline - now), 1),
                     "idle_timeout_s": dep.effective_idle_timeout_s(default_idle),
+                    "expected_start_s": controller.start_history.expected_s(dep.deployment_id),
                     "reason": reason,
                     "waiting_for": [h.name for h in holders] if w.kind == "queued" else [],
                 }

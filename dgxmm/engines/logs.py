@@ -186,6 +186,33 @@ class EngineLogs:
                 yield self.redact(pending)
 
 
+def launch_lines(runtime: Any, poll_s: float = 0.1) -> Callable[[EngineHandle], AsyncIterator[str]]:
+    """What an engine writes from its launch on, unredacted (start milestones are parsed
+    from it and never stored): the process runtime's file from its start, polled every
+    `poll_s`; a container's log stream from its first line.  Ends when cancelled."""
+
+    async def from_file(handle: EngineHandle) -> AsyncIterator[str]:
+        path = runtime.log_path(handle.deployment_id)
+        offset, pending = 0, ""
+        while True:
+            data, offset, _ = await asyncio.to_thread(_read_from, path, offset)
+            if not data:
+                await asyncio.sleep(poll_s)  # a file has no push
+                continue
+            found, pending = split_lines(pending, data.decode("utf-8", errors="replace"))
+            for line in found:
+                yield line
+
+    async def from_stream(handle: EngineHandle) -> AsyncIterator[str]:
+        pending = ""
+        async for piece in runtime.logs_follow(handle.deployment_id, MAX_TAIL_LINES):
+            found, pending = split_lines(pending, piece)
+            for line in found:
+                yield line
+
+    return from_file if hasattr(runtime, "log_path") else from_stream
+
+
 def _size(path: Path) -> int:
     try:
         return os.stat(path).st_size

@@ -39,6 +39,7 @@ from dgxmm.replay.logview import (
     until_text,
     write_lines,
 )
+from dgxmm.replay.phases import WaitView, render_wait, request_wait
 from events import model as m
 from events.projections import AUDITED_TYPES, AuditRow, Projector, badge
 from events.state import EMPTY, DeploymentState, Lifecycle, SystemState
@@ -122,6 +123,7 @@ class StoryView(msgspec.Struct, frozen=True, kw_only=True):
     deployment: str | None
     outcome: str
     story: list[TimelineItem]
+    wait: WaitView | None = None  # a request that waited for a start: its phases
 
 
 def deployment_view(
@@ -281,6 +283,7 @@ async def story_view(
         deployment=names.get(dep_id),
         outcome=outcome,
         story=items,
+        wait=await request_wait(store, named, names),
     )
 
 
@@ -352,6 +355,8 @@ def render_story(view: StoryView) -> Iterable[str]:
     for item in view.story:
         who = "queue" if item.kind == "queue" else (item.deployment or item.deployment_id or "")
         yield f"  {item.time}  {item.actor:<12} {who:<16} {item.title}"
+    if view.wait is not None:
+        yield from render_wait(view.wait)
 
 
 def _json_line(kind: str, obj: msgspec.Struct) -> str:

@@ -63,7 +63,7 @@ export function logsPanel(deploymentId) {
 
 /** While a deployment starts: elapsed time against its last cold start, and the last log line. */
 export function startProgress(deploymentId) {
-  const node = h("p.progress", { id: "start-progress", role: "status", hidden: true });
+  const node = h("div.progress", { id: "start-progress", role: "status", hidden: true });
   let timer = null;
   let stopped = false;
 
@@ -78,6 +78,8 @@ export function startProgress(deploymentId) {
         replace(node, [
           h("strong", `Starting for ${duration(p.elapsed_s)}`),
           against,
+          p.expected_start_s != null ? h("span#start-estimate", ` · expected ${phaseSeconds(p.expected_start_s)} (est.)`) : null,
+          startPhases(p.phases, p.in_phase_s),
           p.last_log_line ? h("span.last-line", [" · engine: ", h("code", p.last_log_line)]) : null,
         ]);
         node.hidden = false;
@@ -104,6 +106,25 @@ export function startProgress(deploymentId) {
       if (timer !== null) clearTimeout(timer);
     },
   };
+}
+
+/** "0.42 s", "31.2 s", "1 min 32 s": a phase's length, finer than `duration`. */
+function phaseSeconds(seconds) {
+  const s = Math.max(0, Number(seconds) || 0);
+  if (s < 1) return `${s.toFixed(2)} s`;
+  if (s < 90) return `${s.toFixed(1)} s`;
+  return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+}
+
+/** A start's phases so far, then the one under way. */
+function startPhases(phases, inPhase) {
+  if (!phases || !phases.length) return null;
+  return h("ol.start-phases#start-phases", [
+    ...phases.map((ph) =>
+      h("li", { "data-phase": ph.name, title: ph.detail || null }, `${ph.name.replaceAll("_", " ")} ${phaseSeconds(ph.seconds)}`),
+    ),
+    inPhase != null ? h("li.current", `… ${phaseSeconds(inPhase)} so far`) : null,
+  ]);
 }
 
 /** The Queue panel: each waiting request, and what it waits for. */
@@ -133,7 +154,7 @@ export function queuePanel({ deploymentId = null } = {}) {
           h("caption.visually-hidden", "Waiting requests, oldest first"),
           h(
             "thead",
-            h("tr", ["#", "Model", "Waiting", "Gives up", "Waits for"].map((t) => h("th", { scope: "col" }, t))),
+            h("tr", ["#", "Model", "Waiting", "Gives up", "Start (est.)", "Waits for"].map((t) => h("th", { scope: "col" }, t))),
           ),
           h(
             "tbody",
@@ -143,6 +164,7 @@ export function queuePanel({ deploymentId = null } = {}) {
                 h("td", [h("a", { href: `#/deployments/${encodeURIComponent(r.deployment_id)}` }, r.deployment), h("div.hint", r.model)]),
                 h("td", duration(r.age_s)),
                 h("td", { title: dateTime(r.deadline_at) }, `in ${duration(r.deadline_in_s)}`),
+                h("td.estimate", r.expected_start_s != null ? `est. ${phaseSeconds(r.expected_start_s)}` : "–"),
                 h("td.reason", r.reason),
               ]),
             ),

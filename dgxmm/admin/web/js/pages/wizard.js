@@ -94,6 +94,33 @@ export function render({ navigate, notify }) {
     h("input", { type: "number", name: "memory_gib", min: "0.1", step: "0.1", inputmode: "decimal", required: true }),
     "What the engine may hold. DGXMM keeps all deployments within the usable memory.",
   );
+  // The memory step's expected start time: the history of a deployment of the same engine
+  // and model on this box (the median of its last cold starts), labelled as an estimate.
+  const startHint = h("p.hint", { id: "wiz-start-estimate", hidden: true });
+  memory.wrap.append(startHint);
+  function showStartEstimate() {
+    const same = [...live.state.deployments.values()].filter(
+      (d) => d.engine === engine.control.value && d.model === model.control.value.trim() && d.expected_start_s != null,
+    );
+    startHint.hidden = !same.length;
+    if (same.length) {
+      const d = same[0];
+      startHint.textContent = `Expected start: about ${Math.round(d.expected_start_s)} s (est., from ${d.name}'s last cold starts).`;
+    }
+  }
+  model.control.addEventListener("input", showStartEstimate);
+  engine.control.addEventListener("change", showStartEstimate);
+  // A start that ends while the wizard is open brings its history: look again.  The page
+  // has no teardown, so the listener leaves once the wizard is gone.
+  let attached = false;
+  const unsubscribe = live.subscribe((kind) => {
+    if (!startHint.isConnected) {
+      if (attached) unsubscribe();
+      return;
+    }
+    attached = true;
+    if (kind === "deployment" || kind === "snapshot") showStartEstimate();
+  });
   const args = field(
     "Engine arguments",
     h("textarea", { name: "args", rows: "2", spellcheck: "false" }),

@@ -1,0 +1,489 @@
+"""Pure projection: the box over a window of time, as the memory and residency timeline draws it.
+
+`project(start_state, records, since, until, usable_bytes)` folds the events of one window
+(those after `since`, up to `until`) onto the state the log had at `since`, and returns:
+
+- **lanes**: one per deployment, a run of `Segment`s while it is starting, ready, asleep,
+  or stopping (until its engine is gone), each in that lifecycle state and with the memory
+  its engine holds: none while a start waits for room or a start slot (requested, no
+  engine yet), then the deployment's memory, fixed until the engine stops (a
+  reconfiguration takes effect at the next start);
+- **the usable-memory line** (`usable_bytes`, the budget engines may share);
+- **marks**: cold starts (at the start, with their duration once ready), idle sleeps,
+  make-room evictions (with the deployment they made room for), other sleeps (watchdog),
+  and failures (a start that failed, an engine lost), each with its event as JSON;
+- **queue waits**: request id, deployment, from/to and outcome (the `RequestLeftQueue`
+  reason, or `waiting` when it still waited at `until`).
+
+Lanes follow `events.state`'s own `evolve_deployment`, so a lane's state is the
+deployment's lifecycle at every instant.  `stack` turns lanes into the stacked pieces the
+UI and the SVG draw (each deployment in a fixed order, one above the other).  Nothing here
+reads the log: `storage` hands in the state at `since` (a snapshot plus the events after
+it) and the window's records.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from events import model as m
+from events.state import (
+    DeploymentState,
+    Lifecycle,
+    SystemState,
+    evolve_deployment,
+    new_deployment,
+)
+
+# The lifecycle states in which a deployment holds memory (its lane is drawn).
+HOLDING = frozenset({Lifecycle.STARTING, Lifecycle.READY, Lifecycle.ASLEEP, Lifecycle.STOPPING})
+MAX_WAITS = 2_000  # queue waits kept per window (the longest); the rest are counted
+MAX_MARKS = 5_000  # marks kept per window (the newest); the rest are counted
+
+# The event types a window needs (everything else, e.g. logins and tokens, is skipped).
+QUEUE_TYPES = ("RequestQueued", "RequestAdmitted", "RequestLeftQueue")
+DEPLOYMENT_TYPES = (
+    "DeploymentCreated",
+    "DeploymentReconfigured",
+    "ModelSwitched",
+    "DeploymentRemoved",
+    "ModeChanged",
+    "StartRequested",
+    "EngineStarting",
+    "EngineReady",
+    "EngineStartFailed",
+    "StopRequested",
+    "PutToSleep",
+    "EngineStopped",
+    "EngineLost",
+    "EngineAsleep",
+    "EngineAwake",
+    "EngineAdopted",
+)
+WINDOW_TYPES = (*DEPLOYMENT_TYPES, *QUEUE_TYPES)
+
+_encoder = msgspec.json.Encoder()
+
+
+class Segment(msgspec.Struct, frozen=True, kw_only=True):
+    """A stretch of one deployment's lane: one lifecycle state, one amount of memory."""
+
+    deployment_id: str
+    state: str  # Lifecycle value: starting, ready, asleep, stopping
+    start: float
+    end: float
+    memory_bytes: int
+
+
+class Mark(msgspec.Struct, frozen=True, kw_only=True):
+    """Something that happened to a deployment at one moment."""
+
+    kind: str  # cold_start, idle_sleep, make_room, sleep, failure
+    ts: float
+    seq: int
+    deployment_id: str
+    title: str
+    duration_s: float | None = None  # cold_start: start to ready (None: not ready by `until`)
+    end: float | None = None  # cold_start: when it became ready (or failed)
+    for_deployment: str | None = None  # make_room: the deployment it made room for
+    for_name: str | None = None
+    request_id: str | None = None  # cold_start: the request that asked for it
+    event: dict[str, Any] = {}
+
+
+class Wait(msgspec.Struct, frozen=True, kw_only=True):
+    """A request waiting in the queue for a deployment."""
+
+    request_id: str
+    deployment_id: str
+    start: float
+    end: float
+    outcome: str  # a LeaveReason, or "waiting" (still waiting at `until`)
+    kind: str = "queued"  # queued (for memory) or waiting_start
+    admitted_at: float | None = None
+
+
+class Lane(msgspec.Struct, frozen=True, kw_only=True):
+    """One deployment of the window, in the order the lanes are stacked."""
+
+    deployment_id: str
+    name: str
+    memory_bytes: int  # its memory at `until` (or when removed)
+
+
+class Piece(msgspec.Struct, frozen=True, kw_only=True):
+    """A rectangle of the stacked chart: a segment between two change points, at its height."""
+
+    deployment_id: str
+    state: str
+    start: float
+    end: float
+    low_bytes: int
+    high_bytes: int
+
+
+class Timeline(msgspec.Struct, frozen=True, kw_only=True):
+    """The box over one window."""
+
+    since: float
+    until: float
+    usable_bytes: int
+    lanes: list[Lane]
+    segments: list[Segment]
+    marks: list[Mark]
+    waits: list[Wait]
+    waits_omitted: int = 0
+    marks_omitted: int = 0
+
+
+class _Open:
+    """A deployment's lane while the window is folded."""
+
+    __slots__ = ("dep", "held", "since", "start_request", "start_seq", "start_since")
+
+    def __init__(self, dep: DeploymentState, since: float) -> None:
+        self.dep = dep
+        self.held = dep.memory_bytes if _has_engine(dep) else 0
+        self.since = since  # when the current segment began
+        self.start_since: float | None = None  # a cold start in progress: when it began
+        self.start_seq = 0
+        self.start_request: str | None = None
+
+
+def _has_engine(dep: DeploymentState) -> bool:
+    """Whether the deployment's engine holds memory: a start has an engine once it is starting
+    (`EngineStarting` sets the runtime id); before that it waits for room or a start slot."""
+    if dep.lifecycle not in HOLDING:
+        return False
+    return dep.lifecycle is not Lifecycle.STARTING or dep.runtime_id is not None
+
+
+def _event_json(rec: m.Recorded) -> dict[str, Any]:
+    data: dict[str, Any] = msgspec.json.decode(_encoder.encode(rec.event))
+    return {"seq": rec.seq, "ts": rec.ts, "actor": rec.actor, **data}
+
+
+class _Folder:
+    def __init__(self, state: SystemState, since: float, until: float) -> None:
+        self.since = since
+        self.until = until
+        self.open: dict[str, _Open] = {}
+        self.names: dict[str, str] = {}
+        self.order: list[str] = []
+        self.segments: list[Segment] = []
+        self.marks: list[Mark] = []
+        self.waits: dict[str, dict[str, Any]] = {}
+        self.done_waits: list[Wait] = []
+        for dep_id, dep in state.deployments.items():
+            lane = _Open(dep, since)
+            if dep.lifecycle is Lifecycle.STARTING:
+                lane.start_since = dep.changed_at or since  # the real start, maybe before
+            self.open[dep_id] = lane
+            self.names[dep_id] = dep.name
+            self.order.append(dep_id)
+        for entry in state.queue.values():
+            self.waits[entry.request_id] = {
+                "deployment_id": entry.deployment_id,
+                "start": since,  # it waited before the window too: clipped like the lanes
+                "kind": entry.kind,
+                "admitted_at": None,
+            }
+
+    def _close(self, dep_id: str, lane: _Open, at: float) -> None:
+        if lane.dep.lifecycle in HOLDING:
+            self.segments.append(
+                Segment(
+                    deployment_id=dep_id,
+                    state=lane.dep.lifecycle.value,
+                    start=lane.since,
+                    end=at,
+                    memory_bytes=lane.held,
+                )
+            )
+
+    def deployment(self, rec: m.Recorded) -> None:
+        dep_id = rec.stream.partition(":")[2]
+        ev = rec.event
+        if isinstance(ev, m.DeploymentCreated):
+            dep = new_deployment(rec)
+            self.open[dep_id] = _Open(dep, rec.ts)
+            self.names[dep_id] = dep.name
+            if dep_id not in self.order:
+                self.order.append(dep_id)
+            return
+        lane = self.open.get(dep_id)
+        if lane is None:
+            return
+        if isinstance(ev, m.DeploymentRemoved):
+            self._close(dep_id, lane, rec.ts)
+            lane.held = 0
+            lane.dep = msgspec.structs.replace(lane.dep, lifecycle=Lifecycle.STOPPED)
+            del self.open[dep_id]
+            return
+        before = lane.dep.lifecycle
+        after_dep = evolve_deployment(lane.dep, rec)
+        after = after_dep.lifecycle
+        # The memory an engine holds is fixed while it runs (from its start to its stop).
+        held = (lane.held or after_dep.memory_bytes) if _has_engine(after_dep) else 0
+        if after is not before or held != lane.held:
+            self._close(dep_id, lane, rec.ts)
+            lane.held = held
+            lane.since = rec.ts
+        lane.dep = after_dep
+        self._mark(dep_id, lane, rec, before, after)
+
+    def _mark(
+        self, dep_id: str, lane: _Open, rec: m.Recorded, before: Lifecycle, after: Lifecycle
+    ) -> None:
+        ev = rec.event
+        if isinstance(ev, m.StartRequested) and ev.request_id is not None:
+            lane.start_request = ev.request_id
+        if after is Lifecycle.STARTING and before is not Lifecycle.STARTING:
+            lane.start_since, lane.start_seq = rec.ts, rec.seq
+        if before is Lifecycle.STARTING and after is not Lifecycle.STARTING:
+            if after is Lifecycle.READY and lane.start_since is not None:
+                self._cold_start(dep_id, lane, rec.ts)
+            lane.start_since, lane.start_request = None, None
+        name = self.names.get(dep_id, dep_id)
+        match ev:
+            case m.PutToSleep(reason="make_room"):
+                target = ev.for_name or ev.for_deployment or "?"
+                self.marks.append(
+                    Mark(
+                        kind="make_room",
+                        ts=rec.ts,
+                        seq=rec.seq,
+                        deployment_id=dep_id,
+                        title=f"{name} put to sleep to make room for {target}",
+                        for_deployment=ev.for_deployment,
+                        for_name=ev.for_name,
+                        event=_event_json(rec),
+                    )
+                )
+            case m.PutToSleep(reason="idle"):
+                self.marks.append(
+                    Mark(
+                        kind="idle_sleep",
+                        ts=rec.ts,
+                        seq=rec.seq,
+                        deployment_id=dep_id,
+                        title=f"{name} put to sleep after {ev.idle_timeout_s} s idle",
+                        event=_event_json(rec),
+                    )
+                )
+            case m.PutToSleep():
+                self.marks.append(
+                    Mark(
+                        kind="sleep",
+                        ts=rec.ts,
+                        seq=rec.seq,
+                        deployment_id=dep_id,
+                        title=f"{name} put to sleep ({ev.reason})",
+                        event=_event_json(rec),
+                    )
+                )
+            case m.EngineStartFailed() | m.EngineLost():
+                what = "start failed" if isinstance(ev, m.EngineStartFailed) else "engine lost"
+                self.marks.append(
+                    Mark(
+                        kind="failure",
+                        ts=rec.ts,
+                        seq=rec.seq,
+                        deployment_id=dep_id,
+                        title=f"{name}: {what}: {ev.reason}",
+                        event=_event_json(rec),
+                    )
+                )
+
+    def _cold_start(self, dep_id: str, lane: _Open, end: float | None) -> None:
+        start = lane.start_since
+        assert start is not None
+        name = self.names.get(dep_id, dep_id)
+        duration = None if end is None else round(end - start, 3)
+        title = (
+            f"{name} started in {duration:.1f} s"
+            if duration is not None
+            else f"{name} starting (not ready yet)"
+        )
+        self.marks.append(
+            Mark(
+                kind="cold_start",
+                ts=start,
+                seq=lane.start_seq,
+                deployment_id=dep_id,
+                title=title,
+                duration_s=duration,
+                end=end,
+                request_id=lane.start_request,
+            )
+        )
+
+    def queue(self, rec: m.Recorded) -> None:
+        ev = rec.event
+        if isinstance(ev, m.RequestQueued):
+            self.waits[ev.request_id] = {
+                "deployment_id": ev.deployment_id,
+                "start": rec.ts,
+                "kind": ev.kind,
+                "admitted_at": None,
+            }
+        elif isinstance(ev, m.RequestAdmitted):
+            wait = self.waits.get(ev.request_id)
+            if wait is not None:
+                wait["admitted_at"] = rec.ts
+        elif isinstance(ev, m.RequestLeftQueue):
+            wait = self.waits.pop(ev.request_id, None)
+            start = wait["start"] if wait is not None else max(self.since, rec.ts - ev.waited_s)
+            self.done_waits.append(
+                Wait(
+                    request_id=ev.request_id,
+                    deployment_id=ev.deployment_id,
+                    start=start,
+                    end=rec.ts,
+                    outcome=ev.reason,
+                    kind=wait["kind"] if wait is not None else "queued",
+                    admitted_at=wait["admitted_at"] if wait is not None else None,
+                )
+            )
+
+    def finish(self, usable_bytes: int) -> Timeline:
+        for dep_id, lane in self.open.items():
+            self._close(dep_id, lane, self.until)
+            if lane.dep.lifecycle is Lifecycle.STARTING and lane.start_since is not None:
+                self._cold_start(dep_id, lane, None)
+        waits = self.done_waits + [
+            Wait(
+                request_id=rid,
+                deployment_id=w["deployment_id"],
+                start=w["start"],
+                end=self.until,
+                outcome="waiting",
+                kind=w["kind"],
+                admitted_at=w["admitted_at"],
+            )
+            for rid, w in self.waits.items()
+        ]
+        omitted = max(0, len(waits) - MAX_WAITS)
+        if omitted:
+            waits = sorted(waits, key=lambda w: w.end - w.start, reverse=True)[:MAX_WAITS]
+        waits.sort(key=lambda w: (w.start, w.request_id))
+        marks = sorted(self.marks, key=lambda k: (k.ts, k.seq))
+        marks_omitted = max(0, len(marks) - MAX_MARKS)
+        marks = marks[marks_omitted:]
+        rank = {dep_id: i for i, dep_id in enumerate(self.order)}
+        segments = sorted(
+            (s for s in self.segments if s.end > s.start or s.start == self.until),
+            key=lambda s: (s.start, rank[s.deployment_id]),
+        )
+        lanes = []
+        for dep_id in self.order:
+            still = self.open.get(dep_id)
+            memory = still.dep.memory_bytes if still is not None else 0
+            if still is None:
+                memory = max(
+                    (s.memory_bytes for s in segments if s.deployment_id == dep_id), default=0
+                )
+            lanes.append(Lane(deployment_id=dep_id, name=self.names[dep_id], memory_bytes=memory))
+        return Timeline(
+            since=self.since,
+            until=self.until,
+            usable_bytes=usable_bytes,
+            lanes=lanes,
+            segments=segments,
+            marks=marks,
+            waits=waits,
+            waits_omitted=omitted,
+            marks_omitted=marks_omitted,
+        )
+
+
+def project(
+    start: SystemState,
+    records: Iterable[m.Recorded],
+    since: float,
+    until: float,
+    usable_bytes: int,
+) -> Timeline:
+    """The timeline of the window (`since`, `until`]: `start` is the state at `since`.
+
+    `records` are the window's records in order (any other types are skipped); records
+    after `until` are ignored.
+    """
+    folder = _Folder(start, since, until)
+    for rec in records:
+        if rec.ts > until:
+            break
+        if rec.stream == m.STREAM_QUEUE:
+            folder.queue(rec)
+        elif rec.stream.startswith("deployment:"):
+            folder.deployment(rec)
+    return folder.finish(usable_bytes)
+
+
+def lane_at(timeline: Timeline, deployment_id: str, at: float) -> Segment | None:
+    """The segment of a deployment's lane that covers `at` (the later one at a boundary)."""
+    found = None
+    for seg in timeline.segments:
+        if seg.deployment_id == deployment_id and seg.start <= at < seg.end:
+            found = seg
+    return found
+
+
+def held_at(timeline: Timeline, at: float) -> int:
+    """The memory all lanes hold at `at`."""
+    return sum(s.memory_bytes for s in timeline.segments if s.start <= at < s.end)
+
+
+def stack(timeline: Timeline) -> list[Piece]:
+    """The stacked chart: between two change points, each holding lane above the ones before it.
+
+    Lanes are stacked in `timeline.lanes` order; a piece runs until any lane changes.
+    """
+    order = {lane.deployment_id: i for i, lane in enumerate(timeline.lanes)}
+    points = sorted({s.start for s in timeline.segments} | {s.end for s in timeline.segments})
+    pieces: list[Piece] = []
+    open_pieces: dict[str, int] = {}  # deployment -> index of its latest piece
+    by_start = sorted(timeline.segments, key=lambda s: s.start)
+    active: list[Segment] = []
+    i = 0
+    for left, right in itertools.pairwise(points):
+        while i < len(by_start) and by_start[i].start <= left:
+            active.append(by_start[i])
+            i += 1
+        active = [s for s in active if s.end > left]
+        low = 0
+        seen: set[str] = set()
+        for seg in sorted(active, key=lambda s: order.get(s.deployment_id, 0)):
+            if seg.deployment_id in seen or not seg.memory_bytes:
+                continue
+            seen.add(seg.deployment_id)
+            high = low + seg.memory_bytes
+            at = open_pieces.get(seg.deployment_id)
+            prev = pieces[at] if at is not None else None
+            if (
+                at is not None
+                and prev is not None
+                and prev.end == left
+                and prev.state == seg.state
+                and prev.low_bytes == low
+                and prev.high_bytes == high
+            ):
+                pieces[at] = msgspec.structs.replace(prev, end=right)
+            else:
+                open_pieces[seg.deployment_id] = len(pieces)
+                pieces.append(
+                    Piece(
+                        deployment_id=seg.deployment_id,
+                        state=seg.state,
+                        start=left,
+                        end=right,
+                        low_bytes=low,
+                        high_bytes=high,
+                    )
+                )
+            low = high
+    return pieces

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import Any
 
 import msgspec
 
@@ -34,6 +33,7 @@ from events import model as m
 from events.state import (
     DeploymentState,
     Lifecycle,
+    QueueEntry,
     SystemState,
     evolve_deployment,
     new_deployment,
@@ -45,7 +45,8 @@ MAX_WAITS = 2_000  # queue waits kept per window (the longest); the rest are cou
 MAX_MARKS = 5_000  # marks kept per window (the newest); the rest are counted
 
 # The event types a window needs (everything else, e.g. logins and tokens, is skipped).
-QUEUE_TYPES = ("RequestQueued", "RequestAdmitted", "RequestLeftQueue")
+# RequestAdmitted is not read: a wait runs from its RequestQueued to its RequestLeftQueue.
+QUEUE_TYPES = ("RequestQueued", "RequestLeftQueue")
 DEPLOYMENT_TYPES = (
     "DeploymentCreated",
     "DeploymentReconfigured",
@@ -65,8 +66,6 @@ DEPLOYMENT_TYPES = (
     "EngineAdopted",
 )
 WINDOW_TYPES = (*DEPLOYMENT_TYPES, *QUEUE_TYPES)
-
-_encoder = msgspec.json.Encoder()
 
 
 class Segment(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,7 +91,8 @@ class Mark(msgspec.Struct, frozen=True, kw_only=True):
     for_deployment: str | None = None  # make_room: the deployment it made room for
     for_name: str | None = None
     request_id: str | None = None  # cold_start: the request that asked for it
-    event: dict[str, Any] = {}
+    event: m.AnyEvent | None = None  # the event itself (JSON: an object with its "type")
+    actor: str = ""
 
 
 class Wait(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,7 +104,6 @@ class Wait(msgspec.Struct, frozen=True, kw_only=True):
     end: float
     outcome: str  # a LeaveReason, or "waiting" (still waiting at `until`)
     kind: str = "queued"  # queued (for memory) or waiting_start
-    admitted_at: float | None = None
 
 
 class Lane(msgspec.Struct, frozen=True, kw_only=True):
@@ -162,11 +161,6 @@ def _has_engine(dep: DeploymentState) -> bool:
     return dep.lifecycle is not Lifecycle.STARTING or dep.runtime_id is not None
 
 
-def _event_json(rec: m.Recorded) -> dict[str, Any]:
-    data: dict[str, Any] = msgspec.json.decode(_encoder.encode(rec.event))
-    return {"seq": rec.seq, "ts": rec.ts, "actor": rec.actor, **data}
-
-
 class _Folder:
     def __init__(self, state: SystemState, since: float, until: float) -> None:
         self.since = since
@@ -176,7 +170,7 @@ class _Folder:
         self.order: list[str] = []
         self.segments: list[Segment] = []
         self.marks: list[Mark] = []
-        self.waits: dict[str, dict[str, Any]] = {}
+        self.waits: dict[str, tuple[str, float, str]] = {}  # request -> (deployment, start, kind)
         self.done_waits: list[Wait] = []
         for dep_id, dep in state.deployments.items():
             lane = _Open(dep, since)
@@ -186,12 +180,8 @@ class _Folder:
             self.names[dep_id] = dep.name
             self.order.append(dep_id)
         for entry in state.queue.values():
-            self.waits[entry.request_id] = {
-                "deployment_id": entry.deployment_id,
-                "start": since,  # it waited before the window too: clipped like the lanes
-                "kind": entry.kind,
-                "admitted_at": None,
-            }
+            # It waited before the window too: clipped to the window like the lanes.
+            self.waits[entry.request_id] = (entry.deployment_id, since, entry.kind)
 
     def _close(self, dep_id: str, lane: _Open, at: float) -> None:
         if lane.dep.lifecycle in HOLDING:
@@ -261,7 +251,8 @@ class _Folder:
                         title=f"{name} put to sleep to make room for {target}",
                         for_deployment=ev.for_deployment,
                         for_name=ev.for_name,
-                        event=_event_json(rec),
+                        event=ev,
+                        actor=rec.actor,
                     )
                 )
             case m.PutToSleep(reason="idle"):
@@ -272,7 +263,8 @@ class _Folder:
                         seq=rec.seq,
                         deployment_id=dep_id,
                         title=f"{name} put to sleep after {ev.idle_timeout_s} s idle",
-                        event=_event_json(rec),
+                        event=ev,
+                        actor=rec.actor,
                     )
                 )
             case m.PutToSleep():
@@ -283,7 +275,8 @@ class _Folder:
                         seq=rec.seq,
                         deployment_id=dep_id,
                         title=f"{name} put to sleep ({ev.reason})",
-                        event=_event_json(rec),
+                        event=ev,
+                        actor=rec.actor,
                     )
                 )
             case m.EngineStartFailed() | m.EngineLost():
@@ -295,7 +288,8 @@ class _Folder:
                         seq=rec.seq,
                         deployment_id=dep_id,
                         title=f"{name}: {what}: {ev.reason}",
-                        event=_event_json(rec),
+                        event=ev,
+                        actor=rec.actor,
                     )
                 )
 
@@ -324,29 +318,18 @@ class _Folder:
 
     def queue(self, rec: m.Recorded) -> None:
         ev = rec.event
-        if isinstance(ev, m.RequestQueued):
-            self.waits[ev.request_id] = {
-                "deployment_id": ev.deployment_id,
-                "start": rec.ts,
-                "kind": ev.kind,
-                "admitted_at": None,
-            }
-        elif isinstance(ev, m.RequestAdmitted):
-            wait = self.waits.get(ev.request_id)
-            if wait is not None:
-                wait["admitted_at"] = rec.ts
-        elif isinstance(ev, m.RequestLeftQueue):
+        if type(ev) is m.RequestQueued:
+            self.waits[ev.request_id] = (ev.deployment_id, rec.ts, ev.kind)
+        elif type(ev) is m.RequestLeftQueue:
             wait = self.waits.pop(ev.request_id, None)
-            start = wait["start"] if wait is not None else max(self.since, rec.ts - ev.waited_s)
             self.done_waits.append(
                 Wait(
                     request_id=ev.request_id,
                     deployment_id=ev.deployment_id,
-                    start=start,
+                    start=wait[1] if wait is not None else max(self.since, rec.ts - ev.waited_s),
                     end=rec.ts,
                     outcome=ev.reason,
-                    kind=wait["kind"] if wait is not None else "queued",
-                    admitted_at=wait["admitted_at"] if wait is not None else None,
+                    kind=wait[2] if wait is not None else "queued",
                 )
             )
 
@@ -358,14 +341,13 @@ class _Folder:
         waits = self.done_waits + [
             Wait(
                 request_id=rid,
-                deployment_id=w["deployment_id"],
-                start=w["start"],
+                deployment_id=dep_id,
+                start=start,
                 end=self.until,
                 outcome="waiting",
-                kind=w["kind"],
-                admitted_at=w["admitted_at"],
+                kind=kind,
             )
-            for rid, w in self.waits.items()
+            for rid, (dep_id, start, kind) in self.waits.items()
         ]
         omitted = max(0, len(waits) - MAX_WAITS)
         if omitted:
@@ -422,6 +404,42 @@ def project(
         elif rec.stream.startswith("deployment:"):
             folder.deployment(rec)
     return folder.finish(usable_bytes)
+
+
+def catch_up(state: SystemState, records: Iterable[m.Recorded]) -> SystemState:
+    """`state` moved on by `records` as far as the timeline reads it (the deployments, the
+    queue): what `events.state.fold` gives for those two, at a fraction of its cost on the
+    queue's bulk (one dict updated in place instead of a new state per event)."""
+    deployments = dict(state.deployments)
+    queue = dict(state.queue)
+    last = state.last_seq, state.last_ts
+    for rec in records:
+        ev = rec.event
+        last = rec.seq, rec.ts
+        if type(ev) is m.RequestQueued:
+            queue[ev.request_id] = QueueEntry(
+                request_id=ev.request_id,
+                deployment_id=ev.deployment_id,
+                kind=ev.kind,
+                arrived_at=ev.arrived_at,
+                position=ev.position,
+            )
+        elif type(ev) is m.RequestLeftQueue:
+            queue.pop(ev.request_id, None)
+        elif type(ev) is m.DeploymentCreated:
+            deployments[ev.deployment_id] = new_deployment(rec)
+        elif rec.stream.startswith("deployment:"):
+            dep_id = rec.stream.partition(":")[2]
+            dep = deployments.get(dep_id)
+            if dep is None:
+                continue
+            if type(ev) is m.DeploymentRemoved:
+                del deployments[dep_id]
+            else:
+                deployments[dep_id] = evolve_deployment(dep, rec)
+    return msgspec.structs.replace(
+        state, deployments=deployments, queue=queue, last_seq=last[0], last_ts=last[1]
+    )
 
 
 def lane_at(timeline: Timeline, deployment_id: str, at: float) -> Segment | None:

@@ -52,6 +52,7 @@ from dgxmm.admin.routes import (
     parse_time_query,
 )
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
+from dgxmm.admin.timeline import TimelineRoutes
 from dgxmm.config import http_url_problem
 from dgxmm.litellm.sync import HINT
 from events import model as m
@@ -172,6 +173,9 @@ class AdminApi:
         self.max_body_bytes = max_body_bytes
         self.hub = EventHub(controller, clock, hub_config)
         self.accounts = AccountRoutes(auth, store)
+        self.timeline = TimelineRoutes(
+            store, clock.wall, lambda: int(controller.memory()["usable_bytes"])
+        )
         auth.on_session_end.append(self.hub.drop_session)  # a removed user's streams end too
         self.server: HTTPServer | None = None
         self.replies: collections.Counter[int] = collections.Counter()
@@ -251,7 +255,8 @@ class AdminApi:
         if route.method not in SAFE_METHODS:
             call.body = await self._read_json(request)
         owner, _, name = route.handler.rpartition(".")
-        handler = getattr(self.accounts, name) if owner else getattr(self, "_h_" + name)
+        # `owner.name`: a method of self.accounts or self.timeline; else AdminApi._h_<name>.
+        handler = getattr(getattr(self, owner), name) if owner else getattr(self, "_h_" + name)
         try:
             reply = await handler(call)
         except Refusal as exc:

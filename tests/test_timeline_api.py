@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from actors.memory_broker import GIB
 from events.state import EMPTY
 from events.timeline import project, stack
-from simulations.harness import GIB
 from tests.api_support import STARTUP_S, Box, error_of, run_box
 
 API = "/dgxmm/api"
@@ -59,7 +59,8 @@ def test_the_window_shows_the_swap_as_the_projection_does(tmp_path: Path) -> Non
         room = next(k for k in got["marks"] if k["kind"] == "make_room")
         assert room["for_deployment"] == b and room["for_name"] == "model-b"
         assert room["event"]["type"] == "PutToSleep" and room["event"]["reason"] == "make_room"
-        start_b = next(k for k in got["marks"] if k["kind"] == "cold_start" and k["deployment_id"] == b)
+        starts = [k for k in got["marks"] if k["kind"] == "cold_start"]
+        start_b = next(k for k in starts if k["deployment_id"] == b)
         assert start_b["duration_s"] is not None and start_b["duration_s"] >= STARTUP_S
         [wait] = got["waits"]
         assert (wait["request_id"], wait["deployment_id"], wait["outcome"]) == (rid, b, "served")

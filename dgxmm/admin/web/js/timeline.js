@@ -44,7 +44,7 @@ function stateColours(state) {
 function toLocalInput(ts) {
   const d = new Date(ts * 1000);
   const pad = (n) => String(n).padStart(2, "0");
-  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())}T${pad(d.getHours())}:${pad(d.getMinutes())}`;
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())}T${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
 }
 
 function fromLocalInput(text) {
@@ -95,8 +95,8 @@ export function timelineChart({ live: following = false, focus = null, since = n
     h("form", { method: "dialog" }, h("button", { type: "submit" }, "Close")),
   ]);
 
-  const fromInput = h("input", { type: "datetime-local", id: `${id}-from`, "aria-label": "From" });
-  const toInput = h("input", { type: "datetime-local", id: `${id}-to`, "aria-label": "To" });
+  const fromInput = h("input", { type: "datetime-local", step: "1", id: `${id}-from`, "aria-label": "From" });
+  const toInput = h("input", { type: "datetime-local", step: "1", id: `${id}-to`, "aria-label": "To" });
   const controls = following
     ? h("p.tl-controls.muted", "The last hour, live. Drag across the chart on the audit log to zoom into any window.")
     : h("form.tl-controls", { id: `${id}-window` }, [
@@ -225,7 +225,7 @@ export function timelineChart({ live: following = false, focus = null, since = n
     const dpr = devicePixelRatio || 1;
     for (const p of data.pieces) {
       const x0 = u.valToPos(p.start, "x", true);
-      const x1 = u.valToPos(p.end, "x", true);
+      const x1 = Math.max(u.valToPos(p.end, "x", true), x0 + 2 * dpr); // a short stay still shows
       const y0 = u.valToPos(p.low_bytes / GIB, "y", true);
       const y1 = u.valToPos(p.high_bytes / GIB, "y", true);
       const { fill, line } = stateColours(p.state);

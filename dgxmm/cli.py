@@ -240,8 +240,10 @@ def _main(argv: Sequence[str] | None) -> int:
             case "user" | "token":
                 return _delegate("dgxmm.admin.accounts_cli", "main", args)
             case "replay" if args.timeline:
+                from dgxmm.engines.memory import detect_total_bytes
                 from dgxmm.replay.timeline_svg import timeline_command
 
+                args.detect_total = detect_total_bytes  # the usable memory, unless configured
                 return _run(timeline_command, args)
             case "replay":
                 from dgxmm.replay import replay_command

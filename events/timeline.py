@@ -242,56 +242,35 @@ class _Folder:
         match ev:
             case m.PutToSleep(reason="make_room"):
                 target = ev.for_name or ev.for_deployment or "?"
-                self.marks.append(
-                    Mark(
-                        kind="make_room",
-                        ts=rec.ts,
-                        seq=rec.seq,
-                        deployment_id=dep_id,
-                        title=f"{name} put to sleep to make room for {target}",
-                        for_deployment=ev.for_deployment,
-                        for_name=ev.for_name,
-                        event=ev,
-                        actor=rec.actor,
-                    )
-                )
+                self._add(
+                    "make_room", rec, dep_id, f"{name} put to sleep to make room for {target}",
+                    for_deployment=ev.for_deployment, for_name=ev.for_name,
+                )  # fmt: skip
             case m.PutToSleep(reason="idle"):
-                self.marks.append(
-                    Mark(
-                        kind="idle_sleep",
-                        ts=rec.ts,
-                        seq=rec.seq,
-                        deployment_id=dep_id,
-                        title=f"{name} put to sleep after {ev.idle_timeout_s} s idle",
-                        event=ev,
-                        actor=rec.actor,
-                    )
-                )
+                title = f"{name} put to sleep after {ev.idle_timeout_s} s idle"
+                self._add("idle_sleep", rec, dep_id, title)
             case m.PutToSleep():
-                self.marks.append(
-                    Mark(
-                        kind="sleep",
-                        ts=rec.ts,
-                        seq=rec.seq,
-                        deployment_id=dep_id,
-                        title=f"{name} put to sleep ({ev.reason})",
-                        event=ev,
-                        actor=rec.actor,
-                    )
-                )
+                self._add("sleep", rec, dep_id, f"{name} put to sleep ({ev.reason})")
             case m.EngineStartFailed() | m.EngineLost():
                 what = "start failed" if isinstance(ev, m.EngineStartFailed) else "engine lost"
-                self.marks.append(
-                    Mark(
-                        kind="failure",
-                        ts=rec.ts,
-                        seq=rec.seq,
-                        deployment_id=dep_id,
-                        title=f"{name}: {what}: {ev.reason}",
-                        event=ev,
-                        actor=rec.actor,
-                    )
-                )
+                self._add("failure", rec, dep_id, f"{name}: {what}: {ev.reason}")
+
+    def _add(
+        self, kind: str, rec: m.Recorded, dep_id: str, title: str, **extra: str | None
+    ) -> None:
+        """A mark of `rec`'s event."""
+        self.marks.append(
+            Mark(
+                kind=kind,
+                ts=rec.ts,
+                seq=rec.seq,
+                deployment_id=dep_id,
+                title=title,
+                event=rec.event,
+                actor=rec.actor,
+                **extra,  # type: ignore[arg-type]
+            )
+        )
 
     def _cold_start(self, dep_id: str, lane: _Open, end: float | None) -> None:
         start = lane.start_since

@@ -250,10 +250,9 @@ async def _usable_bytes(args: argparse.Namespace) -> int:
     total_gib = getattr(memory, "total_gib", None)
     if total_gib is not None:
         return max(0, int((total_gib - reserve) * GIB))
-    from dgxmm.engines.memory import detect_total_bytes
-
-    total, _ = await detect_total_bytes()
-    return max(0, total - int(reserve * GIB))
+    # `dgxmm.cli` hands in dgxmm.engines.memory's detection (replay does not import engines).
+    total, _ = await args.detect_total()
+    return max(0, int(total) - int(reserve * GIB))
 
 
 async def timeline_command(args: argparse.Namespace) -> int:

@@ -27,32 +27,15 @@ import time
 from pathlib import Path
 
 import msgspec
-import uvloop
 
 from dgxmm.admin.timeline import timeline_json
 from storage.eventlog import EventStore
 from storage.windows import timeline_window
-from tests.perf.bench_eventlog import finish_like_serve
-from tests.perf.bench_storage import GIB, T0, write_log
+from tests.perf.bench_eventlog import build
+from tests.perf.bench_storage import GIB, T0
 
 TARGET_MS = 300.0
 DAY = 86400.0
-
-
-def build(path: Path, events: int, days: float) -> None:
-    """The benchmark log, built once."""
-    if path.exists():
-        print(f"log: reusing {path} ({path.stat().st_size / 1e6:.0f} MB)")
-        return
-    partial = path.with_suffix(".partial")
-    partial.unlink(missing_ok=True)
-    started = time.perf_counter()
-    write_log(str(partial), events, spacing_s=days * DAY / events)
-    uvloop.run(finish_like_serve(str(partial)))
-    partial.rename(path)
-    print(
-        f"log: built {events:,} events over {days:g} days in {time.perf_counter() - started:.0f} s"
-    )
 
 
 async def measure(path: Path, events: int, days: float, runs: int) -> dict[str, float]:
@@ -101,7 +84,7 @@ def main() -> int:
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"timeline-{args.events}-{args.days:g}d.db"
-    build(path, args.events, args.days)
+    build(path, args.events, spacing_s=args.days * DAY / args.events)
     figures = asyncio.run(measure(path, args.events, args.days, args.runs))
     worst_median = max(v for k, v in figures.items() if k.endswith("_median_ms"))
     with open("/proc/loadavg") as f:

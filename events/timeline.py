@@ -24,7 +24,6 @@ it) and the window's records.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 
 import msgspec
@@ -40,7 +39,8 @@ from events.state import (
 )
 
 # The lifecycle states in which a deployment holds memory (its lane is drawn).
-HOLDING = frozenset({Lifecycle.STARTING, Lifecycle.READY, Lifecycle.ASLEEP, Lifecycle.STOPPING})
+# A tuple, not a set: `in` compares identities first, where a set hashes each enum in Python.
+HOLDING = (Lifecycle.STARTING, Lifecycle.READY, Lifecycle.ASLEEP, Lifecycle.STOPPING)
 MAX_WAITS = 2_000  # queue waits kept per window (the longest); the rest are counted
 MAX_MARKS = 5_000  # marks kept per window (the newest); the rest are counted
 
@@ -440,38 +440,48 @@ def stack(timeline: Timeline) -> list[Piece]:
 
     Lanes are stacked in `timeline.lanes` order; a piece runs until any lane changes.
     """
-    order = {lane.deployment_id: i for i, lane in enumerate(timeline.lanes)}
-    points = sorted({s.start for s in timeline.segments} | {s.end for s in timeline.segments})
+    rank = {lane.deployment_id: i for i, lane in enumerate(timeline.lanes)}
+    held = [s for s in timeline.segments if s.memory_bytes and s.end > s.start]
+    # Change points: a segment begins (after the ends at the same instant) or ends.
+    changes = sorted(
+        [(s.start, 1, rank.get(s.deployment_id, 0), s) for s in held]
+        + [(s.end, 0, rank.get(s.deployment_id, 0), s) for s in held],
+        key=lambda c: (c[0], c[1]),
+    )
+    slots: list[Segment | None] = [None] * (max(rank.values(), default=0) + 1)
+    latest: list[int | None] = [None] * len(slots)  # each lane's newest piece
     pieces: list[Piece] = []
-    open_pieces: dict[str, int] = {}  # deployment -> index of its latest piece
-    by_start = sorted(timeline.segments, key=lambda s: s.start)
-    active: list[Segment] = []
-    i = 0
-    for left, right in itertools.pairwise(points):
-        while i < len(by_start) and by_start[i].start <= left:
-            active.append(by_start[i])
+    i, n = 0, len(changes)
+    while i < n:
+        left = changes[i][0]
+        while i < n and changes[i][0] == left:
+            _, begins, at, seg = changes[i]
+            if begins:
+                slots[at] = seg
+            elif slots[at] is seg:
+                slots[at] = None
             i += 1
-        active = [s for s in active if s.end > left]
+        if i >= n:
+            break
+        right = changes[i][0]
         low = 0
-        seen: set[str] = set()
-        for seg in sorted(active, key=lambda s: order.get(s.deployment_id, 0)):
-            if seg.deployment_id in seen or not seg.memory_bytes:
+        for at, seg in enumerate(slots):
+            if seg is None:
                 continue
-            seen.add(seg.deployment_id)
             high = low + seg.memory_bytes
-            at = open_pieces.get(seg.deployment_id)
-            prev = pieces[at] if at is not None else None
+            j = latest[at]
+            prev = pieces[j] if j is not None else None
             if (
-                at is not None
+                j is not None
                 and prev is not None
                 and prev.end == left
                 and prev.state == seg.state
                 and prev.low_bytes == low
                 and prev.high_bytes == high
             ):
-                pieces[at] = msgspec.structs.replace(prev, end=right)
+                pieces[j] = msgspec.structs.replace(prev, end=right)
             else:
-                open_pieces[seg.deployment_id] = len(pieces)
+                latest[at] = len(pieces)
                 pieces.append(
                     Piece(
                         deployment_id=seg.deployment_id,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -89,8 +90,14 @@ def test_lanes_never_exceed_the_usable_line_and_match_the_state(program: Program
         for dep_id in state.removed:
             if dep_id not in state.deployments:
                 assert lane_at(timeline, dep_id, at) is None
-    for piece in stack(timeline):
+    pieces = stack(timeline)
+    for piece in pieces:
         assert 0 <= piece.low_bytes < piece.high_bytes <= usable, piece
+    for at, _ in _instants(records):  # the stack draws exactly the memory the lanes hold
+        covering = [p for p in pieces if p.start <= at < p.end]
+        assert sum(p.high_bytes - p.low_bytes for p in covering) == held_at(timeline, at)
+        spans = sorted((p.low_bytes, p.high_bytes) for p in covering)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans
     # Every wait the log records is a bar under its model, from its queueing to its leaving.
     queued = {r.event.request_id for r in records if isinstance(r.event, m.RequestQueued)}
     assert {w.request_id for w in timeline.waits} == queued

@@ -465,9 +465,10 @@ def stack(timeline: Timeline) -> list[Piece]:
             break
         right = changes[i][0]
         low = 0
-        for at, seg in enumerate(slots):
-            if seg is None:
+        for at, slot in enumerate(slots):
+            if slot is None:
                 continue
+            seg = slot
             high = low + seg.memory_bytes
             j = latest[at]
             prev = pieces[j] if j is not None else None

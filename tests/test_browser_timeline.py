@@ -141,8 +141,8 @@ def test_the_dashboard_timeline_follows_a_swap_live_in_order(
         audit = page.locator("#audit-timeline")
         expect(audit.locator(".u-over")).to_be_visible()
         offset_s = 60 * float(page.evaluate("new Date().getTimezoneOffset()"))
-        audit.get_by_label("From", exact=True).fill(local_input(room_ts - 25, offset_s))
-        audit.get_by_label("To", exact=True).fill(local_input(room_ts + 15, offset_s))
+        audit.get_by_label("Timeline from").fill(local_input(room_ts - 25, offset_s))
+        audit.get_by_label("Timeline to").fill(local_input(room_ts + 15, offset_s))
         audit.get_by_role("button", name="Show", exact=True).click()
         wait_for(
             "the picked window",

@@ -66,6 +66,8 @@ def test_the_window_shows_the_swap_as_the_projection_does(tmp_path: Path) -> Non
         assert (wait["request_id"], wait["deployment_id"], wait["outcome"]) == (rid, b, "served")
         assert wait["start"] <= room["ts"] <= wait["end"]
         assert got["since_time"].endswith("+00:00")
+        alias = await victor.ok("GET", f"{API}/timeline?from={w['since']}&to={w['until']}")
+        assert alias["segments"] == got["segments"] and alias["since"] == w["since"]
 
     run_box(tmp_path, t, usable_gib=64, settings={"ondemand_make_room_after_s": 0})
 

@@ -1,6 +1,6 @@
 """The timeline's API: the box over a window, and one request's story, for the web UI's chart.
 
-- `GET /api/timeline?since=T&until=T`: `events.timeline`'s projection of the window
+- `GET /api/timeline?since=T&until=T` (or `from`/`to`): `events.timeline`'s projection of the window
   (default: the last hour up to now; at most `MAX_WINDOW_S`), read through
   `storage.windows` (a snapshot plus the window's events, never the whole log), with the
   stacked pieces the chart draws and the usable memory of the running box.
@@ -58,7 +58,8 @@ class TimelineRoutes:
         self.usable_bytes = usable_bytes
 
     def window(self, query: dict[str, str]) -> tuple[float, float]:
-        """(since, until) from the query; ApiError 422 naming the parameter at fault."""
+        """(since, until) from the query (`from`/`to` are aliases); ApiError 422 naming it."""
+        query = {"since": query.get("from", ""), "until": query.get("to", ""), **query}
         until = parse_time_query(query["until"], "until") if query.get("until") else self.now()
         since = (
             parse_time_query(query["since"], "since")

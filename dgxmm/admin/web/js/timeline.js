@@ -95,13 +95,13 @@ export function timelineChart({ live: following = false, focus = null, since = n
     h("form", { method: "dialog" }, h("button", { type: "submit" }, "Close")),
   ]);
 
-  const fromInput = h("input", { type: "datetime-local", step: "1", id: `${id}-from`, "aria-label": "From" });
-  const toInput = h("input", { type: "datetime-local", step: "1", id: `${id}-to`, "aria-label": "To" });
+  const fromInput = h("input", { type: "datetime-local", step: "1", id: `${id}-from`, "aria-label": "Timeline from" });
+  const toInput = h("input", { type: "datetime-local", step: "1", id: `${id}-to`, "aria-label": "Timeline to" });
   const controls = following
     ? h("p.tl-controls.muted", "The last hour, live. Drag across the chart on the audit log to zoom into any window.")
     : h("form.tl-controls", { id: `${id}-window` }, [
-        h("label", ["From ", fromInput]),
-        h("label", ["To ", toInput]),
+        h("span.tl-field", ["From ", fromInput]),
+        h("span.tl-field", ["To ", toInput]),
         h("button", { type: "submit" }, "Show"),
         h("button", { type: "button", title: "Earlier", "aria-label": "Earlier", onclick: () => pan(-0.5) }, "◀"),
         h("button", { type: "button", title: "Zoom in", "aria-label": "Zoom in", onclick: () => zoom(0.5) }, "+"),
@@ -442,7 +442,7 @@ export function timelineChart({ live: following = false, focus = null, since = n
     plot.root.setAttribute("role", "img");
     plot.root.setAttribute(
       "aria-label",
-      `Memory of each deployment from ${dateTime(data.since)} to ${dateTime(data.until)}; the marks and the queue rows below are buttons.`,
+      `Stacked chart of the box over time, ${dateTime(data.since)} – ${dateTime(data.until)}; its marks and queue bars are buttons.`,
     );
     data.marks.forEach((mark, index) => plot.over.append(markButton(mark, index)));
     drawWaits();

@@ -262,6 +262,7 @@ class App:
             ops=ops,
             latencies=latencies,
             gateway_keys=self._key_rotation(),
+            vendor_root=self._vendor_root(),
         )
         ops.admin_server = lambda: api.server
         self.api = api
@@ -283,6 +284,17 @@ class App:
         if keys is None:
             return None
         return KeyRoutes(keys, bridge.register_key if bridge is not None else None)
+
+    def _vendor_root(self) -> Path:
+        """The chart library's directory; one warning when its files are missing."""
+        from dgxmm.admin import vendor
+
+        root = vendor.vendor_root(self.config.server.web_vendor_dir)
+        if vendor.missing(root):
+            log.warning(
+                "web_vendor_missing", directory=str(vendor.uplot_dir(root)), hint=vendor.HINT
+            )
+        return root
 
     def _operators(self) -> tuple[Any, Any]:
         """Engine logs, start progress, the queue, /healthz, and the latency histograms."""

@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     span.add_argument("--all", action="store_true", help="every timeline line (streamed)")
     replay.add_argument("--json", action="store_true", help="JSON lines, streamed")
     replay.add_argument("--relative", action="store_true", help=relative)
+    replay.add_argument(
+        "--timeline", action="store_true", help="draw the window's memory timeline (--out)"
+    )
+    replay.add_argument("--since", metavar="TIME", type=_time, help="--timeline: from (1 h before)")
+    replay.add_argument("--out", metavar="FILE.svg", help="--timeline: the SVG file to write")
+    replay.add_argument(
+        "--usable-gib", type=float, help="--timeline: the usable memory (default: the config's)"
+    )
 
     events = sub.add_parser(
         "events", parents=[common], help="the raw event log, one line per event"
@@ -238,6 +246,12 @@ def _main(argv: Sequence[str] | None) -> int:
                 return _delegate("dgxmm.admin.auth", "add_user_main", args)
             case "user" | "token":
                 return _delegate("dgxmm.admin.accounts_cli", "main", args)
+            case "replay" if args.timeline:
+                from dgxmm.engines.memory import detect_total_bytes
+                from dgxmm.replay.timeline_svg import timeline_command
+
+                args.detect_total = detect_total_bytes  # the usable memory, unless configured
+                return _run(timeline_command, args)
             case "replay":
                 from dgxmm.replay import replay_command
 

@@ -54,6 +54,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # The gateway key (docs/security.md): "loopback-open" lets 127.0.0.1 in without it (demo).
     gateway_auth: Literal["required", "loopback-open"] = "required"
     gateway_key_overlap_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 600.0
+    web_vendor_dir: str | None = None  # the chart library; default $DGXMM_CACHE/web
 
     @property
     def db_path(self) -> Path:

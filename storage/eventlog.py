@@ -551,6 +551,17 @@ class EventStore:
             raise _map_error(exc, self.path) from exc
         return int(row[0]) if row else 0
 
+    async def seq_at(self, ts: float) -> int:
+        """The newest seq recorded at or before `ts` (0: none), through the `events_ts` index."""
+        try:
+            async with self._conn.execute(
+                "SELECT seq FROM events WHERE ts <= ? ORDER BY ts DESC, seq DESC LIMIT 1", (ts,)
+            ) as cur:
+                row = await cur.fetchone()
+        except sqlite3.Error as exc:
+            raise _map_error(exc, self.path) from exc
+        return int(row[0]) if row else 0
+
     async def version(self, stream: str) -> int:
         """The stream's current version (0 for a stream with no events)."""
         return await self._stream_version(stream)

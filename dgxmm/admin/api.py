@@ -35,7 +35,7 @@ from actors.deployment import DeploymentActor, Refusal
 from actors.errors import ActorCrashed, ActorError, ActorStopped, AskTimeout, MailboxFull
 from actors.memory_broker import GIB
 from actors.runtime import Clock
-from dgxmm.admin import bodies, metrics, static
+from dgxmm.admin import bodies, metrics, static, vendor
 from dgxmm.admin.accounts import AccountRoutes
 from dgxmm.admin.auth import Auth, AuthError, Principal
 from dgxmm.admin.errors import ApiError, error_body, from_refusal
@@ -53,6 +53,7 @@ from dgxmm.admin.routes import (
     parse_time_query,
 )
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
+from dgxmm.admin.timeline import TimelineRoutes
 from dgxmm.config import http_url_problem
 from dgxmm.litellm.sync import HINT
 from events import model as m
@@ -156,6 +157,7 @@ class AdminApi:
         ops: OpsApi | None = None,
         latencies: Latencies | None = None,
         gateway_keys: Any = None,
+        vendor_root: Path | None = None,
     ) -> None:
         self.controller = controller
         self.store = store
@@ -165,6 +167,7 @@ class AdminApi:
         self._litellm_sync_now = litellm_sync_now or _no_sync
         self._litellm_configure = litellm_configure or _no_configure
         self.web_root = web_root.resolve() if web_root is not None else None
+        self.vendor_root = vendor_root  # the chart library's files (dgxmm/admin/vendor.py)
         self.gateway_statistics = gateway_statistics
         self.metrics_public = metrics_public
         self.ops = ops or OpsApi(controller, store, clock, None, admin_server=lambda: self.server)
@@ -173,6 +176,9 @@ class AdminApi:
         self.hub = EventHub(controller, clock, hub_config)
         self.accounts = AccountRoutes(auth, store)
         self.keys = gateway_keys or NoKeyRoutes()  # the gateway-key routes
+        self.timeline = TimelineRoutes(
+            store, clock.wall, lambda: int(controller.memory()["usable_bytes"])
+        )
         auth.on_session_end.append(self.hub.drop_session)  # a removed user's streams end too
         self.server: HTTPServer | None = None
         self.replies: collections.Counter[int] = collections.Counter()
@@ -228,6 +234,9 @@ class AdminApi:
         elif path in ("/", "/dgxmm"):
             await self._send(responder, 308, b"", [(b"location", b"/dgxmm/")])
             return
+        elif path.startswith("/dgxmm/" + vendor.PREFIX):
+            await self._vendor(request, responder, path[len("/dgxmm/" + vendor.PREFIX) :])
+            return
         elif path.startswith("/dgxmm/"):
             await self._static(request, responder, path[len("/dgxmm/") :])
             return
@@ -249,6 +258,7 @@ class AdminApi:
         if route.method not in SAFE_METHODS:
             call.body = await self._read_json(request)
         owner, _, name = route.handler.rpartition(".")
+        # `owner.name`: a method of self.accounts or self.timeline; else AdminApi._h_<name>.
         handler = getattr(getattr(self, owner), name) if owner else getattr(self, "_h_" + name)
         try:
             reply = await handler(call)
@@ -705,6 +715,12 @@ class AdminApi:
         if self.web_root is None:
             raise ApiError(404, "not_found", "the web UI is not installed")
         body, headers = await static.read(self.web_root, rel)
+        await self._send(responder, 200, body, headers)
+
+    async def _vendor(self, request: Request, responder: Responder, name: str) -> None:
+        if request.method not in (b"GET", b"HEAD"):
+            raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
+        body, headers = await vendor.read(self.vendor_root, name)
         await self._send(responder, 200, body, headers)
 
 

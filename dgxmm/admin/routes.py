@@ -1,8 +1,8 @@
 """The admin API's routes: the table, matching a path to a route, and query parameters.
 
-A route names its handler (`AdminApi._h_<name>`, or `accounts.<name>` for the accounts
-routes) and who may call it; `match_route` answers 404, or 405 with `Allow`.  HEAD matches
-the GET routes.
+A route names its handler (`AdminApi._h_<name>`, or `accounts.<name>` / `timeline.<name>`
+for the accounts and timeline routes) and who may call it; `match_route` answers 404, or
+405 with `Allow`.  HEAD matches the GET routes.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", ("deployments", "{id}", "logs"), "deployment_logs", Access.VIEWER),
     Route("GET", ("deployments", "{id}", "progress"), "deployment_progress", Access.VIEWER),
     Route("GET", ("queue",), "queue", Access.VIEWER),
+    # The timeline (dgxmm/admin/timeline.py).
+    Route("GET", ("timeline",), "timeline.timeline", Access.VIEWER),
+    Route("GET", ("requests", "{id}", "story"), "timeline.story", Access.VIEWER),
 )
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

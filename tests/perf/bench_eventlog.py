@@ -64,15 +64,15 @@ async def finish_like_serve(path: str) -> None:
     await store.close()
 
 
-def build(path: Path, events: int) -> None:
-    """The benchmark log, built once."""
+def build(path: Path, events: int, spacing_s: float = 0.01) -> None:
+    """The benchmark log, built once (`spacing_s` between two events)."""
     if path.exists():
         print(f"log: reusing {path} ({path.stat().st_size / 1e6:.0f} MB)")
         return
     partial = path.with_suffix(".partial")
     partial.unlink(missing_ok=True)
     started = time.perf_counter()
-    write_log(str(partial), events)
+    write_log(str(partial), events, spacing_s)
     written = time.perf_counter() - started
     uvloop.run(finish_like_serve(str(partial)))
     partial.rename(path)

@@ -171,8 +171,9 @@ def synthetic_log(count: int, deployments: int = 10) -> Iterator[tuple[str, str,
         request += 1
 
 
-def write_log(path: str, count: int) -> None:
-    """Write `count` synthetic events straight into a DGXMM log (fast, no fsync per batch)."""
+def write_log(path: str, count: int, spacing_s: float = 0.01) -> None:
+    """Write `count` synthetic events straight into a DGXMM log (fast, no fsync per batch),
+    `spacing_s` apart."""
 
     async def create() -> None:
         store = await EventStore.open(path)
@@ -190,7 +191,7 @@ def write_log(path: str, count: int) -> None:
         rows.append(
             (
                 seq,
-                T0 + seq * 0.01,
+                T0 + seq * spacing_s,
                 stream,
                 version,
                 type(event).__name__,

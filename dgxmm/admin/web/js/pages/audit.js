@@ -5,6 +5,7 @@ import { field, h, replace } from "../dom.js";
 import { ACTIONS, actionWords, dateTime, detailsText } from "../format.js";
 import * as live from "../live.js";
 import { auditTarget, busy } from "./common.js";
+import { timelineChart } from "../timeline.js";
 
 const FILTERS = ["actor", "action", "deployment", "since", "until"];
 
@@ -55,9 +56,18 @@ export function render({ query, navigate }) {
   const tbody = h("tbody");
   const count = h("p.muted", { role: "status" });
   const older = h("button.secondary", { type: "button", hidden: true }, "Show older entries");
+  // The box over the filtered window (the last hour without one); its own picker moves it.
+  const from = epoch(query.get("since"));
+  const to = epoch(query.get("until"));
+  const timeline = timelineChart({
+    id: "audit-timeline",
+    until: to ? Number(to) : null,
+    since: from ? Number(from) : to ? Number(to) - 3600 : null,
+  });
   const node = h("section", [
     h("h1", "Audit log"),
     form,
+    timeline.node,
     error,
     count,
     h("div.table-wrap", h("table.audit", { id: "audit-table" }, [
@@ -121,5 +131,5 @@ export function render({ query, navigate }) {
   }
   older.addEventListener("click", () => busy(older, "Loading…", () => load(true)));
   load();
-  return { node, title: "Audit log" };
+  return { node, title: "Audit log", destroy: () => timeline.destroy() };
 }

@@ -6,6 +6,7 @@ import { actionWords, badge, badgeKind, gib, relativeTime } from "../format.js";
 import * as live from "../live.js";
 import { auditTarget, loggedChange, throttle } from "./common.js";
 import { queuePanel } from "./ops.js";
+import { timelineChart } from "../timeline.js";
 
 const BADGE_ORDER = ["ready", "starting", "queued", "sleeping", "neutral", "failed"];
 
@@ -14,6 +15,7 @@ export function render() {
   const countsBody = h("div", { id: "badge-counts" }, h("p.muted", "Loading…"));
   const eventsBody = h("div", { id: "recent-events" }, h("p.muted", "Loading…"));
   const queue = queuePanel();
+  const timeline = timelineChart({ live: true, id: "dashboard-timeline" });
   const node = h("section.dashboard", [
     h("h1", "Dashboard"),
     h("div.grid", [
@@ -23,6 +25,7 @@ export function render() {
         countsBody,
       ]),
     ]),
+    timeline.node,
     queue.node,
     h("section.card", { "aria-labelledby": "events-title" }, [h("h2#events-title", "Recent events"), eventsBody]),
   ]);
@@ -146,5 +149,5 @@ export function render() {
   }
   if (!live.state.loaded) live.refreshDeployments().catch((err) => replace(countsBody, h("p.error", describeError(err))));
   loadEvents();
-  return { node, title: "Dashboard", destroy: () => { unsubscribe(); loadEventsSoon.cancel(); queue.destroy(); } };
+  return { node, title: "Dashboard", destroy: () => { unsubscribe(); loadEventsSoon.cancel(); queue.destroy(); timeline.destroy(); } };
 }

@@ -19,6 +19,7 @@ import * as live from "../live.js";
 import { busy, dialog, loggedChange, throttle } from "./common.js";
 import { logsPanel, queuePanel, startProgress } from "./ops.js";
 import { idleSeconds, makeRoomSeconds } from "./wizard.js";
+import { timelineChart } from "../timeline.js";
 
 const STATE_WORDS = {
   stopped: "Stopped",
@@ -189,6 +190,8 @@ export function render({ params, isAdmin, navigate, notify }) {
   const notStarted = h("section.card.failed-card", { id: "not-started-card", hidden: true, role: "alert" });
   const queue = tab === "overview" ? queuePanel({ deploymentId: rec ? rec.id : key }) : null;
   const logs = tab === "logs" ? logsPanel(rec ? rec.id : key) : null;
+  // The Events tab: the box over a window the operator picks, this deployment's lane in front.
+  const timeline = tab === "events" ? timelineChart({ id: "events-timeline", focus: rec ? rec.id : key }) : null;
 
   function drawOverview() {
     if (progress) progress.update(rec);
@@ -424,6 +427,7 @@ export function render({ params, isAdmin, navigate, notify }) {
     append(panel, [logs.node]);
   } else {
     append(panel, [
+      timeline.node,
       h("table.events", { id: "events-table" }, [
         h("caption.visually-hidden", "Events, newest first"),
         h("thead", h("tr", [h("th", { scope: "col" }, "Time"), h("th", { scope: "col" }, "Event"), h("th", { scope: "col" }, "By")])),
@@ -477,7 +481,7 @@ export function render({ params, isAdmin, navigate, notify }) {
     destroy() {
       unsubscribe();
       reloadEventsSoon.cancel();
-      for (const part of [progress, queue, logs]) if (part) part.destroy();
+      for (const part of [progress, queue, logs, timeline]) if (part) part.destroy();
     },
   };
 }

@@ -70,6 +70,7 @@ def test_a_request_that_made_room_for_a_vllm_like_start_is_told_in_phases(tmp_pa
                     "POST",
                     f"/d/{big}/v1/chat/completions",
                     chat_body("sim/big"),
+                    key=serve.gateway_key,
                 )
             )
             rows: list[dict[str, Any]] = []

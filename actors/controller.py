@@ -303,6 +303,7 @@ class Controller:
             mode=dep.mode,
             created_at=dep.created_at,
             engine_handle=actor.engine_handle,
+            lost=actor.lost_reason,
         )
 
     def try_acquire(self, deployment_id: str) -> LeaseImpl | None:
@@ -310,17 +311,18 @@ class Controller:
         actor = self.actors.get(deployment_id)
         return None if actor is None else actor.try_acquire()
 
-    def enqueue(self, deployment_id: str, request_id: str) -> WaiterImpl:
-        """Wait for the model; raises Refused at once when it cannot wait."""
+    def enqueue(self, deployment_id: str, request_id: str, *, waited_s: float = 0.0) -> WaiterImpl:
+        """Wait for the model; raises Refused at once when it cannot wait.  An always-on
+        deployment DGXMM is restarting after a loss is waited for, not refused."""
         actor = self.actors.get(deployment_id)
         if actor is None:
             raise Refused(404, "model_not_found", f"no deployment {deployment_id}")
         if self._closing:
             raise Refused(503, "ondemand_stopped", SHUTTING_DOWN, RETRY_AFTER_S)
-        refusal = stopped_always_on(actor.state)
+        refusal = None if actor.recovering else stopped_always_on(actor.state)
         if refusal is not None:
             raise refusal
-        return self.queue.enqueue(actor, request_id)
+        return self.queue.enqueue(actor, request_id, waited_s)
 
     def engine_unreachable(self, deployment_id: str) -> None:
         """The gateway could not reach the engine: the deployment checks it at once."""

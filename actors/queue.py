@@ -158,8 +158,11 @@ class QueueActor(Actor):
 
     # --- entering and leaving ------------------------------------------------------------
 
-    def enqueue(self, actor: DeploymentActor, request_id: str) -> WaiterImpl:
-        """Add a request for a model that is not ready; raises Refused when it cannot wait."""
+    def enqueue(self, actor: DeploymentActor, request_id: str, waited_s: float = 0.0) -> WaiterImpl:
+        """Add a request for a model that is not ready; raises Refused when it cannot wait.
+
+        `waited_s`: how long ago the request arrived; a request sent to an engine it never
+        reached waits again with its first arrival, for the deadline and the log."""
         dep = actor.state
         max_queued = int(self._settings("ondemand_max_queued"))
         if len(self._waiting) >= max_queued:
@@ -187,9 +190,11 @@ class QueueActor(Actor):
                 "can be freed for on-demand models",
             )
         now = self.clock.now()
+        waited_s = max(0.0, waited_s)
         timeout = float(self._settings("ondemand_queue_timeout_s"))
-        waiter = WaiterImpl(self, request_id, dep.deployment_id, now, now + timeout)
-        waiter.timer = self.schedule(timeout, Expired(request_id))
+        arrived = now - waited_s
+        waiter = WaiterImpl(self, request_id, dep.deployment_id, arrived, arrived + timeout)
+        waiter.timer = self.schedule(max(0.0, timeout - waited_s), Expired(request_id))
         # The head: no other model's request waits for memory ahead of this model's oldest
         # waiting request (a model's requests share one start and its place in the queue).
         is_head = True
@@ -214,7 +219,7 @@ class QueueActor(Actor):
                 deployment_id=dep.deployment_id,
                 kind=waiter.kind,
                 position=position,
-                arrived_at=self.clock.wall(),
+                arrived_at=self.clock.wall() - waited_s,
                 free_bytes=max(0, free),
                 needed_bytes=dep.memory_bytes,
             )
@@ -298,7 +303,9 @@ class QueueActor(Actor):
         if dep.lifecycle is Lifecycle.READY and actor.activity.accepting:
             self._serve(actor)
             return True
-        if dep.lifecycle is Lifecycle.STARTING or dep_id in self._starting:
+        if dep.lifecycle is Lifecycle.STARTING or dep_id in self._starting or actor.recovering:
+            # A start under way, or an engine being checked or replaced after a loss (its
+            # outcome decides: served, started for these requests, or queued then).
             self._admitted(dep_id, jumped)
             return True
         if dep.lifecycle is Lifecycle.STOPPING or (
@@ -381,6 +388,8 @@ class QueueActor(Actor):
             if dep.lifecycle is Lifecycle.READY and actor.activity.accepting:
                 self._serve(actor)
                 continue
+            if actor.recovering:
+                continue  # its check or restart reports its outcome (`deployment_changed`)
             waiting_for_memory = any(
                 x.kind == "queued"
                 for x in self._waiting.values()
@@ -438,6 +447,31 @@ class QueueActor(Actor):
         if any(w.kind == "queued" for w in self._waiting.values()) or self._starting:
             self._tell_recheck("activity")
 
+    def _start_after_loss(self, actor: DeploymentActor) -> None:
+        """An on-demand engine was lost under waiting requests (sent to it and never reached
+        it, or arrived while it was checked): start it for them as for requests to a stopped
+        model, through the memory check; they are queued only when it does not fit now."""
+        dep_id = actor.deployment_id
+        waiters = [w for w in self._waiting.values() if w.deployment_id == dep_id]
+        if not waiters:
+            return
+        is_head = True
+        for w in self._waiting.values():
+            if w.deployment_id == dep_id:
+                break
+            if w.kind == "queued":
+                is_head = False
+                break
+        if self._try_admit(actor, may_make_room=is_head, jumped=not is_head):
+            return
+        for w in waiters:
+            if w.kind != "queued":
+                w.kind = "queued"
+                w.queued.set()
+        if is_head:
+            self._arm_due(dep_id)
+        self.on_change(dep_id)
+
     def _fail_all(self, deployment_id: str, reason: m.LeaveReason, error: Refused) -> None:
         for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:
             self._finish(w, reason, error)
@@ -472,7 +506,9 @@ class QueueActor(Actor):
         elif outcome == "stopped":
             self._starting.discard(deployment_id)
             reason, _, by = detail.partition(":")
-            if reason in ("admin", "removed"):
+            if reason == "lost" and actor is not None and not actor.recovering:
+                self._start_after_loss(actor)
+            elif reason in ("admin", "removed"):
                 error = self._stopped_error(deployment_id, by or None)
                 for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:
                     if w.kind == "waiting_start":

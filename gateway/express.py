@@ -20,8 +20,10 @@ paths to the same bytes.
 
 Whatever is not plain goes to the handler, which stays the judge of it: a route that is
 not inference, a model that is not ready, no free slot for the engine, a client waiting for
-100 Continue, and an idle engine connection that closed before answering (most likely a
-stale keep-alive connection: the handler tries again on a new one, as the pool does).  The lane
+100 Continue, and a request that provably never reached the engine (`UpstreamError.unsent`:
+the connection was refused, or found closed before the request went out): the handler sends
+it again, or has it wait for the engine's restart, as it does its own.  A request the engine
+may have seen is never handed over: it gets its error here, as on the handler's path.  The lane
 is bounded like the rest: the engine connection stops reading while the client's write
 buffer is over its mark, and both sides keep their deadlines.
 """
@@ -93,7 +95,6 @@ class Exchange:
         "_ended",
         "_engine",
         "_forwarding",
-        "_fresh",
         "_gateway",
         "_last",
         "_lease",
@@ -135,7 +136,6 @@ class Exchange:
         self._chunks_through = False  # the engine's chunks go to the client as they are
         self._ended = False  # `_end` ran: the connection has been told
         self._connecting: asyncio.Task[EngineConnection] | None = None  # a new connection
-        self._fresh = False  # the engine connection is new (not one that may have gone stale)
 
     # --- the request -----------------------------------------------------------------------
 
@@ -161,7 +161,6 @@ class Exchange:
             return
         # No idle connection (they expire after a few seconds without requests): a new one,
         # opened without leaving the lane.
-        self._fresh = True
         self._engine, self._connecting = pool.open_now(handle.host, handle.port)
         self._connecting.add_done_callback(self._connected)
 
@@ -191,7 +190,9 @@ class Exchange:
             elif pool.send_on(engine, upstream, request):
                 self._hook(engine, upstream)
             else:
-                self._failed(UpstreamClosed("engine closed the connection at once"), [])
+                # Nothing was handed to the kernel (`send_on` says so): never reached it.
+                closed = UpstreamClosed("engine closed the connection at once", unsent=True)
+                self._failed(closed, [])
         except Exception as exc:
             self._broken(exc)
 
@@ -395,9 +396,9 @@ class Exchange:
         is an event stream."""
         gateway = self._gateway
         if not self._started:
-            if isinstance(exc, UpstreamClosed) and exc.before_response and not self._fresh:
-                # Most likely a keep-alive connection the engine had just closed: the
-                # handler's path tries a new one (`UpstreamPool.request`).
+            if exc.unsent:
+                # It never reached the engine: the handler's path sends it again, or has it
+                # wait for the engine's restart (`Gateway._relay`).
                 self._release(reuse=False)
                 assert self._request is not None  # sent: `_failed` comes after `start`
                 self._conn.hand_over(self.head, self.request_id, self._request.body)

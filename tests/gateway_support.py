@@ -112,6 +112,10 @@ class ScriptedController:
     cancelled: list[str] = field(default_factory=list)
     in_flight: dict[str, int] = field(default_factory=dict)
     unreachable: list[str] = field(default_factory=list)
+    waited_s: list[float] = field(default_factory=list)  # `enqueue`'s, one per call
+    # A deployment the gateway reports unreachable stops serving (as the real controller's
+    # does while it checks the engine): requests then wait for it.
+    suspect_on_unreachable: bool = False
     acquired: int = 0
     released: int = 0
     enqueued: int = 0
@@ -164,8 +168,9 @@ class ScriptedController:
             return None
         return self._lease(dep)
 
-    def enqueue(self, deployment_id: str, request_id: str) -> Waiter:
+    def enqueue(self, deployment_id: str, request_id: str, *, waited_s: float = 0.0) -> Waiter:
         """A waiter, or `Refused` at once."""
+        self.waited_s.append(waited_s)
         dep = self.deployments[deployment_id]
         if dep.refuse is not None:
             raise dep.refuse
@@ -180,6 +185,10 @@ class ScriptedController:
     def engine_unreachable(self, deployment_id: str) -> None:
         """Counted: the gateway reports an engine it could not reach."""
         self.unreachable.append(deployment_id)
+        dep = self.deployments.get(deployment_id)
+        if self.suspect_on_unreachable and dep is not None:
+            dep.state, dep.handle = "starting", None
+            self.changed()
 
     # scripting --------------------------------------------------------------------------
 

@@ -123,6 +123,7 @@ class QueueActor(Actor):
         self._waiting: dict[str, WaiterImpl] = {}  # insertion order is arrival order
         self._starting: set[str] = set()  # deployments started for requests, not yet settled
         self._made_room: dict[str, None] = {}  # of those, the heads that put models to sleep
+        self._lost: set[str] = set()  # lost under waiting requests: to start for them
         self._writes: set[asyncio.Task[Any]] = set()
         self._stats = {"served": 0, "refused": 0, "timeouts": 0, "client_gone": 0, "admitted": 0}
         self.on_change: Callable[[str], None] = lambda deployment_id: None
@@ -396,18 +397,28 @@ class QueueActor(Actor):
                 if x.deployment_id == dep.deployment_id
             )
             starting = dep.lifecycle is Lifecycle.STARTING or dep.deployment_id in self._starting
+            lost = False
             if not starting and not waiting_for_memory:
                 # Its start went away without an outcome for these requests (the watchdog
-                # stopped it): they wait for memory again.
+                # stopped it): they wait for memory again.  After its engine was lost they
+                # first try to start it, and are queued (the line) only if that fails.
+                lost = dep.deployment_id in self._lost
                 for x in self._waiting.values():
                     if x.deployment_id == dep.deployment_id:
                         x.kind = "queued"
-                        x.queued.set()
+                        if not lost:
+                            x.queued.set()
                 waiting_for_memory = True
+            self._lost.discard(dep.deployment_id)
             if not waiting_for_memory:
                 continue
             is_head = not head_seen
             admitted = self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
+            if lost and not admitted:
+                for x in self._waiting.values():
+                    if x.deployment_id == dep.deployment_id:
+                        x.queued.set()
+                self.on_change(dep.deployment_id)
             if is_head and not admitted:
                 self._arm_due(dep.deployment_id)
             # Once the head is admitted it no longer waits for memory: the next one is the head.
@@ -447,31 +458,6 @@ class QueueActor(Actor):
         if any(w.kind == "queued" for w in self._waiting.values()) or self._starting:
             self._tell_recheck("activity")
 
-    def _start_after_loss(self, actor: DeploymentActor) -> None:
-        """An on-demand engine was lost under waiting requests (sent to it and never reached
-        it, or arrived while it was checked): start it for them as for requests to a stopped
-        model, through the memory check; they are queued only when it does not fit now."""
-        dep_id = actor.deployment_id
-        waiters = [w for w in self._waiting.values() if w.deployment_id == dep_id]
-        if not waiters:
-            return
-        is_head = True
-        for w in self._waiting.values():
-            if w.deployment_id == dep_id:
-                break
-            if w.kind == "queued":
-                is_head = False
-                break
-        if self._try_admit(actor, may_make_room=is_head, jumped=not is_head):
-            return
-        for w in waiters:
-            if w.kind != "queued":
-                w.kind = "queued"
-                w.queued.set()
-        if is_head:
-            self._arm_due(dep_id)
-        self.on_change(dep_id)
-
     def _fail_all(self, deployment_id: str, reason: m.LeaveReason, error: Refused) -> None:
         for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:
             self._finish(w, reason, error)
@@ -493,6 +479,8 @@ class QueueActor(Actor):
         actor = self._lookup(deployment_id)
         if outcome is not None:
             self._made_room.pop(deployment_id, None)
+        if outcome in ("ready", "failed", "removed"):
+            self._lost.discard(deployment_id)
         if outcome == "ready" and actor is not None:
             self._starting.discard(deployment_id)
             self._serve(actor)
@@ -507,7 +495,9 @@ class QueueActor(Actor):
             self._starting.discard(deployment_id)
             reason, _, by = detail.partition(":")
             if reason == "lost" and actor is not None and not actor.recovering:
-                self._start_after_loss(actor)
+                # Its engine was lost under waiting requests: the next re-check starts it
+                # for them, in queue order, and queues them only if that cannot be now.
+                self._lost.add(deployment_id)
             elif reason in ("admin", "removed"):
                 error = self._stopped_error(deployment_id, by or None)
                 for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:

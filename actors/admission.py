@@ -102,6 +102,11 @@ class Controller(Protocol):
         reached waits again, and keeps its place for the queue's deadline)."""
         ...
 
+    async def exited_before(self, handle: EngineHandle, wall: float) -> bool:
+        """Whether the engine `handle` names had exited before `wall` (epoch seconds): a
+        request sent after that cannot have reached it (False when it is not known)."""
+        ...
+
     def engine_unreachable(self, deployment_id: str) -> None:
         """The gateway found the engine refusing or resetting a connection: check it now;
         until it is found serving, requests wait for it (`enqueue`) instead of reaching it."""

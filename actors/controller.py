@@ -37,7 +37,14 @@ from actors.deployment import (
 )
 from actors.errors import ActorError
 from actors.memory_broker import Candidate, MemoryBroker
-from actors.ports import EngineHandle, EngineProbe, LaunchSpec, Readiness, Runtime
+from actors.ports import (
+    EngineHandle,
+    EngineProbe,
+    ExitTimes,
+    LaunchSpec,
+    Readiness,
+    Runtime,
+)
 from actors.queue import QueueActor, WaiterImpl
 from actors.runtime import Clock
 from events import model as m
@@ -323,6 +330,18 @@ class Controller:
         if refusal is not None:
             raise refusal
         return self.queue.enqueue(actor, request_id, waited_s)
+
+    async def exited_before(self, handle: EngineHandle, wall: float) -> bool:
+        """Whether the engine had exited before `wall`; False unless the runtime can tell
+        (`actors.ports.ExitTimes`)."""
+        runtime = self.runtime
+        if not isinstance(runtime, ExitTimes):
+            return False
+        try:
+            at = await runtime.exited_at(handle)
+        except ActorError:
+            return False
+        return at is not None and at < wall
 
     def engine_unreachable(self, deployment_id: str) -> None:
         """The gateway could not reach the engine: the deployment checks it at once."""

@@ -19,9 +19,10 @@ import msgspec
 import structlog
 
 from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
+from actors.ports import EngineHandle
 from gateway import health, queued
 from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
-from gateway.errors import UpstreamError
+from gateway.errors import UpstreamClosed, UpstreamError
 from gateway.express import Exchange, Forwarding
 from gateway.messages import (
     NOT_FORWARDED,
@@ -286,7 +287,7 @@ class Gateway:
                 sent = await self._relay(
                     handle.host, handle.port, request, body, responder, view, target,
                     _Mode.PASS, route.endpoint,
-                    arrived=arrived, resend=True,
+                    arrived=arrived, resend=True, engine=handle,
                 )  # fmt: skip
             finally:
                 lease.release()
@@ -452,7 +453,7 @@ class Gateway:
             handle = lease.handle
             sent = await self._relay(
                 handle.host, handle.port, request, body, responder, view, target, mode, endpoint,
-                arrived=arrived, resend=resend,
+                arrived=arrived, resend=resend, engine=handle,
             )  # fmt: skip
         finally:
             lease.release()
@@ -506,12 +507,14 @@ class Gateway:
         *,
         arrived: float = 0.0,
         resend: bool = False,
+        engine: EngineHandle | None = None,
     ) -> bool:
         """Relay the request and the engine's answer; False (nothing said to the client)
         when `resend` allows it and the request provably never reached the engine
-        (`UpstreamError.unsent`): the engine is being checked, and the caller has the
-        request wait for it (`_wait_then_relay`)."""
+        (`UpstreamError.unsent`, or its `engine` had exited before it was sent): the engine
+        is being checked, and the caller has the request wait for it (`_wait_then_relay`)."""
         headers = request.headers
+        sent_at = self.clock()  # before connecting: an engine gone before it never saw it
         try:
             # Method, target and headers came out of an HTTP parser: no need to validate again.
             answer = await self.upstream.request(
@@ -519,7 +522,7 @@ class Gateway:
                 drop=not_forwarded(headers, NOT_FORWARDED), checked=True,
             )  # fmt: skip
         except UpstreamError as exc:
-            if resend and exc.unsent and not self.closing:
+            if resend and not self.closing and await self.never_reached(exc, engine, sent_at):
                 self.engine_missed(view, exc)
                 return False
             reply = self.engine_unreachable(view, exc)
@@ -719,6 +722,19 @@ class Gateway:
         return queued.engine_error(
             502, "engine_unreachable", f"the engine of {view.model_name} did not answer"
         )
+
+    async def never_reached(
+        self, exc: UpstreamError, engine: EngineHandle | None, sent_at: float
+    ) -> bool:
+        """Whether the failed request provably never reached the engine: it failed before
+        the moment (`UpstreamError.unsent`), or it was closed before any answer byte and the
+        engine's process had exited before the request was sent (through Docker's port
+        proxy a dead container's connection is accepted, then closed)."""
+        if exc.unsent:
+            return True
+        if engine is None or not (isinstance(exc, UpstreamClosed) and exc.before_response):
+            return False
+        return await self.controller.exited_before(engine, sent_at)
 
     def engine_missed(self, view: DeploymentView, exc: UpstreamError) -> None:
         """The request never reached the engine (refused, or closed before it went out):

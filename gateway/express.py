@@ -31,6 +31,7 @@ buffer is over its mark, and both sides keep their deadlines.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -100,6 +101,7 @@ class Exchange:
         "_lease",
         "_paused",
         "_request",
+        "_sent_at",
         "_started",
         "_upstream",
         "_view",
@@ -126,6 +128,7 @@ class Exchange:
         self._forwarding = forwarding
         self._arrived = time.monotonic()
         self._request: Outgoing | None = None  # as sent to the engine, once leased
+        self._sent_at = 0.0  # wall clock before the request went out (`_exit_known`)
         self._lease: Lease | None = None
         self._engine: Engine | None = None
         self._upstream: EngineConnection | None = None
@@ -155,6 +158,7 @@ class Exchange:
         handle = lease.handle
         head = self.head
         self._request = request = Outgoing(head.method, head.headers, body, self._forwarding)
+        self._sent_at = gateway.clock()  # an engine gone before it never saw the request
         sent = pool.send_now(handle.host, handle.port, request)
         if sent is not None:
             self._hook(*sent)
@@ -399,18 +403,25 @@ class Exchange:
             if exc.unsent:
                 # It never reached the engine: the handler's path sends it again, or has it
                 # wait for the engine's restart (`Gateway._relay`).
-                self._release(reuse=False)
-                assert self._request is not None  # sent: `_failed` comes after `start`
-                self._conn.hand_over(self.head, self.request_id, self._request.body)
+                self._hand_over()
                 return
-            reply = gateway.engine_unreachable(self._view, exc)
-            self._release(reuse=False)
-            conn = self._conn
-            answer = conn.complete_answer(
-                reply.status, reply.headers(), reply.body(), self.request_id
-            )
-            if self._write([answer]):
-                self._end(keep=True)
+            lease = self._lease
+            if (
+                isinstance(exc, UpstreamClosed)
+                and exc.before_response
+                and lease is not None
+                and not gateway.closing
+            ):
+                # Closed before any answer byte: if the engine had exited before the request
+                # went out (Docker's port proxy accepts for a dead container), it never saw
+                # it (`Gateway.never_reached`).  The connection waits for the answer.
+                handle = lease.handle
+                self._release(reuse=False)
+                asking = gateway.controller.exited_before(handle, self._sent_at)
+                task = asyncio.get_running_loop().create_task(asking)
+                task.add_done_callback(functools.partial(self._exit_known, exc))
+                return
+            self._unreachable(exc)
             return
         gateway.engine_failed(self._view, exc)
         self._release(reuse=False)
@@ -424,6 +435,36 @@ class Exchange:
         session = self._conn.session
         if self._write([*out, session.body(event), session.end()]):
             self._end(keep=True)
+
+    def _hand_over(self) -> None:
+        """Give the request to the handler's path, which sends it again or has it wait."""
+        self._release(reuse=False)
+        assert self._request is not None  # sent: `_failed` comes after `start`
+        self._conn.hand_over(self.head, self.request_id, self._request.body)
+
+    def _unreachable(self, exc: UpstreamError) -> None:
+        """The engine failed before its answer: the error, as the handler's path gives it."""
+        reply = self._gateway.engine_unreachable(self._view, exc)
+        self._release(reuse=False)
+        answer = self._conn.complete_answer(
+            reply.status, reply.headers(), reply.body(), self.request_id
+        )
+        if self._write([answer]):
+            self._end(keep=True)
+
+    def _exit_known(self, exc: UpstreamError, task: asyncio.Task[bool]) -> None:
+        """The controller said whether the engine had exited before the request went out."""
+        if self._ended:  # the client left meanwhile
+            return
+        try:
+            gone = not task.cancelled() and task.exception() is None and task.result()
+            if gone:  # as `Gateway._relay` does: the engine checked, the request waits
+                self._gateway.engine_missed(self._view, exc)
+                self._hand_over()
+            else:
+                self._unreachable(exc)
+        except Exception as exc_:
+            self._broken(exc_)
 
     def _end(self, *, keep: bool) -> None:
         if self._ended:

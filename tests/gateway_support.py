@@ -113,6 +113,8 @@ class ScriptedController:
     in_flight: dict[str, int] = field(default_factory=dict)
     unreachable: list[str] = field(default_factory=list)
     waited_s: list[float] = field(default_factory=list)  # `enqueue`'s, one per call
+    engine_exited: bool = False  # `exited_before`'s answer
+    exit_questions: list[str] = field(default_factory=list)  # runtime ids asked about
     # A deployment the gateway reports unreachable stops serving (as the real controller's
     # does while it checks the engine): requests then wait for it.
     suspect_on_unreachable: bool = False
@@ -181,6 +183,11 @@ class ScriptedController:
         self.enqueued += 1
         self.changed()
         return waiter
+
+    async def exited_before(self, handle: EngineHandle, wall: float) -> bool:
+        """Scripted: `engine_exited` says whether the engine was gone before the request."""
+        self.exit_questions.append(handle.runtime_id)
+        return self.engine_exited
 
     def engine_unreachable(self, deployment_id: str) -> None:
         """Counted: the gateway reports an engine it could not reach."""

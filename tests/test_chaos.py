@@ -538,13 +538,25 @@ async def serving_on(root: Path, runtime: str, total_gib: float = 8.0) -> AsyncI
             await asyncio.to_thread(remove_containers_of, deps)
 
 
+def _engines(token: str) -> list[int]:
+    """The engine processes of this test, without a container's docker-init (PID 1 there,
+    its argv names the engine's command too)."""
+    found = []
+    for pid in engine_processes(token):
+        with contextlib.suppress(OSError):
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            if not argv0.endswith(b"docker-init"):
+                found.append(pid)
+    return found
+
+
 async def engine_pid(token: str) -> int:
     """The one engine process of this test (a container's process, seen from the host)."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        engines = await asyncio.to_thread(engine_processes, token)
+        engines = await asyncio.to_thread(_engines, token)
         if len(engines) == 1:
-            return next(iter(engines))
+            return engines[0]
         assert time.monotonic() < deadline, f"not one engine: {engines}"
         await asyncio.sleep(0.05)
 
@@ -555,7 +567,7 @@ async def signal_engine(token: str, sig: signal.Signals) -> int:
     os.kill(pid, sig)
     if sig is signal.SIGKILL:
         deadline = time.monotonic() + SETTLE_S
-        while pid in await asyncio.to_thread(engine_processes, token):
+        while pid in await asyncio.to_thread(_engines, token):
             assert time.monotonic() < deadline, f"engine {pid} survived SIGKILL"
             await asyncio.sleep(0.02)
     return pid

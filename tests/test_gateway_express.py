@@ -459,6 +459,42 @@ def test_a_request_that_never_reached_its_engine_waits_for_the_restart_on_both_p
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("exited", [True, False])
+def test_a_request_closed_unanswered_is_sent_again_only_if_its_engine_had_exited_before(
+    loop: str, exited: bool
+) -> None:
+    """Docker's port proxy accepts a connection for a dead container and then closes it: the
+    request was closed before any answer byte, and only the runtime's word that the engine
+    had exited before the request went out (`Controller.exited_before`) makes it one that
+    never reached the engine.  Scripted here: the same engine answers the second send."""
+
+    async def client(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
+    ) -> list[bytes]:
+        rig.controller.engine_exited = exited
+        rig.controller.suspect_on_unreachable = True
+        handle = rig.controller.deployments["a"].handle
+        assert handle is not None
+        writer.write(request())
+        if exited:  # it waits for the engine (here: the same one, ready again)
+            await poll(lambda: len(rig.controller.pending("a")) == 1)
+            rig.controller.make_ready("a", handle)
+        answers = [await read_answer(reader)]
+        assert rig.controller.exit_questions == ["t"]
+        return answers
+
+    async def go(express: bool) -> Outcome:
+        return await scenario(["drop", "ok"], client, express=express)
+
+    fast, slow = both(go, loop)
+    assert fast.comparable() == slow.comparable()
+    if exited:
+        assert fast.answers[0].startswith(b"HTTP/1.1 200 ") and fast.seen == [JSON_BODY] * 2
+    else:
+        assert fast.answers[0].startswith(b"HTTP/1.1 502 ") and fast.seen == [JSON_BODY]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("behaviour", ["drop", "cut-length", "silent"])
 def test_a_request_the_engine_may_have_seen_gets_its_error_and_is_never_sent_twice(
     loop: str, behaviour: str

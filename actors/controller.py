@@ -12,6 +12,7 @@ are the part to move out first if it grows further.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import secrets
 from collections.abc import Callable
@@ -70,6 +71,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "ondemand_make_room_after_s": None,  # None: the seed's rule (the full idle timeout)
 }
 
+EXIT_SETTLE_S = 2.0  # how long `exited_before` waits for the runtime to see an exit
 SHUTTING_DOWN = "DGXMM is shutting down; try again once it is back"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -339,6 +341,12 @@ class Controller:
             return False
         try:
             at = await runtime.exited_at(handle)
+            if at is None and await runtime.is_running(handle):
+                # The daemon may not have seen an exit of an instant ago: wait for it, briefly.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(EXIT_SETTLE_S):
+                        await runtime.wait_exited(handle)
+                at = await runtime.exited_at(handle)
         except ActorError:
             return False
         return at is not None and at < wall

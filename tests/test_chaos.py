@@ -27,6 +27,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,7 +42,14 @@ import pytest
 from events import model as m
 from tests.e2e_support import remove_containers_of, require_docker
 from tests.gateway_support import Client, Reply
-from tests.serve_support import Serve, chat_body, engine_processes, sim_spec, write_config
+from tests.serve_support import (
+    PROJECT,
+    Serve,
+    chat_body,
+    engine_processes,
+    sim_spec,
+    write_config,
+)
 from tests.test_faults import fill, small_disk
 
 pytestmark = pytest.mark.chaos
@@ -520,10 +529,31 @@ def runtime(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+class _LoggedServe(Serve):
+    """`Serve` whose stderr (DGXMM's log) goes to `root/dgxmm.err`, never to a pipe nobody
+    reads (a full pipe would stop DGXMM); printed when a check fails."""
+
+    def spawn(self, *, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
+        with (self.root / "dgxmm.err").open("a") as err:
+            return subprocess.Popen(
+                [sys.executable, "-m", "dgxmm.cli", "serve", "--config", str(self.config)],
+                cwd=self.root,
+                env={**os.environ, "PYTHONPATH": str(PROJECT)},
+                stdout=stdout,
+                stderr=err,
+                text=True,
+            )
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self.root / "dgxmm.err"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
 @contextlib.asynccontextmanager
 async def serving_on(root: Path, runtime: str, total_gib: float = 8.0) -> AsyncIterator[Serve]:
     """`serving` on the named runtime; docker containers of its deployments removed after."""
-    serve = Serve(root, write_config(root, total_gib=total_gib, runtime=runtime))
+    serve = _LoggedServe(root, write_config(root, total_gib=total_gib, runtime=runtime))
     try:
         await serve.start()
         yield serve
@@ -629,6 +659,8 @@ def test_an_idle_engine_killed_then_a_request_is_answered_after_one_cold_start(
                 waits.append(time.monotonic() - started)
                 report.clients["answered" if answered(reply) else f"HTTP {reply.status}"] += 1
                 report.check(answered(reply), f"round {n} answered: {reply.status} {reply.body!r}")
+                if not answered(reply):
+                    break  # the model may be stopped now: the next round would find no engine
             got = starts_and_losses(await serve.records(), dep)
             report.notes.append(
                 "answered after " + ", ".join(f"{w:.2f}" for w in waits) + " s; log: "

@@ -597,10 +597,27 @@ async def signal_engine(token: str, sig: signal.Signals) -> int:
     os.kill(pid, sig)
     if sig is signal.SIGKILL:
         deadline = time.monotonic() + SETTLE_S
-        while pid in await asyncio.to_thread(_engines, token):
+        while not await asyncio.to_thread(_exited, pid):
             assert time.monotonic() < deadline, f"engine {pid} survived SIGKILL"
             await asyncio.sleep(0.02)
     return pid
+
+
+def _exited(pid: int) -> bool:
+    """Every thread of `pid` exited (its sockets are closed only then: its main thread can
+    show as a zombie while others still run), or it is reaped."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            return False
+    return True
 
 
 async def chat(client: Client, dep: str, model: str, max_tokens: int = 8) -> Reply:

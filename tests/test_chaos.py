@@ -636,6 +636,24 @@ def answered(reply: Reply) -> bool:
         return False
 
 
+async def ready_on_demand(serve: Serve, token: str) -> tuple[str, str]:
+    """An on-demand sim deployment of this test, once ready: its id and model."""
+    dep, model = await create(serve, f"{token}-od", mode="on_demand")
+    await _until_ready(serve, dep)
+    return dep, model
+
+
+def checked(
+    main: Awaitable[None], report: Report, capsys: pytest.CaptureFixture[str], deadline_s: float
+) -> None:
+    """Run a chaos case within its deadline; print its report; fail on any violation."""
+    try:
+        run(asyncio.wait_for(main, deadline_s))
+    finally:
+        report.print(capsys)
+    assert report.violations == []
+
+
 def starts_and_losses(records: list[m.Recorded], dep: str) -> Counter[str]:
     """The deployment's losses and starts by reason, from the log."""
     out: Counter[str] = Counter()
@@ -660,8 +678,7 @@ def test_an_idle_engine_killed_then_a_request_is_answered_after_one_cold_start(
 
     async def main() -> None:
         async with serving_on(tmp_path, runtime) as serve:
-            dep, model = await create(serve, f"{token}-od", mode="on_demand")
-            await _until_ready(serve, dep)
+            dep, model = await ready_on_demand(serve, token)
             waits = []
             for n in range(ROUNDS):
                 await _until_ready(serve, dep)
@@ -687,11 +704,7 @@ def test_an_idle_engine_killed_then_a_request_is_answered_after_one_cold_start(
             # One cold start per round, for the request (plus the creation's).
             report.check(got["start:request"] == ROUNDS, f"one start per round: {got}")
 
-    try:
-        run(asyncio.wait_for(main(), 60 + ROUNDS * 30))
-    finally:
-        report.print(capsys)
-    assert report.violations == []
+    checked(main(), report, capsys, 60 + ROUNDS * 30)
 
 
 def test_an_engine_killed_between_requests_on_a_keep_alive_connection(
@@ -704,8 +717,7 @@ def test_an_engine_killed_between_requests_on_a_keep_alive_connection(
 
     async def main() -> None:
         async with serving_on(tmp_path, runtime) as serve:
-            dep, model = await create(serve, f"{token}-od", mode="on_demand")
-            await _until_ready(serve, dep)
+            dep, model = await ready_on_demand(serve, token)
             client = await Client.connect(serve.gateway_port)
             try:
                 for n in range(ROUNDS):
@@ -727,11 +739,7 @@ def test_an_engine_killed_between_requests_on_a_keep_alive_connection(
             got = starts_and_losses(await serve.records(), dep)
             report.check(got["EngineLost"] == ROUNDS, f"a loss per round: {got}")
 
-    try:
-        run(asyncio.wait_for(main(), 60 + ROUNDS * 30))
-    finally:
-        report.print(capsys)
-    assert report.violations == []
+    checked(main(), report, capsys, 60 + ROUNDS * 30)
 
 
 def test_an_always_on_engine_stopped_beyond_its_health_window_is_named_and_restarted(
@@ -795,8 +803,4 @@ def test_an_always_on_engine_stopped_beyond_its_health_window_is_named_and_resta
             got = starts_and_losses(await serve.records(), dep)
             report.check(got["EngineLost"] == 1 and got["start:restart"] == 1, f"log: {got}")
 
-    try:
-        run(asyncio.wait_for(main(), 180))
-    finally:
-        report.print(capsys)
-    assert report.violations == []
+    checked(main(), report, capsys, 180)

@@ -22,8 +22,10 @@ Whatever is not plain goes to the handler, which stays the judge of it: a route 
 not inference, a model that is not ready, no free slot for the engine, a client waiting for
 100 Continue, and a request that provably never reached the engine (`UpstreamError.unsent`:
 the connection was refused, or found closed before the request went out): the handler sends
-it again, or has it wait for the engine's restart, as it does its own.  A request the engine
-may have seen is never handed over: it gets its error here, as on the handler's path.  The lane
+it again, or has it wait for the engine's restart, as it does its own; so is one closed before
+any answer byte whose engine the runtime says had exited before it went out (Docker's port
+proxy accepts for a dead container: `_exit_known`).  A request the engine may have seen is
+never handed over: it gets its error here, as on the handler's path.  The lane
 is bounded like the rest: the engine connection stops reading while the client's write
 buffer is over its mark, and both sides keep their deadlines.
 """

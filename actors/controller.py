@@ -12,7 +12,6 @@ are the part to move out first if it grows further.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import secrets
 from collections.abc import Callable
@@ -336,16 +335,20 @@ class Controller:
     async def exited_before(self, handle: EngineHandle, wall: float) -> bool:
         """Whether the engine had exited before `wall`; False unless the runtime can tell
         (`actors.ports.ExitTimes`)."""
+        actor = self.actors.get(handle.deployment_id)
+        known = None if actor is None else actor.last_exit
+        if known is not None and known[0] == handle.runtime_id and known[1] is not None:
+            return known[1] < wall  # asked before its engine was removed
         runtime = self.runtime
         if not isinstance(runtime, ExitTimes):
             return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + EXIT_SETTLE_S
         try:
             at = await runtime.exited_at(handle)
-            if at is None and await runtime.is_running(handle):
-                # The daemon may not have seen an exit of an instant ago: wait for it, briefly.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(EXIT_SETTLE_S):
-                        await runtime.wait_exited(handle)
+            # The daemon may not have seen an exit of an instant ago: look again, briefly.
+            while at is None and loop.time() < deadline and await runtime.is_running(handle):
+                await asyncio.sleep(0.05)
                 at = await runtime.exited_at(handle)
         except ActorError:
             return False

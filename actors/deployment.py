@@ -31,7 +31,15 @@ import structlog
 
 from actors.errors import ActorError, CommandRefused, RuntimeFailure
 from actors.memory_broker import Candidate, MemoryBroker, gib
-from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
+from actors.ports import (
+    EngineHandle,
+    EngineLoad,
+    EngineProbe,
+    ExitTimes,
+    LaunchSpec,
+    Readiness,
+    Runtime,
+)
 from actors.readiness import BootOutcome, wait_until_ready
 from actors.runtime import Actor, Clock, TimerHandle
 from events import model as m
@@ -304,6 +312,9 @@ class DeploymentActor(Actor):
         # for it as for a start (`recovering`), never refused, never queued for memory.
         self._recovering = False
         self.lost_reason: str | None = None  # why the engine was lost, until it serves again
+        # The last lost engine's runtime id and exit time (when the runtime knows it), kept
+        # past its removal for the gateway's question (`Controller.exited_before`).
+        self.last_exit: tuple[str, float | None] | None = None
 
     @property
     def deployment_id(self) -> str:
@@ -934,6 +945,7 @@ class DeploymentActor(Actor):
         self._attempt += 1
         handle, self._handle = self._handle, None
         if handle is not None:
+            self.last_exit = (handle.runtime_id, await self._exit_time(handle))
             await self._stop_engine(handle)
         self._release_or_keep_for_restart()
         if self.state.on_demand:
@@ -947,6 +959,14 @@ class DeploymentActor(Actor):
         finally:
             self._recovering = False
         self._changed()  # starting (the waiting requests join the start) or failed
+
+    async def _exit_time(self, handle: EngineHandle) -> float | None:
+        """When the engine's process exited, if the runtime knows (`ExitTimes`)."""
+        runtime = self._runtime
+        if isinstance(runtime, ExitTimes):
+            with contextlib.suppress(ActorError):
+                return await runtime.exited_at(handle)
+        return None
 
     async def _restart_after_loss(self, reason: str) -> None:
         """An always-on engine died after running: start it again at once (the backoff is for

@@ -350,8 +350,10 @@ class Controller:
             while at is None and loop.time() < deadline and await runtime.is_running(handle):
                 await asyncio.sleep(0.05)
                 at = await runtime.exited_at(handle)
-        except ActorError:
+        except ActorError as exc:
+            log.info("engine_exit_unknown", deployment=handle.deployment_id, error=str(exc))
             return False
+        log.info("engine_exit_checked", deployment=handle.deployment_id, exited_at=at, sent=wall)
         return at is not None and at < wall
 
     def engine_unreachable(self, deployment_id: str) -> None:

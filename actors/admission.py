@@ -29,6 +29,9 @@ class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
     # Where the engine answers while `state` is ready (None otherwise); the gateway relays
     # GET /v1/models/<id> there without a lease, because a lookup must not keep it awake.
     engine_handle: EngineHandle | None = None
+    # Why the engine was lost (it died or hung), from then until it serves again: DGXMM
+    # restarts an always-on one itself, the next request starts an on-demand one.
+    lost: str | None = None
 
 
 class Refused(Exception):
@@ -97,10 +100,18 @@ class Controller(Protocol):
         """A lease at once when the model is ready, else None (then call `enqueue`)."""
         ...
 
-    def enqueue(self, deployment_id: str, request_id: str) -> Waiter:
-        """Wait for the model; raises `Refused` at once (queue full, does not fit, ...)."""
+    def enqueue(self, deployment_id: str, request_id: str, *, waited_s: float = 0.0) -> Waiter:
+        """Wait for the model; raises `Refused` at once (queue full, does not fit, ...).
+        `waited_s`: how long ago the request arrived (one sent to an engine that it never
+        reached waits again, and keeps its place for the queue's deadline)."""
+        ...
+
+    async def exited_before(self, handle: EngineHandle, wall: float) -> bool:
+        """Whether the engine `handle` names had exited before `wall` (epoch seconds): a
+        request sent after that cannot have reached it (False when it is not known)."""
         ...
 
     def engine_unreachable(self, deployment_id: str) -> None:
-        """The gateway found the engine refusing or resetting a connection: check it now."""
+        """The gateway found the engine refusing or resetting a connection: check it now;
+        until it is found serving, requests wait for it (`enqueue`) instead of reaching it."""
         ...

@@ -38,7 +38,14 @@ from actors.deployment import (
 )
 from actors.errors import ActorError
 from actors.memory_broker import Candidate, MemoryBroker
-from actors.ports import EngineHandle, EngineProbe, LaunchSpec, Readiness, Runtime
+from actors.ports import (
+    EngineHandle,
+    EngineProbe,
+    ExitTimes,
+    LaunchSpec,
+    Readiness,
+    Runtime,
+)
 from actors.queue import QueueActor, WaiterImpl
 from actors.runtime import Clock
 from events import model as m
@@ -64,6 +71,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "ondemand_make_room_after_s": None,  # None: the seed's rule (the full idle timeout)
 }
 
+EXIT_SETTLE_S = 2.0  # how long `exited_before` waits for the runtime to see an exit
 SHUTTING_DOWN = "DGXMM is shutting down; try again once it is back"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -311,6 +319,7 @@ class Controller:
             mode=dep.mode,
             created_at=dep.created_at,
             engine_handle=actor.engine_handle,
+            lost=actor.lost_reason,
         )
 
     def try_acquire(self, deployment_id: str) -> LeaseImpl | None:
@@ -318,17 +327,42 @@ class Controller:
         actor = self.actors.get(deployment_id)
         return None if actor is None else actor.try_acquire()
 
-    def enqueue(self, deployment_id: str, request_id: str) -> WaiterImpl:
-        """Wait for the model; raises Refused at once when it cannot wait."""
+    def enqueue(self, deployment_id: str, request_id: str, *, waited_s: float = 0.0) -> WaiterImpl:
+        """Wait for the model; raises Refused at once when it cannot wait.  An always-on
+        deployment DGXMM is restarting after a loss is waited for, not refused."""
         actor = self.actors.get(deployment_id)
         if actor is None:
             raise Refused(404, "model_not_found", f"no deployment {deployment_id}")
         if self._closing:
             raise Refused(503, "ondemand_stopped", SHUTTING_DOWN, RETRY_AFTER_S)
-        refusal = stopped_always_on(actor.state)
+        refusal = None if actor.recovering else stopped_always_on(actor.state)
         if refusal is not None:
             raise refusal
-        return self.queue.enqueue(actor, request_id)
+        return self.queue.enqueue(actor, request_id, waited_s)
+
+    async def exited_before(self, handle: EngineHandle, wall: float) -> bool:
+        """Whether the engine had exited before `wall`; False unless the runtime can tell
+        (`actors.ports.ExitTimes`)."""
+        actor = self.actors.get(handle.deployment_id)
+        known = None if actor is None else actor.last_exit
+        if known is not None and known[0] == handle.runtime_id and known[1] is not None:
+            return known[1] < wall  # asked before its engine was removed
+        runtime = self.runtime
+        if not isinstance(runtime, ExitTimes):
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + EXIT_SETTLE_S
+        try:
+            at = await runtime.exited_at(handle)
+            # The daemon may not have seen an exit of an instant ago: look again, briefly.
+            while at is None and loop.time() < deadline and await runtime.is_running(handle):
+                await asyncio.sleep(0.05)
+                at = await runtime.exited_at(handle)
+        except ActorError as exc:
+            log.info("engine_exit_unknown", deployment=handle.deployment_id, error=str(exc))
+            return False
+        log.info("engine_exit_checked", deployment=handle.deployment_id, exited_at=at, sent=wall)
+        return at is not None and at < wall
 
     def engine_unreachable(self, deployment_id: str) -> None:
         """The gateway could not reach the engine: the deployment checks it at once."""

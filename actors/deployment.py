@@ -32,7 +32,15 @@ import structlog
 from actors.cold_start import EngineLogLines, start_watching, stop_watching
 from actors.errors import ActorError, CommandRefused, RuntimeFailure
 from actors.memory_broker import Candidate, MemoryBroker, gib
-from actors.ports import EngineHandle, EngineLoad, EngineProbe, LaunchSpec, Readiness, Runtime
+from actors.ports import (
+    EngineHandle,
+    EngineLoad,
+    EngineProbe,
+    ExitTimes,
+    LaunchSpec,
+    Readiness,
+    Runtime,
+)
 from actors.readiness import BootOutcome, wait_until_ready
 from actors.runtime import Actor, Clock, TimerHandle
 from events import model as m
@@ -309,11 +317,25 @@ class DeploymentActor(Actor):
         self._orphans: set[asyncio.Task[None]] = set()
         self._unhealthy_since: float | None = None
         self._checking: asyncio.Task[None] | None = None
+        # From a suspicion (the gateway could not reach the engine) or a loss until the
+        # outcome is known (cleared, stopped, or an always-on restart begun): requests wait
+        # for it as for a start (`recovering`), never refused, never queued for memory.
+        self._recovering = False
+        self.lost_reason: str | None = None  # why the engine was lost, until it serves again
+        # The last lost engine's runtime id and exit time (when the runtime knows it), kept
+        # past its removal for the gateway's question (`Controller.exited_before`).
+        self.last_exit: tuple[str, float | None] | None = None
 
     @property
     def deployment_id(self) -> str:
         """The deployment's id."""
         return self.state.deployment_id
+
+    @property
+    def recovering(self) -> bool:
+        """Whether the engine is being checked or replaced after the gateway could not reach
+        it, or after it was lost: requests wait for the outcome as for a start."""
+        return self._recovering
 
     @property
     def engine_handle(self) -> EngineHandle | None:
@@ -620,6 +642,7 @@ class DeploymentActor(Actor):
                 m.PendingModeCleared(),
             ]
         await self._record("system", *events)
+        self.lost_reason = None
         self._broker.set_always_on(self.deployment_id, not self.state.on_demand)
         self.activity.last_used = self.clock.now()
         self.activity.accepting = True
@@ -648,6 +671,7 @@ class DeploymentActor(Actor):
                 m.PendingModeCleared(),
             ]
         await self._record("system", *events)
+        self.lost_reason = None
         self._release_or_keep_for_restart()
         if not self.state.on_demand:
             self._retry_timer = self.schedule(backoff_s(failures), _RetryStart(failures=failures))
@@ -802,6 +826,9 @@ class DeploymentActor(Actor):
         self._changed("removed" if self._removed else "stopped", "stopped")
 
     async def _cancel_tasks(self) -> None:
+        # Whatever the engine's check or loss was about, a stop or removal decides now.
+        self._recovering = False
+        self.lost_reason = None
         tasks = [t for t in (self._work, self._monitor) if t is not None and not t.done()]
         current = asyncio.current_task()
         for task in tasks:
@@ -896,6 +923,7 @@ class DeploymentActor(Actor):
         ):
             return
         self.activity.accepting = False
+        self._recovering = True
         self._checking = asyncio.get_running_loop().create_task(
             self._check_suspect(handle, self._attempt), name=f"suspect:{self.deployment_id}"
         )
@@ -921,6 +949,7 @@ class DeploymentActor(Actor):
 
     def _on_cleared(self, msg: _Cleared) -> None:
         if msg.attempt == self._attempt and self.state.lifecycle is Lifecycle.READY:
+            self._recovering = False
             self.activity.accepting = True
             self._changed("ready")
 
@@ -955,16 +984,37 @@ class DeploymentActor(Actor):
         ):
             return
         self.activity.accepting = False  # true whatever the log says: the engine is gone
+        # Requests that come meanwhile wait for the outcome (`recovering`); an error for a
+        # request the engine had names the loss (`lost_reason`).
+        self._recovering = True
+        self.lost_reason = msg.reason
         # Recorded first: if the write fails this report comes again (see `handle`).
         await self._record("system", m.EngineLost(reason=msg.reason))
         self._attempt += 1
         handle, self._handle = self._handle, None
         if handle is not None:
+            self.last_exit = (handle.runtime_id, await self._exit_time(handle))
             await self._stop_engine(handle)
         self._release_or_keep_for_restart()
+        if self.state.on_demand:
+            # Stopped: the queue starts it at once for the requests that wait for it.
+            self._recovering = False
+            self._changed("stopped", "lost")
+            return
         self._changed("stopped", "lost")
-        if not self.state.on_demand:
+        try:
             await self._restart_after_loss(msg.reason)
+        finally:
+            self._recovering = False
+        self._changed()  # starting (the waiting requests join the start) or failed
+
+    async def _exit_time(self, handle: EngineHandle) -> float | None:
+        """When the engine's process exited, if the runtime knows (`ExitTimes`)."""
+        runtime = self._runtime
+        if isinstance(runtime, ExitTimes):
+            with contextlib.suppress(ActorError):
+                return await runtime.exited_at(handle)
+        return None
 
     async def _restart_after_loss(self, reason: str) -> None:
         """An always-on engine died after running: start it again at once (the backoff is for
@@ -1281,9 +1331,10 @@ class DeploymentActor(Actor):
         self._changed("stopped", "stopped")
 
     def suspect(self) -> None:
-        """The gateway could not reach the engine (refused or reset): check it now."""
-        with contextlib.suppress(ActorError):
-            self.tell(_Suspect())
+        """The gateway could not reach the engine (refused or reset): stop sending it
+        requests at once (a request sent again must not find it ready before it was
+        checked) and check it now."""
+        self._on_suspect()
 
     async def stop(self) -> None:
         """Stop the actor (not the engine: engines outlive DGXMM and are adopted later)."""

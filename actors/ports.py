@@ -8,7 +8,7 @@ exceptions to the errors in `actors.errors` at the edge.
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -42,6 +42,21 @@ class EngineHandle(msgspec.Struct, frozen=True, kw_only=True):
     def base_url(self) -> str:
         """`http://host:port`, the engine's root (without `/v1`)."""
         return f"http://{self.host}:{self.port}"
+
+
+@runtime_checkable
+class ExitTimes(Protocol):
+    """A runtime that knows when an engine's process exited (the Docker runtime does).
+
+    The gateway asks, through the controller, whether an engine it sent a request to had
+    exited before the request went out: through Docker's port proxy a connection to a dead
+    container is accepted and then closed, and only this proves the request never reached
+    the engine (docs/on-demand-gateway.md, "Resending")."""
+
+    async def exited_at(self, handle: EngineHandle) -> float | None:
+        """Epoch seconds at which the engine's process exited; None while it runs, or when
+        it is not known (the container is gone)."""
+        ...
 
 
 class Runtime(Protocol):

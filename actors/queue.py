@@ -130,6 +130,7 @@ class QueueActor(Actor):
         self._waiting: dict[str, WaiterImpl] = {}  # insertion order is arrival order
         self._starting: set[str] = set()  # deployments started for requests, not yet settled
         self._made_room: dict[str, None] = {}  # of those, the heads that put models to sleep
+        self._lost: set[str] = set()  # lost under waiting requests: to start for them
         self._writes: set[asyncio.Task[Any]] = set()
         self._stats = {"served": 0, "refused": 0, "timeouts": 0, "client_gone": 0, "admitted": 0}
         self.on_change: Callable[[str], None] = lambda deployment_id: None
@@ -165,8 +166,11 @@ class QueueActor(Actor):
 
     # --- entering and leaving ------------------------------------------------------------
 
-    def enqueue(self, actor: DeploymentActor, request_id: str) -> WaiterImpl:
-        """Add a request for a model that is not ready; raises Refused when it cannot wait."""
+    def enqueue(self, actor: DeploymentActor, request_id: str, waited_s: float = 0.0) -> WaiterImpl:
+        """Add a request for a model that is not ready; raises Refused when it cannot wait.
+
+        `waited_s`: how long ago the request arrived; a request sent to an engine it never
+        reached waits again with its first arrival, for the deadline and the log."""
         dep = actor.state
         max_queued = int(self._settings("ondemand_max_queued"))
         if len(self._waiting) >= max_queued:
@@ -194,9 +198,11 @@ class QueueActor(Actor):
                 "can be freed for on-demand models",
             )
         now = self.clock.now()
+        waited_s = max(0.0, waited_s)
         timeout = float(self._settings("ondemand_queue_timeout_s"))
-        waiter = WaiterImpl(self, request_id, dep.deployment_id, now, now + timeout)
-        waiter.timer = self.schedule(timeout, Expired(request_id))
+        arrived = now - waited_s
+        waiter = WaiterImpl(self, request_id, dep.deployment_id, arrived, arrived + timeout)
+        waiter.timer = self.schedule(max(0.0, timeout - waited_s), Expired(request_id))
         # The head: no other model's request waits for memory ahead of this model's oldest
         # waiting request (a model's requests share one start and its place in the queue).
         is_head = True
@@ -221,7 +227,7 @@ class QueueActor(Actor):
                 deployment_id=dep.deployment_id,
                 kind=waiter.kind,
                 position=position,
-                arrived_at=self.clock.wall(),
+                arrived_at=self.clock.wall() - waited_s,
                 free_bytes=max(0, free),
                 needed_bytes=dep.memory_bytes,
             )
@@ -316,7 +322,9 @@ class QueueActor(Actor):
         if dep.lifecycle is Lifecycle.READY and actor.activity.accepting:
             self._serve(actor)
             return True
-        if dep.lifecycle is Lifecycle.STARTING or dep_id in self._starting:
+        if dep.lifecycle is Lifecycle.STARTING or dep_id in self._starting or actor.recovering:
+            # A start under way, or an engine being checked or replaced after a loss (its
+            # outcome decides: served, started for these requests, or queued then).
             self._admitted(dep_id, jumped)
             return True
         if dep.lifecycle is Lifecycle.STOPPING or (
@@ -399,24 +407,36 @@ class QueueActor(Actor):
             if dep.lifecycle is Lifecycle.READY and actor.activity.accepting:
                 self._serve(actor)
                 continue
+            if actor.recovering:
+                continue  # its check or restart reports its outcome (`deployment_changed`)
             waiting_for_memory = any(
                 x.kind == "queued"
                 for x in self._waiting.values()
                 if x.deployment_id == dep.deployment_id
             )
             starting = dep.lifecycle is Lifecycle.STARTING or dep.deployment_id in self._starting
+            lost = False
             if not starting and not waiting_for_memory:
                 # Its start went away without an outcome for these requests (the watchdog
-                # stopped it): they wait for memory again.
+                # stopped it): they wait for memory again.  After its engine was lost they
+                # first try to start it, and are queued (the line) only if that fails.
+                lost = dep.deployment_id in self._lost
                 for x in self._waiting.values():
                     if x.deployment_id == dep.deployment_id:
                         x.kind = "queued"
-                        x.queued.set()
+                        if not lost:
+                            x.queued.set()
                 waiting_for_memory = True
+            self._lost.discard(dep.deployment_id)
             if not waiting_for_memory:
                 continue
             is_head = not head_seen
             admitted = self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
+            if lost and not admitted:
+                for x in self._waiting.values():
+                    if x.deployment_id == dep.deployment_id:
+                        x.queued.set()
+                self.on_change(dep.deployment_id)
             if is_head and not admitted:
                 self._arm_due(dep.deployment_id)
             # Once the head is admitted it no longer waits for memory: the next one is the head.
@@ -477,6 +497,8 @@ class QueueActor(Actor):
         actor = self._lookup(deployment_id)
         if outcome is not None:
             self._made_room.pop(deployment_id, None)
+        if outcome in ("ready", "failed", "removed"):
+            self._lost.discard(deployment_id)
         if outcome == "ready" and actor is not None:
             self._starting.discard(deployment_id)
             self._serve(actor)
@@ -490,7 +512,11 @@ class QueueActor(Actor):
         elif outcome == "stopped":
             self._starting.discard(deployment_id)
             reason, _, by = detail.partition(":")
-            if reason in ("admin", "removed"):
+            if reason == "lost" and actor is not None and not actor.recovering:
+                # Its engine was lost under waiting requests: the next re-check starts it
+                # for them, in queue order, and queues them only if that cannot be now.
+                self._lost.add(deployment_id)
+            elif reason in ("admin", "removed"):
                 error = self._stopped_error(deployment_id, by or None)
                 for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:
                     if w.kind == "waiting_start":

@@ -19,10 +19,11 @@ import msgspec
 import structlog
 
 from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
+from actors.ports import EngineHandle
 from gateway import health, queued
 from gateway.access import Access
 from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
-from gateway.errors import UpstreamError
+from gateway.errors import UpstreamClosed, UpstreamError
 from gateway.express import Exchange, Forwarding
 from gateway.messages import (
     NOT_FORWARDED,
@@ -67,6 +68,9 @@ class GatewayConfig:
 
 _MAX_TARGETS = 1024  # split targets kept (then they are forgotten all at once)
 CUT_SLACK_S = 5.0  # after the grace, how long cut streams get to write their error event
+# Times a request that never reached its engine is sent (each after waiting for the engine):
+# one engine lost under it, then a second one, is DGXMM's to recover from; a third is not.
+MAX_SENDS = 3
 
 
 class _Mode(enum.Enum):
@@ -110,6 +114,7 @@ class Gateway:
         self.refused = 0
         self.unauthorized = 0  # 401: no gateway key, or a wrong one
         self.engine_failures = 0
+        self.resent = 0  # requests that never reached their engine, sent again after a wait
         self.closing = False  # set by `shutdown`: cut streams say why
         self._answers: set[UpstreamResponse] = set()  # engines' answers being relayed
         self.exchanges: set[Exchange] = set()  # ... and those on the express lane
@@ -174,6 +179,7 @@ class Gateway:
             "refused": self.refused,
             "unauthorized": self.unauthorized,
             "engine_failures": self.engine_failures,
+            "resent": self.resent,
             "server": self.server.statistics() if self.server else None,
             "engines": self.upstream.statistics(),
         }
@@ -297,14 +303,21 @@ class Gateway:
         if lease is not None:
             try:
                 handle = lease.handle
-                await self._relay(
+                sent = await self._relay(
                     handle.host, handle.port, request, body, responder, view, target,
                     _Mode.PASS, route.endpoint,
-                    arrived=arrived,
+                    arrived=arrived, resend=True, engine=handle,
                 )  # fmt: skip
             finally:
                 lease.release()
-            self.relayed += 1
+            if sent:
+                self.relayed += 1
+                return
+            # It never reached the engine, which is being checked (and restarted if lost):
+            # the request waits for it like one for a stopped model, from its arrival.
+            await self._wait_then_relay(
+                request, responder, view, route, body, target, arrived, missed=True
+            )
             return
         await self._wait_then_relay(request, responder, view, route, body, target, arrived)
 
@@ -364,7 +377,11 @@ class Gateway:
         body: bytes,
         target: bytes,
         arrived: float = 0.0,
+        *,
+        missed: bool = False,
     ) -> None:
+        """Wait for the model, then relay.  `missed`: the request was sent to its engine
+        and never reached it; it waits from its arrival, for the queue's deadline."""
         endpoint = route.endpoint
         traits = body_traits(endpoint, body)
         line_in_stream = (
@@ -374,14 +391,50 @@ class Gateway:
         )
         line_in_answer = not traits.stream and not traits.structured and queued.may_prefix(endpoint)
         rid = str(request.request_id)
-        try:
-            waiter = self.controller.enqueue(view.deployment_id, rid)
-        except Refused as refused:
-            self.refused += 1
-            await _reply(responder, _from_refused(refused))
-            return
-        self.waited += 1
         chunk_sent = False
+        for attempt in range(1 if missed else 0, MAX_SENDS):  # `attempt` sends went before
+            waited_s = time.monotonic() - arrived if attempt and arrived else 0.0
+            try:
+                waiter = self.controller.enqueue(view.deployment_id, rid, waited_s=waited_s)
+            except Refused as refused:
+                self.refused += 1
+                reply = _from_refused(refused)
+                if chunk_sent:
+                    await responder.send(reply.sse())
+                    await responder.end()
+                else:
+                    await _reply(responder, reply)
+                return
+            self.waited += 1
+            sent, chunk_sent = await self._wait_once(
+                request, responder, view, endpoint, body, target, arrived, waiter,
+                line_in_stream=line_in_stream and not chunk_sent,
+                line_in_answer=line_in_answer,
+                chunk_sent=chunk_sent,
+                resend=attempt + 1 < MAX_SENDS,
+            )  # fmt: skip
+            if sent:
+                return
+
+    async def _wait_once(
+        self,
+        request: Request,
+        responder: Responder,
+        view: DeploymentView,
+        endpoint: Endpoint | None,
+        body: bytes,
+        target: bytes,
+        arrived: float,
+        waiter: Waiter,
+        *,
+        line_in_stream: bool,
+        line_in_answer: bool,
+        chunk_sent: bool,
+        resend: bool,
+    ) -> tuple[bool, bool]:
+        """Wait with `waiter`, then relay: (answered, the queued chunk went out); not
+        answered when the request never reached the engine and may be sent again."""
+        rid = str(request.request_id)
 
         async def send_queued_chunk() -> None:
             nonlocal chunk_sent
@@ -408,7 +461,7 @@ class Gateway:
                 await responder.end()
             else:
                 await _reply(responder, reply)
-            return
+            return True, chunk_sent
         try:
             if chunk_sent:
                 mode = _Mode.CONTINUE_SSE
@@ -417,12 +470,13 @@ class Gateway:
             else:
                 mode = _Mode.PASS
             handle = lease.handle
-            await self._relay(
+            sent = await self._relay(
                 handle.host, handle.port, request, body, responder, view, target, mode, endpoint,
-                arrived=arrived, on_head=waiter.first_byte,
+                arrived=arrived, on_head=waiter.first_byte, resend=resend, engine=handle,
             )  # fmt: skip
         finally:
             lease.release()
+        return sent, chunk_sent
 
     async def _wait(self, waiter: Waiter, on_queued: Callable[[], Awaitable[None]] | None) -> Lease:
         """The lease once the model serves; cancels the waiter if we stop waiting first."""
@@ -472,8 +526,15 @@ class Gateway:
         *,
         arrived: float = 0.0,
         on_head: Callable[[], None] | None = None,
-    ) -> None:
+        resend: bool = False,
+        engine: EngineHandle | None = None,
+    ) -> bool:
+        """Relay the request and the engine's answer; False (nothing said to the client)
+        when `resend` allows it and the request provably never reached the engine
+        (`UpstreamError.unsent`, or its `engine` had exited before it was sent): the engine
+        is being checked, and the caller has the request wait for it (`_wait_then_relay`)."""
         headers = request.headers
+        sent_at = self.clock()  # before connecting: an engine gone before it never saw it
         try:
             # Method, target and headers came out of an HTTP parser: no need to validate again.
             answer = await self.upstream.request(
@@ -481,13 +542,16 @@ class Gateway:
                 drop=not_forwarded(headers, NOT_FORWARDED), checked=True,
             )  # fmt: skip
         except UpstreamError as exc:
+            if resend and not self.closing and await self.never_reached(exc, engine, sent_at):
+                self.engine_missed(view, exc)
+                return False
             reply = self.engine_unreachable(view, exc)
             if mode is _Mode.CONTINUE_SSE:
                 await responder.send(reply.sse())
                 await responder.end()
             else:
                 await _reply(responder, reply)
-            return
+            return True
         self._answers.add(answer)
         if arrived and self.on_first_byte is not None:
             self.on_first_byte(view.deployment_id, time.monotonic() - arrived)
@@ -504,6 +568,7 @@ class Gateway:
         finally:
             self._answers.discard(answer)
             answer.close()
+        return True
 
     async def _pass(
         self,
@@ -645,16 +710,62 @@ class Gateway:
         """Code and message of the error event that ends a stream cut short."""
         if self.closing:
             return "dgxmm_shutting_down", "DGXMM is shutting down; the answer was cut short"
+        lost = self._lost(view)
+        if lost is not None:
+            return lost.code, lost.message
         return "engine_failed", f"the engine of {view.model_name} failed while answering"
 
+    def _lost(self, view: DeploymentView) -> ErrorReply | None:
+        """The answer for a request its engine failed when DGXMM has found the engine lost
+        (it died or hung) and restarts it: 503 `engine_lost` naming the cause and the
+        restart, so that the client retries instead of acting; None when nothing is known."""
+        now = self.controller.view(view.deployment_id)
+        if now is None or now.lost is None:
+            return None
+        name = view.model_name
+        then = (
+            "DGXMM is restarting it; try again"
+            if now.mode == "always_on"
+            else "the next request starts it again"
+        )
+        return queued.engine_error(
+            503, "engine_lost", f"the engine of {name} was lost ({now.lost}); {then}"
+        )
+
     def engine_unreachable(self, view: DeploymentView, exc: UpstreamError) -> ErrorReply:
-        """The engine did not answer: counted, logged, the controller told; the 502."""
+        """The engine did not answer: counted, logged, the controller told; the 502, or the
+        503 naming the loss when DGXMM already found the engine lost (`_lost`)."""
         self.engine_failures += 1
         log.warning("engine_request_failed", deployment=view.deployment_id, error=exc.detail)
         self.controller.engine_unreachable(view.deployment_id)
+        lost = self._lost(view)
+        if lost is not None:
+            return lost
         return queued.engine_error(
             502, "engine_unreachable", f"the engine of {view.model_name} did not answer"
         )
+
+    async def never_reached(
+        self, exc: UpstreamError, engine: EngineHandle | None, sent_at: float
+    ) -> bool:
+        """Whether the failed request provably never reached the engine: it failed before
+        the moment (`UpstreamError.unsent`), or it was closed before any answer byte and the
+        engine's process had exited before the request was sent (through Docker's port
+        proxy a dead container's connection is accepted, then closed)."""
+        if exc.unsent:
+            return True
+        if engine is None or not (isinstance(exc, UpstreamClosed) and exc.before_response):
+            return False
+        return await self.controller.exited_before(engine, sent_at)
+
+    def engine_missed(self, view: DeploymentView, exc: UpstreamError) -> None:
+        """The request never reached the engine (refused, or closed before it went out):
+        counted, logged, the controller told, which checks the engine and has requests wait
+        for it meanwhile; the request is sent again once it serves."""
+        self.engine_failures += 1
+        self.resent += 1
+        log.warning("engine_request_unsent", deployment=view.deployment_id, error=exc.detail)
+        self.controller.engine_unreachable(view.deployment_id)
 
     def engine_failed(self, view: DeploymentView, exc: UpstreamError) -> None:
         """The engine failed while answering: counted, logged, the controller told."""

@@ -51,7 +51,14 @@ class ResponseStateError(GatewayError):
 
 
 class UpstreamError(GatewayError):
-    """A request to an engine failed; `detail` says how, for the error shown to clients."""
+    """A request to an engine failed; `detail` says how, for the error shown to clients.
+
+    `unsent`: the request provably never reached the engine (no connection, or the
+    connection was seen closed before the first byte of the request was handed to the
+    kernel), so it may be sent again; see "Resending" in docs/on-demand-gateway.md.
+    """
+
+    unsent = False
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
@@ -59,7 +66,12 @@ class UpstreamError(GatewayError):
 
 
 class UpstreamConnectError(UpstreamError):
-    """The engine could not be connected to (refused, unreachable, connect timeout)."""
+    """The engine could not be connected to (refused, unreachable, connect timeout): the
+    request never reached it, unless `unsent` says otherwise (the pool was closed)."""
+
+    def __init__(self, detail: str, *, unsent: bool = True) -> None:
+        super().__init__(detail)
+        self.unsent = unsent
 
 
 class UpstreamTimeout(UpstreamError):
@@ -69,9 +81,10 @@ class UpstreamTimeout(UpstreamError):
 class UpstreamClosed(UpstreamError):
     """The engine closed or reset the connection before its answer was complete."""
 
-    def __init__(self, detail: str, *, before_response: bool = False) -> None:
+    def __init__(self, detail: str, *, before_response: bool = False, unsent: bool = False) -> None:
         super().__init__(detail)
         self.before_response = before_response
+        self.unsent = unsent
 
 
 class UpstreamProtocolError(UpstreamError):

@@ -20,8 +20,12 @@ paths to the same bytes.
 
 Whatever is not plain goes to the handler, which stays the judge of it: a route that is
 not inference, a model that is not ready, no free slot for the engine, a client waiting for
-100 Continue, and an idle engine connection that closed before answering (most likely a
-stale keep-alive connection: the handler tries again on a new one, as the pool does).  The lane
+100 Continue, and a request that provably never reached the engine (`UpstreamError.unsent`:
+the connection was refused, or found closed before the request went out): the handler sends
+it again, or has it wait for the engine's restart, as it does its own; so is one closed before
+any answer byte whose engine the runtime says had exited before it went out (Docker's port
+proxy accepts for a dead container: `_exit_known`).  A request the engine may have seen is
+never handed over: it gets its error here, as on the handler's path.  The lane
 is bounded like the rest: the engine connection stops reading while the client's write
 buffer is over its mark, and both sides keep their deadlines.
 """
@@ -29,6 +33,7 @@ buffer is over its mark, and both sides keep their deadlines.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -95,12 +100,12 @@ class Exchange:
         "_ended",
         "_engine",
         "_forwarding",
-        "_fresh",
         "_gateway",
         "_last",
         "_lease",
         "_paused",
         "_request",
+        "_sent_at",
         "_started",
         "_upstream",
         "_view",
@@ -127,6 +132,7 @@ class Exchange:
         self._forwarding = forwarding
         self._arrived = time.monotonic()
         self._request: Outgoing | None = None  # as sent to the engine, once leased
+        self._sent_at = 0.0  # wall clock before the request went out (`_exit_known`)
         self._lease: Lease | None = None
         self._engine: Engine | None = None
         self._upstream: EngineConnection | None = None
@@ -137,7 +143,6 @@ class Exchange:
         self._chunks_through = False  # the engine's chunks go to the client as they are
         self._ended = False  # `_end` ran: the connection has been told
         self._connecting: asyncio.Task[EngineConnection] | None = None  # a new connection
-        self._fresh = False  # the engine connection is new (not one that may have gone stale)
 
     # --- the request -----------------------------------------------------------------------
 
@@ -157,13 +162,13 @@ class Exchange:
         handle = lease.handle
         head = self.head
         self._request = request = Outgoing(head.method, head.headers, body, self._forwarding)
+        self._sent_at = gateway.clock()  # an engine gone before it never saw the request
         sent = pool.send_now(handle.host, handle.port, request)
         if sent is not None:
             self._hook(*sent)
             return
         # No idle connection (they expire after a few seconds without requests): a new one,
         # opened without leaving the lane.
-        self._fresh = True
         self._engine, self._connecting = pool.open_now(handle.host, handle.port)
         self._connecting.add_done_callback(self._connected)
 
@@ -193,7 +198,9 @@ class Exchange:
             elif pool.send_on(engine, upstream, request):
                 self._hook(engine, upstream)
             else:
-                self._failed(UpstreamClosed("engine closed the connection at once"), [])
+                # Nothing was handed to the kernel (`send_on` says so): never reached it.
+                closed = UpstreamClosed("engine closed the connection at once", unsent=True)
+                self._failed(closed, [])
         except Exception as exc:
             self._broken(exc)
 
@@ -397,21 +404,28 @@ class Exchange:
         is an event stream."""
         gateway = self._gateway
         if not self._started:
-            if isinstance(exc, UpstreamClosed) and exc.before_response and not self._fresh:
-                # Most likely a keep-alive connection the engine had just closed: the
-                # handler's path tries a new one (`UpstreamPool.request`).
-                self._release(reuse=False)
-                assert self._request is not None  # sent: `_failed` comes after `start`
-                self._conn.hand_over(self.head, self.request_id, self._request.body)
+            if exc.unsent:
+                # It never reached the engine: the handler's path sends it again, or has it
+                # wait for the engine's restart (`Gateway._relay`).
+                self._hand_over()
                 return
-            reply = gateway.engine_unreachable(self._view, exc)
-            self._release(reuse=False)
-            conn = self._conn
-            answer = conn.complete_answer(
-                reply.status, reply.headers(), reply.body(), self.request_id
-            )
-            if self._write([answer]):
-                self._end(keep=True)
+            lease = self._lease
+            if (
+                isinstance(exc, UpstreamClosed)
+                and exc.before_response
+                and lease is not None
+                and not gateway.closing
+            ):
+                # Closed before any answer byte: if the engine had exited before the request
+                # went out (Docker's port proxy accepts for a dead container), it never saw
+                # it (`Gateway.never_reached`).  The connection waits for the answer.
+                handle = lease.handle
+                self._release(reuse=False)
+                asking = gateway.controller.exited_before(handle, self._sent_at)
+                task = asyncio.get_running_loop().create_task(asking)
+                task.add_done_callback(functools.partial(self._exit_known, exc))
+                return
+            self._unreachable(exc)
             return
         gateway.engine_failed(self._view, exc)
         self._release(reuse=False)
@@ -425,6 +439,36 @@ class Exchange:
         session = self._conn.session
         if self._write([*out, session.body(event), session.end()]):
             self._end(keep=True)
+
+    def _hand_over(self) -> None:
+        """Give the request to the handler's path, which sends it again or has it wait."""
+        self._release(reuse=False)
+        assert self._request is not None  # sent: `_failed` comes after `start`
+        self._conn.hand_over(self.head, self.request_id, self._request.body)
+
+    def _unreachable(self, exc: UpstreamError) -> None:
+        """The engine failed before its answer: the error, as the handler's path gives it."""
+        reply = self._gateway.engine_unreachable(self._view, exc)
+        self._release(reuse=False)
+        answer = self._conn.complete_answer(
+            reply.status, reply.headers(), reply.body(), self.request_id
+        )
+        if self._write([answer]):
+            self._end(keep=True)
+
+    def _exit_known(self, exc: UpstreamError, task: asyncio.Task[bool]) -> None:
+        """The controller said whether the engine had exited before the request went out."""
+        if self._ended:  # the client left meanwhile
+            return
+        try:
+            gone = not task.cancelled() and task.exception() is None and task.result()
+            if gone:  # as `Gateway._relay` does: the engine checked, the request waits
+                self._gateway.engine_missed(self._view, exc)
+                self._hand_over()
+            else:
+                self._unreachable(exc)
+        except Exception as exc_:
+            self._broken(exc_)
 
     def _end(self, *, keep: bool) -> None:
         if self._ended:

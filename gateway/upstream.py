@@ -2,16 +2,19 @@
 
 A connection goes back to its pool only when both sides are DONE and nothing went wrong;
 after a failed or cancelled write or read it is aborted (RST, so the engine notices at once
-and stops generating).  A request whose reused connection turns out to have been closed by
-the engine before any answer byte is retried once on a new connection (request bodies are
-held in memory, so this is possible).  The protocol is `gateway.engine_protocol`'s;
-`OSError` becomes `gateway.errors`.
+and stops generating).  A request is sent again only when it provably never reached the
+engine (`UpstreamError.unsent`): a reused connection found closed before the request's first
+byte was handed to the kernel is retried once on a new connection.  Once a byte went out the
+engine may have seen the request, and it is never sent again: a reused connection that the
+engine closes after that is the request's error (docs/on-demand-gateway.md, "Resending").
+The protocol is `gateway.engine_protocol`'s; `OSError` becomes `gateway.errors`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,6 +122,9 @@ class _EnginePool:
         self.discarded = 0
 
 
+_UNQUIET = select.POLLIN | select.POLLPRI | select.POLLRDHUP  # POLLERR, POLLHUP: always
+
+
 class _Expired(Exception):
     """A read of this connection passed its deadline."""
 
@@ -134,6 +140,7 @@ class _Connection:
         "loop",
         "on_expired",
         "outbox",
+        "poller",
         "session",
         "stream",
         "transport",
@@ -158,11 +165,25 @@ class _Connection:
         self.writing = False
         self.expired = False
         self.on_expired: Callable[[], None] | None = None  # an express exchange's answer
+        # Asks the kernel whether the idle connection has anything to read (`quiet`).
+        self.poller: select.poll | None = None
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.poller = select.poll()
+            self.poller.register(sock.fileno(), _UNQUIET)
 
     @property
     def alive(self) -> bool:
         """Not closed by either side (an engine closing an idle connection shows as EOF)."""
         return not self.transport.is_closing() and not self.stream.at_eof()
+
+    def quiet(self) -> bool:
+        """An idle connection the kernel has nothing for: no close (FIN), no reset, no stray
+        bytes that the event loop has not read yet.  A request written right after this
+        was written to an engine that had not closed the connection; one that fails after
+        that may have been seen (docs/on-demand-gateway.md, "Resending").  One poll(2)."""
+        poller = self.poller
+        return poller is None or not poller.poll(0)
 
     def expire(self) -> None:
         """The sweeper found our deadline passed: fail the pending read or write."""
@@ -175,7 +196,8 @@ class _Connection:
             self.stream.set_exception(_Expired())
 
     def write(self, data: bytes) -> None:
-        """Write a request (see `drain`); on failure the connection is unusable."""
+        """Write a request (see `drain`); on failure the connection is unusable.  A write
+        that raises handed nothing to the kernel: the request never reached the engine."""
         try:
             if self.transport.is_closing():
                 raise ConnectionResetError("connection is closing")
@@ -183,7 +205,9 @@ class _Connection:
         except (OSError, RuntimeError) as exc:
             self.session.send_failed()
             raise UpstreamClosed(
-                f"engine connection failed while sending: {exc!r}", before_response=True
+                f"engine connection failed while sending: {exc!r}",
+                before_response=True,
+                unsent=True,
             ) from exc
 
     async def drain(self) -> None:
@@ -378,7 +402,7 @@ class UpstreamPool:
         `checked`: `headers`, method and target came out of an HTTP parser (not revalidated).
         """
         if self._closed:
-            raise UpstreamConnectError("upstream pool is closed")
+            raise UpstreamConnectError("upstream pool is closed", unsent=False)
         self._sweeper.start()
         engine = self._engine(host, port)
         if engine.slots_free and not engine.slot_waiters:
@@ -407,7 +431,7 @@ class UpstreamPool:
                     conn.abort()
                     engine.busy.discard(conn)
                     engine.discarded += 1
-                    if reused and exc.before_response and attempt == 0:
+                    if reused and exc.unsent and attempt == 0:
                         engine.retried += 1
                         continue
                     raise
@@ -552,7 +576,11 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()
             # The connection's loop: `asyncio.get_running_loop()` costs a getpid() syscall.
-            if conn.alive and conn.loop.time() - conn.last_used < self.config.idle_expiry_s:
+            if (
+                conn.alive
+                and conn.loop.time() - conn.last_used < self.config.idle_expiry_s
+                and conn.quiet()
+            ):
                 engine.reused += 1
                 return conn, True
             conn.abort()

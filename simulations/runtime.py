@@ -41,6 +41,7 @@ class SimEngine:
         self.running_requests = 0  # direct calls the engine is answering
         self.waiting_requests = 0
         self.sleeping = False
+        self.hung = False  # alive but answering nothing (SIGSTOP, a deadlock)
         self.logs: list[str] = [f"starting {spec.engine} for {spec.name}"]
         self.ended = asyncio.Event()  # set when stopped or killed
 
@@ -68,7 +69,7 @@ class SimEngine:
 
     def ready(self, now: float) -> bool:
         """Whether it answers its health endpoint with 200."""
-        return self.alive(now) and now >= self.started + self.behaviour.startup_s
+        return self.alive(now) and not self.hung and now >= self.started + self.behaviour.startup_s
 
 
 class SimRuntime:
@@ -163,6 +164,12 @@ class SimRuntime:
         if engine is not None:
             engine.killed = True
             engine.ended.set()
+
+    def hang(self, deployment_id: str) -> None:
+        """Make the engine stop answering (its process stays) behind DGXMM's back."""
+        engine = self.engine_of(deployment_id)
+        if engine is not None:
+            engine.hung = True
 
     def running(self) -> list[str]:
         """Deployment ids with a live engine."""

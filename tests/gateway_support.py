@@ -128,6 +128,12 @@ class ScriptedController:
     cancelled: list[str] = field(default_factory=list)
     in_flight: dict[str, int] = field(default_factory=dict)
     unreachable: list[str] = field(default_factory=list)
+    waited_s: list[float] = field(default_factory=list)  # `enqueue`'s, one per call
+    engine_exited: bool = False  # `exited_before`'s answer
+    exit_questions: list[str] = field(default_factory=list)  # runtime ids asked about
+    # A deployment the gateway reports unreachable stops serving (as the real controller's
+    # does while it checks the engine): requests then wait for it.
+    suspect_on_unreachable: bool = False
     acquired: int = 0
     released: int = 0
     enqueued: int = 0
@@ -180,8 +186,9 @@ class ScriptedController:
             return None
         return self._lease(dep)
 
-    def enqueue(self, deployment_id: str, request_id: str) -> Waiter:
+    def enqueue(self, deployment_id: str, request_id: str, *, waited_s: float = 0.0) -> Waiter:
         """A waiter, or `Refused` at once."""
+        self.waited_s.append(waited_s)
         dep = self.deployments[deployment_id]
         if dep.refuse is not None:
             raise dep.refuse
@@ -193,9 +200,18 @@ class ScriptedController:
         self.changed()
         return waiter
 
+    async def exited_before(self, handle: EngineHandle, wall: float) -> bool:
+        """Scripted: `engine_exited` says whether the engine was gone before the request."""
+        self.exit_questions.append(handle.runtime_id)
+        return self.engine_exited
+
     def engine_unreachable(self, deployment_id: str) -> None:
         """Counted: the gateway reports an engine it could not reach."""
         self.unreachable.append(deployment_id)
+        dep = self.deployments.get(deployment_id)
+        if self.suspect_on_unreachable and dep is not None:
+            dep.state, dep.handle = "starting", None
+            self.changed()
 
     # scripting --------------------------------------------------------------------------
 

@@ -37,7 +37,12 @@ START_DEADLINE_S = 60.0
 
 
 def write_config(
-    root: Path, *, total_gib: float = 8.0, grace_s: float = 2.0, extra: str = ""
+    root: Path,
+    *,
+    total_gib: float = 8.0,
+    grace_s: float = 2.0,
+    extra: str = "",
+    runtime: str = "process",
 ) -> Path:
     """A config for one test DGXMM under `root` (its data dir is `root/data`)."""
     path = root / "dgxmm.toml"
@@ -50,7 +55,7 @@ gateway_port = 0
 shutdown_grace_s = {grace_s}
 
 [runtime]
-kind = "process"
+kind = "{runtime}"
 stop_timeout_s = 5.0
 health_failure_window_s = 6.0
 

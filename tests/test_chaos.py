@@ -27,6 +27,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,8 +40,16 @@ import h11
 import pytest
 
 from events import model as m
-from tests.gateway_support import Client
-from tests.serve_support import Serve, chat_body, engine_processes, sim_spec, write_config
+from tests.e2e_support import remove_containers_of, require_docker
+from tests.gateway_support import Client, Reply
+from tests.serve_support import (
+    PROJECT,
+    Serve,
+    chat_body,
+    engine_processes,
+    sim_spec,
+    write_config,
+)
 from tests.test_faults import fill, small_disk
 
 pytestmark = pytest.mark.chaos
@@ -510,3 +520,319 @@ def test_a_data_dir_that_fills_and_frees_loses_nothing_and_leaves_no_model_ready
     finally:
         report.print(capsys)
     assert report.violations == []
+
+
+# --- an engine lost while nobody looked (issue 34), on both runtimes ------------------------
+
+ROUNDS = int(os.environ.get("DGXMM_CHAOS_ROUNDS", "3"))
+
+
+@pytest.fixture(params=["process", pytest.param("docker", marks=pytest.mark.docker)])
+def runtime(request: pytest.FixtureRequest) -> str:
+    """Each runtime in turn (docker: run under `flock /tmp/dgxmm-docker.lock`)."""
+    if request.param == "docker":
+        require_docker()
+    return str(request.param)
+
+
+class _LoggedServe(Serve):
+    """`Serve` whose stderr (DGXMM's log) goes to `root/dgxmm.err`, never to a pipe nobody
+    reads (a full pipe would stop DGXMM); printed when a check fails."""
+
+    def spawn(self, *, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
+        with (self.root / "dgxmm.err").open("a") as err:
+            return subprocess.Popen(
+                [sys.executable, "-m", "dgxmm.cli", "serve", "--config", str(self.config)],
+                cwd=self.root,
+                env={**os.environ, "PYTHONPATH": str(PROJECT)},
+                stdout=stdout,
+                stderr=err,
+                text=True,
+            )
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self.root / "dgxmm.err"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@contextlib.asynccontextmanager
+async def serving_on(root: Path, runtime: str, total_gib: float = 8.0) -> AsyncIterator[Serve]:
+    """`serving` on the named runtime; docker containers of its deployments removed after."""
+    serve = _LoggedServe(root, write_config(root, total_gib=total_gib, runtime=runtime))
+    try:
+        await serve.start()
+        yield serve
+    finally:
+        deps = []
+        if runtime == "docker" and serve.api is not None:
+            with contextlib.suppress(Exception):
+                deps = [d["id"] for d in await deployments(serve)]
+        serve.kill()
+        serve.kill_engines()
+        if deps:
+            await asyncio.to_thread(remove_containers_of, deps)
+
+
+def _engines(token: str) -> list[int]:
+    """The engine processes of this test, without a container's docker-init (PID 1 there,
+    its argv names the engine's command too)."""
+    found = []
+    for pid in engine_processes(token):
+        with contextlib.suppress(OSError):
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            if not argv0.endswith(b"docker-init"):
+                found.append(pid)
+    return found
+
+
+async def engine_pid(token: str) -> int:
+    """The one engine process of this test (a container's process, seen from the host)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        engines = await asyncio.to_thread(_engines, token)
+        if len(engines) == 1:
+            return engines[0]
+        assert time.monotonic() < deadline, f"not one engine: {engines}"
+        await asyncio.sleep(0.05)
+
+
+async def signal_engine(
+    token: str, sig: signal.Signals, serve: Serve | None = None, dep: str = ""
+) -> int:
+    """Send `sig` to the engine; for SIGKILL, return once its process is gone and, on the
+    Docker runtime (`serve` and `dep` given), once Docker saw its container stop (a request
+    sent before Docker knows cannot be proven never to have reached it: its port proxy
+    accepts it; docs/on-demand-gateway.md, "Resending")."""
+    container = await _container_of(serve, dep) if serve is not None else None
+    pid = await engine_pid(token)
+    os.kill(pid, sig)
+    if sig is signal.SIGKILL:
+        deadline = time.monotonic() + SETTLE_S
+        while not await asyncio.to_thread(_exited, pid) or (
+            container is not None and await asyncio.to_thread(_running, container)
+        ):
+            assert time.monotonic() < deadline, f"engine {pid} survived SIGKILL"
+            await asyncio.sleep(0.02)
+    return pid
+
+
+async def _container_of(serve: Serve, dep: str) -> str | None:
+    """The container id of the deployment's engine (None on the process runtime)."""
+    starts = [
+        r.event.runtime_id
+        for r in await serve.records()
+        if r.stream == m.deployment_stream(dep) and isinstance(r.event, m.EngineStarting)
+    ]
+    return starts[-1] if starts and not starts[-1].startswith("pid:") else None
+
+
+def _running(container: str) -> bool:
+    done = subprocess.run(
+        ["docker", "inspect", "-f", "{{.State.Running}}", container],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    return done.returncode == 0 and done.stdout.strip() == "true"
+
+
+def _exited(pid: int) -> bool:
+    """Every thread of `pid` exited (its sockets are closed only then: its main thread can
+    show as a zombie while others still run), or it is reaped."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            return False
+    return True
+
+
+async def chat(client: Client, dep: str, model: str, max_tokens: int = 8) -> Reply:
+    """A non-streaming chat completion on `client`'s connection (bounded)."""
+    body = chat_body(model, stream=False, max_tokens=max_tokens)
+    await client.send("POST", f"/d/{dep}/v1/chat/completions", body)
+    reply: Reply = await asyncio.wait_for(client.reply(), CLIENT_DEADLINE_S)
+    return reply
+
+
+def answered(reply: Reply) -> bool:
+    """A whole chat completion (not an error)."""
+    try:
+        return reply.status == 200 and "choices" in json.loads(reply.body)
+    except ValueError:
+        return False
+
+
+async def ready_on_demand(serve: Serve, token: str) -> tuple[str, str]:
+    """An on-demand sim deployment of this test, once ready: its id and model."""
+    dep, model = await create(serve, f"{token}-od", mode="on_demand")
+    await _until_ready(serve, dep)
+    return dep, model
+
+
+def checked(
+    main: Awaitable[None], report: Report, capsys: pytest.CaptureFixture[str], deadline_s: float
+) -> None:
+    """Run a chaos case within its deadline; print its report; fail on any violation."""
+    try:
+        run(asyncio.wait_for(main, deadline_s))
+    finally:
+        report.print(capsys)
+    assert report.violations == []
+
+
+def starts_and_losses(records: list[m.Recorded], dep: str) -> Counter[str]:
+    """The deployment's losses and starts by reason, from the log."""
+    out: Counter[str] = Counter()
+    for r in records:
+        if r.stream != m.deployment_stream(dep):
+            continue
+        if isinstance(r.event, m.EngineLost):
+            out["EngineLost"] += 1
+        elif isinstance(r.event, m.StartRequested):
+            out[f"start:{r.event.reason}"] += 1
+    return out
+
+
+def test_an_idle_engine_killed_then_a_request_is_answered_after_one_cold_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], runtime: str
+) -> None:
+    """SIGKILL an idle on-demand engine (as the OOM killer would), then send a request at
+    once, on a new client connection: it never reached the dead engine, so it waits for
+    one cold start instead of failing.  `DGXMM_CHAOS_ROUNDS` rounds (the acceptance: 20)."""
+    token = f"ik{SEED}{runtime[0]}"
+    report = Report(f"idle engine SIGKILL, then a request ({runtime}, {ROUNDS} rounds)")
+
+    async def main() -> None:
+        async with serving_on(tmp_path, runtime) as serve:
+            dep, model = await ready_on_demand(serve, token)
+            waits = []
+            for n in range(ROUNDS):
+                await _until_ready(serve, dep)
+                await signal_engine(token, signal.SIGKILL, serve, dep)
+                report.tried["engine SIGKILL while idle"] += 1
+                started = time.monotonic()
+                client = await Client.connect(serve.gateway_port)
+                try:
+                    reply = await chat(client, dep, model)
+                finally:
+                    client.close()
+                waits.append(time.monotonic() - started)
+                report.clients["answered" if answered(reply) else f"HTTP {reply.status}"] += 1
+                report.check(answered(reply), f"round {n} answered: {reply.status} {reply.body!r}")
+                if not answered(reply):
+                    break  # the model may be stopped now: the next round would find no engine
+            got = starts_and_losses(await serve.records(), dep)
+            report.notes.append(
+                "answered after " + ", ".join(f"{w:.2f}" for w in waits) + " s; log: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(got.items()))
+            )  # fmt: skip
+            report.check(got["EngineLost"] == ROUNDS, f"a loss per round: {got}")
+            # One cold start per round, for the request (plus the creation's).
+            report.check(got["start:request"] == ROUNDS, f"one start per round: {got}")
+
+    checked(main(), report, capsys, 60 + ROUNDS * 30)
+
+
+def test_an_engine_killed_between_requests_on_a_keep_alive_connection(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], runtime: str
+) -> None:
+    """One client connection, kept alive: answered, engine SIGKILLed, the next request on
+    the same connection (whose engine connection in the pool the kill closed) answered too."""
+    token = f"kk{SEED}{runtime[0]}"
+    report = Report(f"engine SIGKILL between requests on a keep-alive connection ({runtime})")
+
+    async def main() -> None:
+        async with serving_on(tmp_path, runtime) as serve:
+            dep, model = await ready_on_demand(serve, token)
+            client = await Client.connect(serve.gateway_port)
+            try:
+                for n in range(ROUNDS):
+                    first = await chat(client, dep, model)
+                    report.check(answered(first), f"round {n} before: {first.status}")
+                    await signal_engine(token, signal.SIGKILL, serve, dep)
+                    report.tried["engine SIGKILL between requests"] += 1
+                    started = time.monotonic()
+                    second = await chat(client, dep, model)
+                    report.notes.append(
+                        f"round {n}: answered {time.monotonic() - started:.2f} s after the kill"
+                    )
+                    report.clients["answered" if answered(second) else f"HTTP {second.status}"] += 1
+                    report.check(
+                        answered(second), f"round {n} after: {second.status} {second.body!r}"
+                    )
+            finally:
+                client.close()
+            got = starts_and_losses(await serve.records(), dep)
+            report.check(got["EngineLost"] == ROUNDS, f"a loss per round: {got}")
+
+    checked(main(), report, capsys, 60 + ROUNDS * 30)
+
+
+def test_an_always_on_engine_stopped_beyond_its_health_window_is_named_and_restarted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], runtime: str
+) -> None:
+    """SIGSTOP an always-on engine under a request, past its health window (6 s): the request
+    in flight gets an error naming the hang and the restart (503 engine_lost, not "start it
+    from its page"); the next request waits for the restart and is answered."""
+    token = f"hs{SEED}{runtime[0]}"
+    report = Report(f"always-on engine SIGSTOP beyond the health window ({runtime})")
+
+    async def main() -> None:
+        async with serving_on(tmp_path, runtime) as serve:
+            assert serve.api is not None
+            dep, model = await create(
+                serve, f"{token}-ao", args=["--token-delay", "0.05", "--tokens", "400"]
+            )
+            await _until_ready(serve, dep)
+            client = await Client.connect(serve.gateway_port)
+            body = chat_body(model, stream=False, max_tokens=400)
+            await client.send("POST", f"/d/{dep}/v1/chat/completions", body)
+            deadline = time.monotonic() + SETTLE_S
+            while (await serve.api.ok("GET", f"/dgxmm/api/deployments/{dep}"))["in_flight"] < 1:
+                assert time.monotonic() < deadline, "the request never got to the engine"
+                await asyncio.sleep(0.05)
+            stopped_at = time.monotonic()
+            await signal_engine(token, signal.SIGSTOP)
+            report.tried["engine SIGSTOP under a request"] += 1
+            try:
+                reply = await asyncio.wait_for(client.reply(), CLIENT_DEADLINE_S)
+            finally:
+                client.close()
+            error = json.loads(reply.body).get("error", {}) if reply.status != 200 else {}
+            message = str(error.get("message", ""))
+            report.notes.append(
+                f"in flight: HTTP {reply.status} {error.get('code')} after "
+                f"{time.monotonic() - stopped_at:.1f} s: {message}"
+            )
+            report.check(
+                reply.status == 503 and error.get("code") == "engine_lost",
+                f"the in-flight request's error: {reply.status} {reply.body!r}",
+            )
+            report.check(
+                "health check" in message and "restarting" in message,
+                f"it names the hang and the restart: {message}",
+            )
+            report.check("start it from its page" not in message, f"no action asked: {message}")
+            client = await Client.connect(serve.gateway_port)
+            try:
+                started = time.monotonic()
+                after = await chat(client, dep, model)
+            finally:
+                client.close()
+            report.notes.append(
+                f"next request: HTTP {after.status} in {time.monotonic() - started:.1f} s"
+            )
+            report.clients["next answered" if answered(after) else f"next HTTP {after.status}"] += 1
+            report.check(
+                answered(after), f"the next request succeeds: {after.status} {after.body!r}"
+            )
+            got = starts_and_losses(await serve.records(), dep)
+            report.check(got["EngineLost"] == 1 and got["start:restart"] == 1, f"log: {got}")
+
+    checked(main(), report, capsys, 180)

@@ -393,7 +393,9 @@ def test_a_hung_engine_is_lost_after_the_health_window_and_restarted(tmp_path: P
     run(main())
 
 
-def test_a_refused_connection_on_the_relay_marks_the_engine_lost_at_once(tmp_path: Path) -> None:
+def test_a_refused_connection_marks_the_engine_lost_at_once_and_the_request_waits(
+    tmp_path: Path,
+) -> None:
     async def main() -> None:
         box = await open_box(tmp_path, virtual=True)
         clock = box.clock
@@ -408,16 +410,28 @@ def test_a_refused_connection_on_the_relay_marks_the_engine_lost_at_once(tmp_pat
             box.kill_behind_the_back(handle)
             await until(lambda: _process_gone(handle.runtime_id, box), "the engine is gone")
             now = clock.now()
-            reply = await request_once(
-                server.port, "POST", f"/d/{dep}/v1/chat/completions", chat_body(f"sim/{dep}")
+            task = asyncio.create_task(
+                request_once(
+                    server.port, "POST", f"/d/{dep}/v1/chat/completions", chat_body("sim/refuser")
+                )
             )
-            assert reply.status == 502
 
             async def lost() -> bool:
                 return "EngineLost" in names(await box.events(dep))
 
             await until(lost, "the engine is recorded lost")  # without the 5-s monitor
             assert clock.now() == now
+            # The request never reached the engine: it waits for the restart (issue 34).
+            deadline = time.monotonic() + DEADLINE_S
+            while not task.done():
+                assert time.monotonic() < deadline, "the request was not answered"
+                await clock.advance(0.25)
+                await asyncio.sleep(0.02)
+            reply = task.result()
+            assert reply.status == 200, reply.body
+            assert names(await box.events(dep))[-4:] == [
+                "EngineLost", "StartRequested", "EngineStarting", "EngineReady",
+            ]  # fmt: skip
         finally:
             await gateway.shutdown(2.0)
             await box.close()

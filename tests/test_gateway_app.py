@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.admission import Refused
-from gateway.app import Gateway, GatewayConfig
+from gateway.app import MAX_SENDS, Gateway, GatewayConfig
 from gateway.server import HTTPServer, ServerConfig
 from tests.gateway_support import (
     Client,
@@ -507,16 +507,48 @@ def test_unknown_deployment_is_an_openai_404() -> None:
     run(main())
 
 
-def test_engine_that_cannot_be_reached_gives_502_and_the_lease_back() -> None:
+def test_a_request_its_engine_refused_waits_for_the_engine_and_is_served_once() -> None:
+    """Connection refused: the request never reached the engine.  Its lease goes back, the
+    controller is told (and stops serving), and the request waits from its arrival for the
+    engine's start, then gets the normal answer: no error, and no queued line."""
+
     async def main() -> None:
         async with rig() as r:
+            r.controller.suspect_on_unreachable = True
             r.controller.deployments["a"].handle = r.engine.handle.__class__(
                 deployment_id="a", host="127.0.0.1", port=1, runtime_id="x"
             )
-            reply = await request_once(r.port, "POST", CHAT, {"messages": []})
+            task = asyncio.create_task(request_once(r.port, "POST", CHAT, {"messages": []}))
+            await r.controller.until(lambda: len(r.controller.pending("a")) == 1)
+            # Every lease back (the express lane's too, which handed the request over).
+            assert r.controller.released == r.controller.acquired
+            assert r.controller.unreachable == ["a"]
+            assert r.controller.waited_s[0] > 0  # from its arrival, not from now
+            r.controller.make_ready("a", r.engine.handle)
+            reply = await task
+            assert reply.status == 200 and "queued" not in reply.body.decode()
+            assert len(r.engine.seen) == 1 and r.controller.released == r.controller.acquired
+
+    run(main())
+
+
+def test_a_request_whose_engines_keep_refusing_gets_502_after_its_last_send() -> None:
+    async def main() -> None:
+        async with rig() as r:
+            r.controller.suspect_on_unreachable = True
+            dead = r.engine.handle.__class__(
+                deployment_id="a", host="127.0.0.1", port=1, runtime_id="x"
+            )
+            r.controller.deployments["a"].handle = dead
+            task = asyncio.create_task(request_once(r.port, "POST", CHAT, {"messages": []}))
+            for n in range(1, MAX_SENDS):
+                await r.controller.until(lambda n=n: r.controller.enqueued == n)  # type: ignore[misc]
+                r.controller.make_ready("a", dead)
+            reply = await task
             assert reply.status == 502
             assert reply.json()["error"]["code"] == "engine_unreachable"
-            assert r.controller.released == 1
+            assert r.controller.unreachable == ["a"] * MAX_SENDS
+            assert r.controller.released == r.controller.acquired and r.engine.seen == []
 
     run(main())
 

@@ -192,20 +192,76 @@ def test_engine_closing_an_idle_connection_is_retried_on_a_new_one() -> None:
     run(main())
 
 
-def test_stale_connection_detected_only_on_use_is_retried_once() -> None:
+def test_a_request_the_engine_read_before_closing_is_never_sent_again() -> None:
+    """The other side of the moment (docs/on-demand-gateway.md, "Resending"): the request
+    went out on a quiet keep-alive connection, the engine read it and closed without a byte
+    of answer.  It may have acted on it: the error, not a second copy."""
+
     async def main() -> None:
         async def drop_second(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
             await raw.read_request(r)
             w.write(OK)
-            await raw.read_request(r)  # a request on a connection the engine is closing
+            await raw.read_request(r)  # read, then the connection closes unanswered
 
         async with raw_server(drop_second) as raw:
             pool = UpstreamPool()
             assert await get(pool, raw.port) == (200, b"ok")
-            assert await get(pool, raw.port) == (200, b"ok")
+            with pytest.raises(UpstreamClosed) as info:
+                await get(pool, raw.port, b"second")
+            assert info.value.before_response and not info.value.unsent
             stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
-            assert stats.retried == 1 and raw.connections == 2
+            assert stats.retried == 0 and raw.connections == 1
+            assert [r.endswith(b"second") for r in raw.requests] == [False, True]
             await pool.close()
+
+    run(main())
+
+
+def test_an_idle_connection_the_engine_closed_before_the_request_is_not_used() -> None:
+    """This side of the moment: the engine's close reached our kernel before the request
+    went out (the event loop had not read it yet); the kernel says so (`quiet`), the request
+    goes on a new connection, and the engine sees it once."""
+
+    async def main() -> None:
+        closed = asyncio.Event()
+
+        async def close_after(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            w.write(OK)
+            await w.drain()
+            w.transport.close()  # FIN, as a killed engine's kernel sends
+            closed.set()
+
+        async with raw_server(close_after) as raw:
+            pool = UpstreamPool()
+            assert await get(pool, raw.port) == (200, b"ok")
+            await closed.wait()
+            (engine,) = pool._engines.values()
+            (conn,) = engine.idle
+            conn.transport.pause_reading()  # the event loop does not see the close ...
+            await poll(lambda: not conn.quiet())  # ... the kernel has it
+            assert conn.alive
+            assert await get(pool, raw.port, b"second") == (200, b"ok")
+            stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
+            assert stats.retried == 0 and raw.connections == 2
+            assert sum(r.endswith(b"second") for r in raw.requests) == 1
+            await pool.close()
+
+    run(main())
+
+
+def test_a_refused_connection_never_reached_the_engine() -> None:
+    async def main() -> None:
+        async with raw_server(keep_alive_ok) as raw:
+            port = raw.port
+        pool = UpstreamPool()
+        with pytest.raises(UpstreamConnectError) as info:
+            await pool.request("127.0.0.1", port, b"POST", b"/", [], b"x")
+        assert info.value.unsent
+        await pool.close()
+        with pytest.raises(UpstreamConnectError) as closed:
+            await pool.request("127.0.0.1", port, b"POST", b"/", [], b"x")
+        assert not closed.value.unsent  # shutting down: nothing to wait for
 
     run(main())
 

@@ -25,6 +25,7 @@ from dgxmm.engines.runtimes.docker import (
     SIM_IMAGE,
     DockerRuntime,
     container_name,
+    docker_time,
     host_python_mounts,
 )
 from tests.e2e_support import require_docker
@@ -165,6 +166,33 @@ def test_a_container_killed_behind_our_back_is_not_running() -> None:
             assert handle not in await runtime.list_engines()
 
     run(scenario())
+
+
+@needs_docker
+def test_exited_at_is_none_while_running_and_the_exit_time_after_a_kill() -> None:
+    """`exited_at` (issue 34): what proves a request sent after it never reached the engine."""
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, http_server_spec()) as handle:
+            assert await runtime.exited_at(handle) is None
+            before = time.time()
+            docker_kill(handle.runtime_id)
+
+            async def stopped() -> bool:
+                return not await runtime.is_running(handle)
+
+            await eventually(stopped, "is_running turns False")
+            at = await runtime.exited_at(handle)
+            assert at is not None and before - 1 < at <= time.time()
+
+    run(scenario())
+
+
+def test_docker_times_are_read_to_the_microsecond_and_the_zero_time_is_none() -> None:
+    assert docker_time("2026-12-03T19:05:01.123456789Z") == pytest.approx(1796324701.123457)
+    assert docker_time("2026-12-03T20:05:01+01:00") == 1796324701.0
+    assert docker_time("0001-01-01T00:00:00Z") is None
+    assert docker_time("") is None
 
 
 @needs_docker

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import importlib.util
 import math
 import os
@@ -111,6 +112,21 @@ class ImageOverlay(msgspec.Struct, frozen=True, kw_only=True):
     mounts: list[BindMount] = []
     env: dict[str, str] = {}
     working_dir: str | None = None
+
+
+_DOCKER_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
+
+
+def docker_time(text: str) -> float | None:
+    """Epoch seconds of one of Docker's RFC 3339 times with nanoseconds; None for the zero
+    time (year 1: never) or anything else."""
+    found = _DOCKER_TIME.match(text)
+    if found is None or text.startswith("0001-"):
+        return None
+    whole, fraction, zone = found.groups()
+    zone = "+00:00" if zone == "Z" else zone
+    at = datetime.datetime.fromisoformat(whole + zone).timestamp()
+    return at + (float("0." + fraction) if fraction else 0.0)
 
 
 def host_python_overlay(project_dir: str | os.PathLike[str] | None = None) -> ImageOverlay:
@@ -224,6 +240,18 @@ class DockerRuntime:
         """Whether the container exists and runs."""
         info = await self._inspect(handle.runtime_id)
         return info is not None and bool(info.get("State", {}).get("Running"))
+
+    async def exited_at(self, handle: EngineHandle) -> float | None:
+        """When the container's process exited (`State.FinishedAt`, set by the daemon once it
+        saw the exit, so never before it); None while it runs or once it is removed
+        (`actors.ports.ExitTimes`)."""
+        info = await self._inspect(handle.runtime_id)
+        if info is None:
+            return None
+        state = info.get("State", {})
+        if state.get("Running") or state.get("Restarting"):
+            return None
+        return docker_time(str(state.get("FinishedAt") or ""))
 
     async def wait_exited(self, handle: EngineHandle) -> None:
         """Return once the container has stopped or is gone (Docker's `wait` endpoint)."""

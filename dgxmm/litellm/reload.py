@@ -1,0 +1,222 @@
+"""Reloading LiteLLM after a write of its config file (the file back-end's reload path).
+
+Two modes.  `watch` (no command configured): LiteLLM runs with `--reload`, whose file watcher
+restarts its worker on every change; nothing is run, the new list is served 7-42 s later and
+LiteLLM is unreachable meanwhile.  `command`: the operator's `reload_command` (for example
+`systemctl reload litellm`, or `kill -HUP <gunicorn master>`) tells a gunicorn-managed LiteLLM
+to start new workers on the new file while the old ones finish (see `docs/litellm.md`).
+
+`CommandReloader` owns the command's runs:
+- **Coalesced.** A write asks for a reload and returns at once.  Writes that arrive while a
+  reload runs are covered by the next one (each reload makes LiteLLM read the whole file).
+- **Serialised.** A reload is done when LiteLLM serves the list that was in the file when the
+  command ran (polled with the master key); only then may the next one start, so a reload never
+  starts while the previous one's workers are still booting.
+- **Bounded.** The command gets `timeout_s` (then its process group is killed), and LiteLLM gets
+  `timeout_s` after it to serve the new list.  A failure is retried after a backoff (1 s,
+  doubling up to 60 s); before a retry DGXMM looks whether LiteLLM already serves the list (it
+  may have been restarted another way) and then runs nothing.  Writes never wait for any of this.
+- **Measured.** Each reload's time runs from the first write it covers to LiteLLM serving it;
+  the status (`ReloadStatus`) is on the Settings page and in `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
+import structlog
+
+from actors.runtime import Clock
+
+log = structlog.get_logger("dgxmm.litellm.sync")
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+POLL_S = 0.25  # how often LiteLLM is asked whether it serves the new list yet
+RECENT = 10  # reloads kept in the status
+
+
+class ReloadFailed(Exception):
+    """The reload command failed or hung, or LiteLLM did not serve the new list in time."""
+
+
+class ReloadRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished reload."""
+
+    at: float  # wall-clock seconds: when LiteLLM was seen serving the new list
+    duration_s: float  # from the first write it covered to LiteLLM serving it
+    attempts: int  # command runs it took (1 unless one failed)
+
+
+class ReloadStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """How LiteLLM is reloaded after a write, and how the reloads went."""
+
+    mode: Literal["command", "watch"] = "watch"
+    reloads: int = 0  # reloads done (LiteLLM served the new list) since DGXMM started
+    failures: int = 0  # command runs that failed, hung or were not followed by the new list
+    pending: bool = False  # a write is waiting for its reload (or the reload is running)
+    last_duration_s: float | None = None
+    durations_sum_s: float = 0.0  # of every reload done: /metrics' _sum, with `reloads`
+    failing: bool = False  # the last run failed and no reload has succeeded since
+    last_error: str | None = None  # the last failure (kept after a later success)
+    last_error_at: float | None = None
+    recent: tuple[ReloadRecord, ...] = ()  # newest last
+
+
+async def run_shell(command: str, timeout_s: float) -> None:
+    """Run `command` with /bin/sh; raises ReloadFailed when it fails or outlives `timeout_s`."""
+    process = await asyncio.create_subprocess_shell(
+        command,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # its own process group: a hung command is killed whole
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            output, _ = await process.communicate()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            await process.wait()
+        raise ReloadFailed(
+            f"the reload command did not finish within {timeout_s:g} s (killed): {command}"
+        ) from None
+    if process.returncode != 0:
+        said = output.decode(errors="replace").strip().splitlines()[-3:]
+        raise ReloadFailed(
+            f"the reload command exited with {process.returncode}: {command}"
+            + (f" ({' / '.join(said)})" if said else "")
+        )
+
+
+class CommandReloader:
+    """Runs the reload command after writes: coalesced, serialised, bounded, retried."""
+
+    def __init__(
+        self,
+        command: str,
+        *,
+        timeout_s: float,
+        serves: Callable[[Any], Awaitable[bool]],
+        clock: Clock,
+        run: Callable[[str, float], Awaitable[None]] = run_shell,
+        backoff_first_s: float = BACKOFF_FIRST_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.command = command
+        self._timeout_s = timeout_s
+        self._serves = serves  # does LiteLLM serve this written list? (False when unreachable)
+        self._clock = clock
+        self._run = run
+        self._backoff_first_s = backoff_first_s
+        self._backoff_max_s = backoff_max_s
+        self._poll_s = poll_s
+        self._status = ReloadStatus(mode="command")
+        self._latest: Any = None  # the list last written
+        self._since: float | None = None  # wall time of the first write not yet served
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def status(self) -> ReloadStatus:
+        """Reloads so far, the last one's time, and the last failure."""
+        return self._status
+
+    def request(self, written: Any) -> None:
+        """A write of `written` (this box's entries) happened: reload soon; never waits."""
+        self._latest = written
+        if self._since is None:
+            self._since = self._clock.wall()
+        self._status = msgspec.structs.replace(self._status, pending=True)
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="litellm-reload")
+
+    async def close(self) -> None:
+        """Stop reloading (a command running now is left to its timeout's kill)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._reload()
+
+    async def _reload(self) -> None:
+        """Reload until LiteLLM serves the latest write, retrying with backoff."""
+        delay = self._backoff_first_s
+        attempts = 0
+        since: float | None = None  # the first write this reload covers
+        while True:
+            target = self._latest
+            self._wake.clear()  # this run covers every write so far
+            since = since if since is not None else self._since
+            self._since = None
+            try:
+                if attempts and await self._serves(target):
+                    pass  # served already (LiteLLM restarted another way): nothing to run
+                else:
+                    attempts += 1
+                    await self._run(self.command, self._timeout_s)
+                    await self._until_served(target)
+            except ReloadFailed as exc:
+                self._failed(str(exc))
+                await self._clock.sleep(delay)
+                delay = min(delay * 2, self._backoff_max_s)
+                continue
+            self._done(since, attempts, pending=self._latest is not target)
+            if self._latest is target:
+                return
+            delay, attempts, since = self._backoff_first_s, 0, None  # a newer write: again now
+
+    async def _until_served(self, target: Any) -> None:
+        deadline = self._clock.now() + self._timeout_s
+        while not await self._serves(target):
+            if self._clock.now() >= deadline:
+                raise ReloadFailed(
+                    f"LiteLLM did not serve the new model list within {self._timeout_s:g} s "
+                    f"of the reload command ({self.command})"
+                )
+            await self._clock.sleep(self._poll_s)
+
+    def _failed(self, error: str) -> None:
+        log.warning("litellm_reload_failed", error=error)
+        self._status = msgspec.structs.replace(
+            self._status,
+            failures=self._status.failures + 1,
+            failing=True,
+            last_error=error,
+            last_error_at=self._clock.wall(),
+        )
+
+    def _done(self, since: float | None, attempts: int, *, pending: bool) -> None:
+        now = self._clock.wall()
+        self._status = served(self._status, now, now if since is None else since, attempts)
+        self._status = msgspec.structs.replace(self._status, pending=pending)
+
+
+def served(status: ReloadStatus, now: float, since: float, attempts: int) -> ReloadStatus:
+    """`status` with one more reload done: LiteLLM served at `now` what was written at `since`."""
+    record = ReloadRecord(at=now, duration_s=round(max(0.0, now - since), 3), attempts=attempts)
+    log.info("litellm_reloaded", mode=status.mode, after_s=record.duration_s, attempts=attempts)
+    return msgspec.structs.replace(
+        status,
+        reloads=status.reloads + 1,
+        pending=False,
+        last_duration_s=record.duration_s,
+        durations_sum_s=status.durations_sum_s + record.duration_s,
+        failing=False,
+        recent=(*status.recent, record)[-RECENT:],
+    )

@@ -1,0 +1,366 @@
+"""The file back-end's reload command (`dgxmm.litellm.reload`): coalesced, serialised, bounded.
+
+The reloader's scheduling runs on the virtual clock against a fake LiteLLM whose workers take a
+known time to boot after each command; the shell runner and `ConfigFileSync` with a command run
+real processes, against the LiteLLM double, whose "reload" is the command copying the written
+file to the one the double serves.  The whole path through a real LiteLLM under gunicorn is in
+test_litellm_reload_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.runtime import VirtualClock
+from dgxmm.admin.metrics import litellm_families, render
+from dgxmm.config import ConfigError, load_config
+from dgxmm.litellm.filesync import ConfigFileSync
+from dgxmm.litellm.reload import CommandReloader, ReloadFailed, run_shell
+from dgxmm.litellm.sync import READY, Registration, desired_entries
+from tests.litellm_double import LiteLLMDouble
+
+BOOT_S = 3.0  # the fake LiteLLM's new workers serve the file this long after the command
+TIMEOUT_S = 20.0
+KEY = "sk-" + secrets.token_hex(8)
+
+
+class FakeLiteLLM:
+    """Serves what the reload command made it read, `BOOT_S` after the command ran."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self.file: Any = None  # what was last written
+        self.serving: Any = None
+        self.runs: list[float] = []  # when each command ran (virtual seconds)
+        self.booting = False
+        self.overlapped = False  # a command ran while the previous one's workers were booting
+        self.fail_next = 0
+        self.boots = True
+
+    async def run(self, command: str, timeout_s: float) -> None:
+        self.runs.append(self.clock.now())
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ReloadFailed("the reload command exited with 1: " + command)
+        self.overlapped |= self.booting
+        self.booting = True
+        read = self.file
+
+        def booted() -> None:
+            self.booting = False
+            if self.boots:
+                self.serving = read
+
+        self.clock.call_later(BOOT_S, booted)
+
+    async def serves(self, want: Any) -> bool:
+        return bool(self.serving is want)
+
+
+def reloader_for(fake: FakeLiteLLM) -> CommandReloader:
+    return CommandReloader(
+        "reload-litellm",
+        timeout_s=TIMEOUT_S,
+        serves=fake.serves,
+        clock=fake.clock,
+        run=fake.run,
+    )
+
+
+def write(fake: FakeLiteLLM, reloader: CommandReloader, name: str) -> Any:
+    """A write of the file (a new list object each time), then the reload request."""
+    fake.file = {"list": name}
+    reloader.request(fake.file)
+    return fake.file
+
+
+def on_virtual_clock(body: Callable[[VirtualClock, FakeLiteLLM], Awaitable[None]]) -> None:
+    async def main() -> None:
+        clock = VirtualClock()
+        await body(clock, FakeLiteLLM(clock))
+
+    asyncio.run(main())
+
+
+def test_writes_during_a_reload_share_the_next_one_and_reloads_never_overlap() -> None:
+    async def body(clock: VirtualClock, fake: FakeLiteLLM) -> None:
+        reloader = reloader_for(fake)
+        try:
+            write(fake, reloader, "a")
+            await clock.advance(1.0)
+            write(fake, reloader, "b")  # while a's workers boot
+            await clock.advance(0.5)
+            last = write(fake, reloader, "c")
+            assert reloader.status().pending is True
+            await clock.advance(10.0)
+            assert fake.serving is last
+            # One run for a, one for b and c together, the second only once a was served.
+            assert fake.runs == [0.0, pytest.approx(BOOT_S, abs=0.3)]
+            assert fake.overlapped is False
+            status = reloader.status()
+            assert status.reloads == 2 and status.failures == 0 and status.pending is False
+            # Write to served: a at 0 -> ~3 s; b at 1 (c rode along) -> ~6 s.
+            durations = [r.duration_s for r in status.recent]
+            assert durations == [pytest.approx(3.0, abs=0.3), pytest.approx(5.0, abs=0.3)]
+            assert status.last_duration_s == durations[-1]
+            assert status.durations_sum_s == pytest.approx(sum(durations))
+        finally:
+            await reloader.close()
+
+    on_virtual_clock(body)
+
+
+def test_a_failing_command_is_retried_with_backoff_and_reported_until_it_succeeds() -> None:
+    async def body(clock: VirtualClock, fake: FakeLiteLLM) -> None:
+        reloader = reloader_for(fake)
+        fake.fail_next = 3
+        try:
+            last = write(fake, reloader, "a")
+            await clock.advance(0.5)
+            status = reloader.status()
+            assert status.failing is True and status.pending is True
+            assert status.last_error == "the reload command exited with 1: reload-litellm"
+            # Backoff 1, 2, 4 s between the runs, then the fourth run works.
+            await clock.advance(20.0)
+            assert fake.runs == [0.0, 1.0, 3.0, 7.0]
+            assert fake.serving is last
+            status = reloader.status()
+            assert status.failures == 3 and status.failing is False and status.reloads == 1
+            assert status.last_error is not None  # kept, with its time, after the recovery
+            assert status.recent[-1].attempts == 4
+            assert status.recent[-1].duration_s == pytest.approx(7.0 + BOOT_S, abs=0.3)
+        finally:
+            await reloader.close()
+
+    on_virtual_clock(body)
+
+
+def test_a_list_not_served_in_time_fails_and_a_retry_first_looks_whether_it_is_served() -> None:
+    async def body(clock: VirtualClock, fake: FakeLiteLLM) -> None:
+        reloader = reloader_for(fake)
+        fake.boots = False  # the command "works" but LiteLLM never reads the file
+        try:
+            last = write(fake, reloader, "a")
+            await clock.advance(TIMEOUT_S + 0.5)
+            status = reloader.status()
+            assert status.failing is True and status.failures == 1
+            assert "did not serve the new model list within 20 s" in (status.last_error or "")
+            # LiteLLM is restarted another way meanwhile: the retry runs nothing.
+            fake.serving = last
+            await clock.advance(5.0)
+            assert len(fake.runs) == 1
+            status = reloader.status()
+            assert status.reloads == 1 and status.failing is False and status.pending is False
+        finally:
+            await reloader.close()
+
+    on_virtual_clock(body)
+
+
+def test_a_failing_reload_never_delays_later_requests_and_the_newest_list_is_reloaded() -> None:
+    async def body(clock: VirtualClock, fake: FakeLiteLLM) -> None:
+        reloader = reloader_for(fake)
+        fake.fail_next = 2
+        try:
+            write(fake, reloader, "a")
+            await clock.advance(0.5)
+            last = write(fake, reloader, "b")  # returns at once although the reloads fail
+            await clock.advance(10.0)
+            assert fake.serving is last
+            assert fake.runs == [0.0, 1.0, 3.0]  # the retry after a failure takes the newest
+            assert reloader.status().reloads == 1
+        finally:
+            await reloader.close()
+
+    on_virtual_clock(body)
+
+
+# --------------------------------------------------------------------------------------------
+# The shell runner (real processes)
+
+
+def test_a_command_that_fails_is_reported_with_its_exit_code_and_output() -> None:
+    with pytest.raises(ReloadFailed, match=r"exited with 3: .*\(no such pidfile\)"):
+        asyncio.run(run_shell("echo no such pidfile >&2; exit 3", 10.0))
+
+
+def test_a_command_that_hangs_is_killed_with_its_process_group_at_the_timeout(
+    tmp_path: Path,
+) -> None:
+    pidfile = tmp_path / "child.pid"
+    command = f"sleep 60 & echo $! > {pidfile}; wait"
+    started = time.monotonic()
+    with pytest.raises(ReloadFailed, match=r"did not finish within 0.5 s \(killed\)"):
+        asyncio.run(run_shell(command, 0.5))
+    assert time.monotonic() - started < 5.0
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5.0
+    while Path(f"/proc/{child}").exists() and _state(child) != "Z":
+        assert time.monotonic() < deadline, f"the command's child {child} survived"
+        time.sleep(0.02)  # poll interval; the deadline bounds the wait
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def test_a_command_that_succeeds_returns() -> None:
+    asyncio.run(run_shell("true", 10.0))
+
+
+# --------------------------------------------------------------------------------------------
+# ConfigFileSync with a reload command, against the LiteLLM double
+
+
+def _entries(*names: str) -> Any:
+    regs = [
+        Registration(
+            deployment_id=n,
+            model_name=f"model-{n}",
+            served_model=f"org/{n}",
+            mode="on_demand",
+            state=READY,
+            engine_url=None,
+        )
+        for n in names
+    ]
+    return desired_entries(regs, "http://127.0.0.1:8401", 900, stable=True)
+
+
+def _real_clock() -> Any:
+    from actors.runtime import SystemClock
+
+    return SystemClock()
+
+
+def test_each_write_runs_the_command_and_the_reload_time_runs_to_the_new_list_served(
+    tmp_path: Path,
+) -> None:
+    written, served = tmp_path / "litellm.json", tmp_path / "served.json"
+    served.write_text(json.dumps({"model_list": []}))
+    runs = tmp_path / "runs"
+
+    async def main() -> None:
+        async with LiteLLMDouble(KEY, db_connected=False, config_path=served) as double:
+            sync = ConfigFileSync(written, double.url, KEY, check_first_s=0.05, check_max_s=0.2)
+            # The double serves served.json: the command is what makes it "reload".
+            sync.use_reload_command(
+                f"echo run >> {runs}; cp {written} {served}", 10.0, _real_clock()
+            )
+            try:
+                assert sync.reload_status().mode == "command"
+                await sync.sync(_entries("a"))
+                await sync.wait_until_loaded(10.0)
+                await _until(lambda: sync.reload_status().reloads == 1)
+                await sync.sync(_entries("a", "b"))
+                await sync.wait_until_loaded(10.0)
+                await _until(lambda: sync.reload_status().reloads == 2)
+                await sync.sync(_entries("a", "b"))  # unchanged: no write, no reload
+                status = sync.reload_status()
+                assert status.failures == 0 and status.pending is False
+                assert all(0 <= r.duration_s < 10 for r in status.recent)
+            finally:
+                await sync.close()
+        assert runs.read_text().splitlines() == ["run", "run"]
+
+    asyncio.run(main())
+
+
+def test_a_hanging_command_never_blocks_later_writes_and_is_reported(tmp_path: Path) -> None:
+    written = tmp_path / "litellm.json"
+
+    async def main() -> None:
+        async with LiteLLMDouble(KEY, db_connected=False) as double:
+            sync = ConfigFileSync(written, double.url, KEY)
+            sync.use_reload_command("sleep 60", 0.3, _real_clock())
+            try:
+                async with asyncio.timeout(2.0):  # each sync only writes
+                    await sync.sync(_entries("a"))
+                    await sync.sync(_entries("a", "b"))
+                    await sync.sync(_entries("b"))
+                document = json.loads(written.read_text())
+                assert [i["model_name"] for i in document["model_list"]] == ["model-b"]
+                assert sync.load_status().config_writes == 3
+                await _until(lambda: sync.reload_status().failing)
+                status = sync.reload_status()
+                assert status.failures >= 1 and status.reloads == 0 and status.pending
+                assert "did not finish within 0.3 s (killed): sleep 60" in (status.last_error or "")
+            finally:
+                await sync.close()
+
+    asyncio.run(main())
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # noqa: ASYNC110 (a status, not an event)
+            await asyncio.sleep(0.02)  # poll interval; the timeout bounds the wait
+
+
+def test_without_a_command_the_mode_is_watch_and_loads_seen_are_reloads(tmp_path: Path) -> None:
+    path = tmp_path / "litellm.json"
+
+    async def main() -> None:
+        async with LiteLLMDouble(KEY, db_connected=False, config_path=path) as double:
+            sync = ConfigFileSync(path, double.url, KEY, check_first_s=0.05, check_max_s=0.2)
+            try:
+                await sync.sync(_entries("a"))
+                await sync.wait_until_loaded(10.0)
+                status = sync.reload_status()
+                assert status.mode == "watch" and status.reloads == 1
+            finally:
+                await sync.close()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and /metrics
+
+
+def test_metrics_show_the_reload_mode_count_time_and_failures() -> None:
+    status = {
+        "enabled": True,
+        "ok": True,
+        "backend": "file",
+        "config_writes": 3,
+        "loaded": True,
+        "reload": {
+            "mode": "command",
+            "reloads": 2,
+            "failures": 1,
+            "failing": False,
+            "last_duration_s": 4.5,
+            "durations_sum_s": 8.0,
+        },
+    }
+    text = render(litellm_families(status))
+    assert 'dgxmm_litellm_reload_mode{mode="command"} 1' in text
+    assert 'dgxmm_litellm_reload_mode{mode="watch"} 0' in text
+    assert "dgxmm_litellm_reloads_total 2" in text
+    assert "dgxmm_litellm_reload_seconds_total 8" in text
+    assert "dgxmm_litellm_reload_failures_total 1" in text
+    assert "dgxmm_litellm_reload_failing 0" in text
+    assert "dgxmm_litellm_reload_last_seconds 4.5" in text
+
+
+def test_a_reload_timeout_out_of_range_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "dgxmm.toml"
+    path.write_text('[litellm]\nreload_command = "true"\nreload_timeout_s = 0\n')
+    with pytest.raises(ConfigError, match=r"litellm\.reload_timeout_s"):
+        load_config(path)
+    path.write_text('[litellm]\nreload_command = "systemctl reload litellm"\n')
+    config = load_config(path)
+    assert config.litellm.reload_command == "systemctl reload litellm"
+    assert config.litellm.reload_timeout_s == 60.0

@@ -44,6 +44,7 @@ class FakeLiteLLM:
         self.overlapped = False  # a command ran while the previous one's workers were booting
         self.fail_next = 0
         self.boots = True
+        self.reads_when_booted = False  # the workers read the file as they finish booting
 
     async def run(self, command: str, timeout_s: float) -> None:
         self.runs.append(self.clock.now())
@@ -57,7 +58,7 @@ class FakeLiteLLM:
         def booted() -> None:
             self.booting = False
             if self.boots:
-                self.serving = read
+                self.serving = self.file if self.reads_when_booted else read
 
         self.clock.call_later(BOOT_S, booted)
 
@@ -177,6 +178,30 @@ def test_a_failing_reload_never_delays_later_requests_and_the_newest_list_is_rel
             assert fake.serving is last
             assert fake.runs == [0.0, 1.0, 3.0]  # the retry after a failure takes the newest
             assert reloader.status().reloads == 1
+        finally:
+            await reloader.close()
+
+    on_virtual_clock(body)
+
+
+def test_workers_that_read_a_later_write_serve_it_and_no_further_reload_is_run() -> None:
+    async def body(clock: VirtualClock, fake: FakeLiteLLM) -> None:
+        reloader = reloader_for(fake)
+        fake.reads_when_booted = True
+        try:
+            write(fake, reloader, "a")
+            await clock.advance(1.0)
+            last = write(fake, reloader, "b")  # before a's workers read the file
+            await clock.advance(10.0)
+            assert fake.serving is last
+            assert fake.runs == [0.0]  # b was served by a's reload: nothing more to run
+            status = reloader.status()
+            assert status.reloads == 1 and status.failures == 0 and status.pending is False
+            assert status.recent[-1].duration_s == pytest.approx(BOOT_S, abs=0.3)
+            later = write(fake, reloader, "c")  # its time is measured from its own write
+            await clock.advance(10.0)
+            assert fake.serving is later
+            assert reloader.status().recent[-1].duration_s == pytest.approx(BOOT_S, abs=0.3)
         finally:
             await reloader.close()
 

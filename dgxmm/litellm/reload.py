@@ -170,7 +170,7 @@ class CommandReloader:
                 else:
                     attempts += 1
                     await self._run(self.command, self._timeout_s)
-                    await self._until_served(target)
+                    target = await self._until_served(target)
             except ReloadFailed as exc:
                 self._failed(str(exc))
                 await self._clock.sleep(delay)
@@ -178,12 +178,21 @@ class CommandReloader:
                 continue
             self._done(since, attempts, pending=self._latest is not target)
             if self._latest is target:
+                self._since = None  # writes after this run began were served too
+                self._wake.clear()
                 return
             delay, attempts, since = self._backoff_first_s, 0, None  # a newer write: again now
 
-    async def _until_served(self, target: Any) -> None:
+    async def _until_served(self, target: Any) -> Any:
+        """Wait until LiteLLM serves `target` or a later write (its new workers may have read a
+        file written after the command ran); returns the list it serves."""
         deadline = self._clock.now() + self._timeout_s
-        while not await self._serves(target):
+        while True:
+            latest = self._latest
+            if latest is not target and await self._serves(latest):
+                return latest
+            if await self._serves(target):
+                return target
             if self._clock.now() >= deadline:
                 raise ReloadFailed(
                     f"LiteLLM did not serve the new model list within {self._timeout_s:g} s "

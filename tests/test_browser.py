@@ -551,6 +551,18 @@ def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_s
         expect(facts).to_contain_text("1 since DGXMM started")
         # This LiteLLM (the double) does not read the file, unless its list happens to match.
         expect(facts).to_contain_text("Loaded" if status["loaded"] else "Not loaded")
+        # The write is followed by the reload command, which fails here: shown, and retried.
+        wait_for(
+            "the reload command's failure",
+            lambda: True if admin_api.call("GET", "litellm")["reload"]["failing"] else None,
+            30,
+        )
+        page.reload()
+        facts = page.locator("#litellm-facts")
+        expect(facts).to_contain_text("Reload command (gunicorn: new workers, no outage)")
+        expect(facts).to_contain_text("Failing")
+        expect(facts).to_contain_text("the reload command exited with 3")
+        expect(facts).to_contain_text("(no gunicorn.pid)")
         shot(page, "23-settings-file-back-end")
     finally:
         admin_api.call("PATCH", "litellm", {"backend": "api"})

@@ -43,7 +43,7 @@ from tests.litellm_support import (
     require_litellm,
     stop_leftover_engines,
 )
-from tests.test_litellm_e2e import Outcome, _load_request
+from tests.test_litellm_e2e import LOAD_MAX_REQUESTS, Load, _load_request
 
 pytestmark = pytest.mark.litellm
 
@@ -228,40 +228,22 @@ def stack(
         stop_leftover_engines(data_dir)
 
 
-class Load:
+class CyclingLoad(Load):
     """`CLIENTS` clients, each calling the load models in turn until stopped (threads)."""
 
     def __init__(self, stack: Stack) -> None:
-        self.outcomes: list[Outcome] = []
-        self._stack = stack
-        self._stop = threading.Event()
+        super().__init__(stack, (), 0)  # type: ignore[arg-type]
         self._threads = [
-            threading.Thread(target=self._client, args=(n,), daemon=True) for n in range(CLIENTS)
+            threading.Thread(target=self._cycle, args=(stack, n), daemon=True)
+            for n in range(CLIENTS)
         ]
 
-    def _client(self, n: int) -> None:
-        index = 0
-        while not self._stop.is_set():
+    def _cycle(self, stack: Stack, n: int) -> None:
+        for index in range(LOAD_MAX_REQUESTS):
+            if self._stop.is_set():
+                return
             model = LOAD_MODELS[(n + index) % len(LOAD_MODELS)]
-            self.outcomes.append(_load_request(self._stack, model, n, index))  # type: ignore[arg-type]
-            index += 1
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(150)
-
-    def wait_for_more(self, count: int) -> None:
-        mark = len(self.outcomes)
-        deadline = time.monotonic() + READY_S
-        while len([o for o in self.outcomes[mark:] if o.ok]) < count:
-            assert time.monotonic() < deadline, self.outcomes[mark:]
-            time.sleep(0.02)  # poll interval; the deadline bounds the wait
+            self.outcomes.append(_load_request(stack, model, n, index))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -326,7 +308,7 @@ def test_creating_reconfiguring_and_removing_under_load_fail_no_request(
         mode="on_demand",
     )
     started = time.monotonic()
-    with Load(stack) as load:
+    with CyclingLoad(stack) as load:
         load.wait_for_more(2 * CLIENTS)
         created = _change(
             stack,

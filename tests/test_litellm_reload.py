@@ -208,6 +208,27 @@ def test_workers_that_read_a_later_write_serve_it_and_no_further_reload_is_run()
     on_virtual_clock(body)
 
 
+def test_a_file_written_before_dgxmm_started_is_reloaded_only_if_litellm_serves_another() -> None:
+    async def body(clock: VirtualClock, fake: FakeLiteLLM) -> None:
+        reloader = reloader_for(fake)
+        try:
+            fake.file = fake.serving = {"list": "old"}  # LiteLLM read the file as it is
+            reloader.request(fake.file, written_now=False)
+            await clock.advance(10.0)
+            assert fake.runs == []
+            status = reloader.status()
+            assert status.reloads == 0 and status.pending is False
+            fake.serving = {"list": "older"}  # a reload was lost (DGXMM stopped before it)
+            reloader.request(fake.file, written_now=False)
+            await clock.advance(10.0)
+            assert fake.runs == [10.0] and fake.serving is fake.file
+            assert reloader.status().reloads == 1
+        finally:
+            await reloader.close()
+
+    on_virtual_clock(body)
+
+
 # --------------------------------------------------------------------------------------------
 # The shell runner (real processes)
 

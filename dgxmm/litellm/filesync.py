@@ -175,6 +175,10 @@ class ConfigFileSync(_Backend):
                 self._tracker.failed(self.kind, exc)
                 raise
             self._tracker.succeeded(self.kind, writes=int(wrote))
+            if not wrote and self._reloader is not None and not self._reloader.requested:
+                # The file was already as wanted: a reload may have been lost with a DGXMM that
+                # stopped between its write and the reload.  Reload if LiteLLM serves another list.
+                self._reloader.request(self._want, written_now=False)
         self._start_check(restart=wrote)
 
     async def close(self) -> None:

@@ -125,14 +125,22 @@ class CommandReloader:
         self._since: float | None = None  # wall time of the first write not yet served
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._look_first = False  # the next reload runs the command only if LiteLLM needs it
+        self.requested = False  # a reload was asked for since DGXMM started
 
     def status(self) -> ReloadStatus:
         """Reloads so far, the last one's time, and the last failure."""
         return self._status
 
-    def request(self, written: Any) -> None:
-        """A write of `written` (this box's entries) happened: reload soon; never waits."""
+    def request(self, written: Any, *, written_now: bool = True) -> None:
+        """A write of `written` (this box's entries) happened: reload soon; never waits.
+
+        `written_now=False`: the file was written earlier (before DGXMM started); the command
+        runs only if LiteLLM does not serve it.
+        """
+        self.requested = True
         self._latest = written
+        self._look_first = not written_now and (self._task is None or self._task.done())
         if self._since is None:
             self._since = self._clock.wall()
         self._status = msgspec.structs.replace(self._status, pending=True)
@@ -165,6 +173,12 @@ class CommandReloader:
             since = since if since is not None else self._since
             self._since = None
             try:
+                if self._look_first:  # the file is old: does LiteLLM serve it already?
+                    self._look_first = False
+                    if await self._serves(target) and self._latest is target:
+                        self._since = None
+                        self._status = msgspec.structs.replace(self._status, pending=False)
+                        return  # nothing to reload (and no reload to count)
                 if attempts and await self._serves(target):
                     pass  # served already (LiteLLM restarted another way): nothing to run
                 else:

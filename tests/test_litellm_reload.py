@@ -254,6 +254,26 @@ def test_a_command_that_hangs_is_killed_with_its_process_group_at_the_timeout(
         time.sleep(0.02)  # poll interval; the deadline bounds the wait
 
 
+def test_a_command_running_when_dgxmm_stops_is_killed(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+
+    async def main() -> None:
+        task = asyncio.create_task(run_shell(f"sleep 60 & echo $! > {pidfile}; wait", 60.0))
+        async with asyncio.timeout(10.0):
+            while not pidfile.exists() or not pidfile.read_text().strip():  # noqa: ASYNC110
+                await asyncio.sleep(0.02)  # poll interval; the timeout bounds the wait
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5.0
+    while Path(f"/proc/{child}").exists() and _state(child) != "Z":
+        assert time.monotonic() < deadline, f"the command's child {child} survived"
+        time.sleep(0.02)  # poll interval; the deadline bounds the wait
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -81,6 +81,12 @@ async def run_shell(command: str, timeout_s: float) -> None:
     try:
         async with asyncio.timeout(timeout_s):
             output, _ = await process.communicate()
+    except asyncio.CancelledError:  # DGXMM stops: the command does not outlive it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(process.wait(), 5.0)  # reaped: no zombie, no stray pipe
+        raise
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -149,7 +155,7 @@ class CommandReloader:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="litellm-reload")
 
     async def close(self) -> None:
-        """Stop reloading (a command running now is left to its timeout's kill)."""
+        """Stop reloading (a command running now is killed)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

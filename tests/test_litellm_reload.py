@@ -247,11 +247,7 @@ def test_a_command_that_hangs_is_killed_with_its_process_group_at_the_timeout(
     with pytest.raises(ReloadFailed, match=r"did not finish within 0.5 s \(killed\)"):
         asyncio.run(run_shell(command, 0.5))
     assert time.monotonic() - started < 5.0
-    child = int(pidfile.read_text())
-    deadline = time.monotonic() + 5.0
-    while Path(f"/proc/{child}").exists() and _state(child) != "Z":
-        assert time.monotonic() < deadline, f"the command's child {child} survived"
-        time.sleep(0.02)  # poll interval; the deadline bounds the wait
+    _wait_gone(int(pidfile.read_text()))
 
 
 def test_a_command_running_when_dgxmm_stops_is_killed(tmp_path: Path) -> None:
@@ -267,7 +263,11 @@ def test_a_command_running_when_dgxmm_stops_is_killed(tmp_path: Path) -> None:
             await task
 
     asyncio.run(main())
-    child = int(pidfile.read_text())
+    _wait_gone(int(pidfile.read_text()))
+
+
+def _wait_gone(child: int) -> None:
+    """Wait until the command's child process has exited (gone or a zombie)."""
     deadline = time.monotonic() + 5.0
     while Path(f"/proc/{child}").exists() and _state(child) != "Z":
         assert time.monotonic() < deadline, f"the command's child {child} survived"

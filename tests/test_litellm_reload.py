@@ -23,7 +23,7 @@ from actors.runtime import VirtualClock
 from dgxmm.admin.metrics import litellm_families, render
 from dgxmm.config import ConfigError, load_config
 from dgxmm.litellm.filesync import ConfigFileSync
-from dgxmm.litellm.reload import CommandReloader, ReloadFailed, run_shell
+from dgxmm.litellm.reload import CommandReloader, ReloadFailed, run_shell, stop_task
 from dgxmm.litellm.sync import READY, Registration, desired_entries
 from tests.litellm_double import LiteLLMDouble
 
@@ -227,6 +227,27 @@ def test_a_file_written_before_dgxmm_started_is_reloaded_only_if_litellm_serves_
             await reloader.close()
 
     on_virtual_clock(body)
+
+
+def test_a_poller_that_swallows_a_cancellation_is_still_stopped() -> None:
+    """As `asyncio.wait_for` in Python 3.11 may when a connection is refused as it is cancelled."""
+
+    async def poller() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # swallowed: the loop goes on
+        while True:
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        task = asyncio.create_task(poller())
+        await asyncio.sleep(0)
+        async with asyncio.timeout(5.0):
+            await stop_task(task)
+        assert task.done()
+
+    asyncio.run(main())
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import structlog
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
 from actors.runtime import Clock
-from dgxmm.litellm.reload import CommandReloader, ReloadStatus, served
+from dgxmm.litellm.reload import CommandReloader, ReloadStatus, served, stop_task
 from dgxmm.litellm.sync import (
     _Backend,
     _model_id,
@@ -186,10 +186,7 @@ class ConfigFileSync(_Backend):
         if self._reloader is not None:
             await self._reloader.close()
         task, self._check = self._check, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
     async def _write_if_changed(self, want: dict[str, dict[str, Any]]) -> bool:
         document, exists = await asyncio.to_thread(self._read)

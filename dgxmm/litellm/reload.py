@@ -42,6 +42,21 @@ POLL_S = 0.25  # how often LiteLLM is asked whether it serves the new list yet
 RECENT = 10  # reloads kept in the status
 
 
+async def stop_task(task: asyncio.Task[Any] | None) -> None:
+    """Cancel `task` and wait until it has ended.
+
+    Cancels again until it ends: in Python 3.11 `asyncio.wait_for` (which `gateway.client` uses
+    to connect) can swallow a cancellation that arrives as the connection is refused, and a
+    polling loop would then go on forever (seen as a DGXMM stop that hung).
+    """
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=0.1)
+    if task is not None and not task.cancelled():
+        with contextlib.suppress(Exception):
+            task.result()
+
+
 class ReloadFailed(Exception):
     """The reload command failed or hung, or LiteLLM did not serve the new list in time."""
 
@@ -157,10 +172,7 @@ class CommandReloader:
     async def close(self) -> None:
         """Stop reloading (a command running now is killed)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
     async def _loop(self) -> None:
         while True:

@@ -24,7 +24,13 @@ from actors.runtime import VirtualClock
 from dgxmm.admin.metrics import litellm_families, render
 from dgxmm.config import ConfigError, load_config
 from dgxmm.litellm.filesync import ConfigFileSync
-from dgxmm.litellm.reload import CommandReloader, ReloadFailed, run_shell, stop_task
+from dgxmm.litellm.reload import (
+    SETTLE_S,
+    CommandReloader,
+    ReloadFailed,
+    run_shell,
+    stop_task,
+)
 from dgxmm.litellm.sync import READY, Registration, desired_entries
 from tests.litellm_double import LiteLLMDouble
 
@@ -34,37 +40,52 @@ KEY = "sk-" + secrets.token_hex(8)
 
 
 class FakeLiteLLM:
-    """Serves what the reload command made it read, `BOOT_S` after the command ran."""
+    """Two workers that serve what they read, `BOOT_S` (then `stagger` more for the second)
+    after the reload command ran; each look at the list reaches the workers in turn."""
 
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
         self.file: Any = None  # what was last written
-        self.serving: Any = None
+        self.workers: list[Any] = [None, None]  # what each worker serves
         self.runs: list[float] = []  # when each command ran (virtual seconds)
-        self.booting = False
+        self.booting = 0
         self.overlapped = False  # a command ran while the previous one's workers were booting
         self.fail_next = 0
         self.boots = True
         self.reads_when_booted = False  # the workers read the file as they finish booting
+        self.stagger = 0.0
+        self._turn = 0
+
+    @property
+    def serving(self) -> Any:
+        """What every worker serves ("mixed" when they differ)."""
+        first, second = self.workers
+        return first if first is second else "mixed"
+
+    @serving.setter
+    def serving(self, value: Any) -> None:
+        self.workers = [value, value]
 
     async def run(self, command: str, timeout_s: float) -> None:
         self.runs.append(self.clock.now())
         if self.fail_next:
             self.fail_next -= 1
             raise ReloadFailed("the reload command exited with 1: " + command)
-        self.overlapped |= self.booting
-        self.booting = True
+        self.overlapped |= self.booting > 0
+        self.booting = len(self.workers)
         read = self.file
 
-        def booted() -> None:
-            self.booting = False
+        def booted(index: int) -> None:
+            self.booting -= 1
             if self.boots:
-                self.serving = self.file if self.reads_when_booted else read
+                self.workers[index] = self.file if self.reads_when_booted else read
 
-        self.clock.call_later(BOOT_S, booted)
+        for index in range(len(self.workers)):
+            self.clock.call_later(BOOT_S + index * self.stagger, lambda i=index: booted(i))
 
-    async def serves(self, want: Any) -> bool:
-        return bool(self.serving is want)
+    async def serves(self, wants: Any) -> bool:
+        self._turn = (self._turn + 1) % len(self.workers)
+        return any(self.workers[self._turn] is want for want in wants)
 
 
 def reloader_for(fake: FakeLiteLLM) -> CommandReloader:
@@ -105,13 +126,17 @@ def test_writes_during_a_reload_share_the_next_one_and_reloads_never_overlap() -
             await clock.advance(10.0)
             assert fake.serving is last
             # One run for a, one for b and c together, the second only once a was served.
-            assert fake.runs == [0.0, pytest.approx(BOOT_S, abs=0.3)]
+            # The second once a was seen served on every look for SETTLE_S.
+            assert fake.runs == [0.0, pytest.approx(BOOT_S + SETTLE_S, abs=0.3)]
             assert fake.overlapped is False
             status = reloader.status()
             assert status.reloads == 2 and status.failures == 0 and status.pending is False
-            # Write to served: a at 0 -> ~3 s; b at 1 (c rode along) -> ~6 s.
+            # Write to first seen served: a at 0 -> 3 s; b at 1 (c rode along) -> 7.5 - 1 s.
             durations = [r.duration_s for r in status.recent]
-            assert durations == [pytest.approx(3.0, abs=0.3), pytest.approx(5.0, abs=0.3)]
+            assert durations == [
+                pytest.approx(BOOT_S, abs=0.3),
+                pytest.approx(2 * BOOT_S + SETTLE_S - 1.0, abs=0.3),
+            ]
             assert status.last_duration_s == durations[-1]
             assert status.durations_sum_s == pytest.approx(sum(durations))
         finally:
@@ -185,7 +210,7 @@ def test_a_failing_reload_never_delays_later_requests_and_the_newest_list_is_rel
     on_virtual_clock(body)
 
 
-def test_workers_that_read_a_later_write_serve_it_and_no_further_reload_is_run() -> None:
+def test_workers_that_read_a_later_write_serve_it_after_one_more_reload() -> None:
     async def body(clock: VirtualClock, fake: FakeLiteLLM) -> None:
         reloader = reloader_for(fake)
         fake.reads_when_booted = True
@@ -193,16 +218,38 @@ def test_workers_that_read_a_later_write_serve_it_and_no_further_reload_is_run()
             write(fake, reloader, "a")
             await clock.advance(1.0)
             last = write(fake, reloader, "b")  # before a's workers read the file
-            await clock.advance(10.0)
+            await clock.advance(15.0)
             assert fake.serving is last
-            assert fake.runs == [0.0]  # b was served by a's reload: nothing more to run
+            # a's workers read b; one more reload (after they booted) so that all surely do.
+            assert fake.runs == [0.0, pytest.approx(BOOT_S + SETTLE_S, abs=0.3)]
+            assert fake.overlapped is False
             status = reloader.status()
-            assert status.reloads == 1 and status.failures == 0 and status.pending is False
-            assert status.recent[-1].duration_s == pytest.approx(BOOT_S, abs=0.3)
+            assert status.reloads == 2 and status.failures == 0 and status.pending is False
             later = write(fake, reloader, "c")  # its time is measured from its own write
             await clock.advance(10.0)
             assert fake.serving is later
             assert reloader.status().recent[-1].duration_s == pytest.approx(BOOT_S, abs=0.3)
+        finally:
+            await reloader.close()
+
+    on_virtual_clock(body)
+
+
+def test_workers_that_booted_on_either_side_of_a_write_are_made_to_agree() -> None:
+    async def body(clock: VirtualClock, fake: FakeLiteLLM) -> None:
+        reloader = reloader_for(fake)
+        fake.reads_when_booted = True
+        fake.stagger = 1.0  # the second worker reads the file a second after the first
+        try:
+            write(fake, reloader, "a")
+            await clock.advance(BOOT_S + 0.5)
+            last = write(fake, reloader, "b")  # between the two workers' reads
+            await clock.advance(0.6)
+            assert fake.workers[0] is not fake.workers[1]  # mixed: one serves a, one b
+            await clock.advance(20.0)
+            assert fake.serving is last  # both
+            assert len(fake.runs) == 2 and fake.overlapped is False
+            assert reloader.status().pending is False
         finally:
             await reloader.close()
 
@@ -214,13 +261,13 @@ def test_a_file_written_before_dgxmm_started_is_reloaded_only_if_litellm_serves_
         reloader = reloader_for(fake)
         try:
             fake.file = fake.serving = {"list": "old"}  # LiteLLM read the file as it is
-            reloader.request(fake.file, written_now=False)
+            reloader.request(fake.file)
             await clock.advance(10.0)
             assert fake.runs == []
             status = reloader.status()
             assert status.reloads == 0 and status.pending is False
             fake.serving = {"list": "older"}  # a reload was lost (DGXMM stopped before it)
-            reloader.request(fake.file, written_now=False)
+            reloader.request(fake.file)
             await clock.advance(10.0)
             assert fake.runs == [10.0] and fake.serving is fake.file
             assert reloader.status().reloads == 1

@@ -23,7 +23,7 @@ import copy
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -141,15 +141,16 @@ class ConfigFileSync(_Backend):
         """How LiteLLM is reloaded after a write and how the reloads went."""
         return self._reloader.status() if self._reloader is not None else self._watch_reloads
 
-    async def _serves(self, want: Mapping[str, Mapping[str, Any]]) -> bool:
-        """Whether LiteLLM serves exactly `want` now (True without a key: nothing to ask with)."""
+    async def _serves(self, wants: Sequence[Mapping[str, Mapping[str, Any]]]) -> bool:
+        """Whether LiteLLM serves exactly one of `wants` now, in one look (True without a key:
+        nothing to ask with)."""
         if not self._has_key:
             return True
         try:
             live = _owned(await self._client.list_entries(), self._box_id)
         except SyncFailed:  # unreachable (booting workers), a wrong key: not served yet
             return False
-        return load_verdict(want, live) is None
+        return any(load_verdict(want, live) is None for want in wants)
 
     def load_status(self) -> LoadStatus:
         """Writes so far, the last one, and whether LiteLLM has loaded it."""
@@ -178,7 +179,7 @@ class ConfigFileSync(_Backend):
             if not wrote and self._reloader is not None and not self._reloader.requested:
                 # The file was already as wanted: a reload may have been lost with a DGXMM that
                 # stopped between its write and the reload.  Reload if LiteLLM serves another list.
-                self._reloader.request(self._want, written_now=False)
+                self._reloader.request(self._want)
         self._start_check(restart=wrote)
 
     async def close(self) -> None:

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -39,6 +39,10 @@ log = structlog.get_logger("dgxmm.litellm.sync")
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 POLL_S = 0.25  # how often LiteLLM is asked whether it serves the new list yet
+# The new list must be seen on every look for this long before the next reload may start: the
+# workers of one reload finish booting one by one (within a second or so here), and a booting
+# worker takes no connection, so one look cannot tell that all of them have booted.
+SETTLE_S = 1.5
 RECENT = 10  # reloads kept in the status
 
 
@@ -126,42 +130,42 @@ class CommandReloader:
         command: str,
         *,
         timeout_s: float,
-        serves: Callable[[Any], Awaitable[bool]],
+        serves: Callable[[Sequence[Any]], Awaitable[bool]],
         clock: Clock,
         run: Callable[[str, float], Awaitable[None]] = run_shell,
         backoff_first_s: float = BACKOFF_FIRST_S,
         backoff_max_s: float = BACKOFF_MAX_S,
         poll_s: float = POLL_S,
+        settle_s: float = SETTLE_S,
     ) -> None:
         self.command = command
         self._timeout_s = timeout_s
-        self._serves = serves  # does LiteLLM serve this written list? (False when unreachable)
+        self._serves = serves  # does LiteLLM serve one of these written lists? (one look)
         self._clock = clock
         self._run = run
         self._backoff_first_s = backoff_first_s
         self._backoff_max_s = backoff_max_s
         self._poll_s = poll_s
+        self._settle_s = settle_s
         self._status = ReloadStatus(mode="command")
         self._latest: Any = None  # the list last written
         self._since: float | None = None  # wall time of the first write not yet served
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._look_first = False  # the next reload runs the command only if LiteLLM needs it
         self.requested = False  # a reload was asked for since DGXMM started
 
     def status(self) -> ReloadStatus:
         """Reloads so far, the last one's time, and the last failure."""
         return self._status
 
-    def request(self, written: Any, *, written_now: bool = True) -> None:
+    def request(self, written: Any) -> None:
         """A write of `written` (this box's entries) happened: reload soon; never waits.
 
-        `written_now=False`: the file was written earlier (before DGXMM started); the command
-        runs only if LiteLLM does not serve it.
+        The command runs only if LiteLLM does not serve `written` already (so a file written
+        before DGXMM started costs a look, and a reload only if one was lost).
         """
         self.requested = True
         self._latest = written
-        self._look_first = not written_now and (self._task is None or self._task.done())
         if self._since is None:
             self._since = self._clock.wall()
         self._status = msgspec.structs.replace(self._status, pending=True)
@@ -185,47 +189,59 @@ class CommandReloader:
         delay = self._backoff_first_s
         attempts = 0
         since: float | None = None  # the first write this reload covers
+        must_run = False  # a write came while the last run's workers booted: run again
+        served_at = self._clock.wall()  # when LiteLLM was first seen serving the list
         while True:
             target = self._latest
             self._wake.clear()  # this run covers every write so far
             since = since if since is not None else self._since
             self._since = None
             try:
-                if self._look_first:  # the file is old: does LiteLLM serve it already?
-                    self._look_first = False
-                    if await self._serves(target) and self._latest is target:
-                        self._since = None
+                served_at = self._clock.wall()
+                if not must_run and await self._serves([target]):
+                    # Served already: read by workers that booted after the write, LiteLLM
+                    # restarted another way, or a write that left this box's entries as they
+                    # were (a file written before DGXMM started, say).  Nothing to run.
+                    if not attempts:
                         self._status = msgspec.structs.replace(self._status, pending=False)
-                        return  # nothing to reload (and no reload to count)
-                if attempts and await self._serves(target):
-                    pass  # served already (LiteLLM restarted another way): nothing to run
+                        if self._latest is target:
+                            self._wake.clear()
+                            return
+                        continue
                 else:
                     attempts += 1
                     await self._run(self.command, self._timeout_s)
-                    target = await self._until_served(target)
+                    served_at = await self._until_served(target)
+                    # Workers boot one by one: with a write in between, some may have read the
+                    # older file and others the newer one.  One more reload makes them agree.
+                    must_run = self._latest is not target
             except ReloadFailed as exc:
                 self._failed(str(exc))
                 await self._clock.sleep(delay)
                 delay = min(delay * 2, self._backoff_max_s)
                 continue
-            self._done(since, attempts, pending=self._latest is not target)
+            self._done(since, attempts, served_at, pending=self._latest is not target)
             if self._latest is target:
-                self._since = None  # writes after this run began were served too
                 self._wake.clear()
                 return
             delay, attempts, since = self._backoff_first_s, 0, None  # a newer write: again now
 
-    async def _until_served(self, target: Any) -> Any:
+    async def _until_served(self, target: Any) -> float:
         """Wait until LiteLLM serves `target` or a later write (its new workers may have read a
-        file written after the command ran); returns the list it serves."""
+        file written after the command ran), seen on every look for `settle_s` (workers finish
+        booting one by one); returns the wall time it was first seen served."""
         deadline = self._clock.now() + self._timeout_s
+        first_seen: tuple[float, float] | None = None  # (monotonic, wall)
         while True:
-            latest = self._latest
-            if latest is not target and await self._serves(latest):
-                return latest
-            if await self._serves(target):
-                return target
-            if self._clock.now() >= deadline:
+            served = await self._serves([target, self._latest])
+            now = self._clock.now()
+            if not served:
+                first_seen = None
+            elif first_seen is None:
+                first_seen = (now, self._clock.wall())
+            if first_seen is not None and now - first_seen[0] >= self._settle_s:
+                return first_seen[1]
+            if now >= deadline:
                 raise ReloadFailed(
                     f"LiteLLM did not serve the new model list within {self._timeout_s:g} s "
                     f"of the reload command ({self.command})"
@@ -242,9 +258,8 @@ class CommandReloader:
             last_error_at=self._clock.wall(),
         )
 
-    def _done(self, since: float | None, attempts: int, *, pending: bool) -> None:
-        now = self._clock.wall()
-        self._status = served(self._status, now, now if since is None else since, attempts)
+    def _done(self, since: float | None, attempts: int, at: float, *, pending: bool) -> None:
+        self._status = served(self._status, at, at if since is None else since, attempts)
         self._status = msgspec.structs.replace(self._status, pending=pending)
 
 

@@ -210,6 +210,10 @@ def stack(
             for spec in SPECS:
                 stack.ids[spec.name] = dgxmm.run(controller.create(spec, ADMIN)).id
             stack.wait_serving(READY_S * 2)
+            deadline = time.monotonic() + READY_S
+            while (reload := stack.status()["reload"])["pending"]:  # every worker agrees
+                assert time.monotonic() < deadline, reload
+                time.sleep(0.1)  # poll interval; the deadline bounds the wait
             for name in LOAD_MODELS:  # each answers once before the load starts
                 answer = http_request(
                     proxy.url,
@@ -339,20 +343,24 @@ def test_creating_reconfiguring_and_removing_under_load_fail_no_request(
             lambda: stack.dgxmm.run(controller.remove(stack.ids.pop(new.name), ADMIN)),
         )
         load.wait_for_more(CLIENTS)
+        deadline = time.monotonic() + READY_S
+        while (status := stack.status())["reload"]["pending"]:  # the last reload settles
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)  # poll interval; the deadline bounds the wait
     wall = time.monotonic() - started
     changes = (created, reconfigured, removed)
     outcomes = load.outcomes
     failed = [o for o in outcomes if not o.ok]
     slowest = max(o.ended - o.started for o in outcomes)
-    status = stack.status()
     reload = status["reload"]
-    durations = [r["duration_s"] for r in reload["recent"]][-3:]
+    reloads = reload["reloads"] - before["reloads"]
+    durations = [r["duration_s"] for r in reload["recent"]][-reloads:]
     report = (
         f"\n{stack.mode} run {run}: {len(outcomes)} requests, {len(failed)} failed "
         f"({len([o for o in failed if not o.answered])} without an answer); slowest "
         f"{slowest:.1f} s; served after write: "
         + ", ".join(f"{c.what} {c.took:.1f} s" for c in changes)
-        + f"; DGXMM's reload times {durations}; {wall:.0f} s"
+        + f"; {reloads} reloads by DGXMM, times {durations}; {wall:.0f} s"
     )
     if stack.mode == "watch":  # --reload: measured, not held to the bound
         print(report + "\n" + "\n".join(o.detail for o in failed[:10]))
@@ -363,10 +371,11 @@ def test_creating_reconfiguring_and_removing_under_load_fail_no_request(
     assert failed == [], failed
     for change in changes:
         assert change.took <= SERVED_WITHIN_S, change
-    # One reload per write, each booting WORKERS new workers, none started early.
-    assert reload["reloads"] - before["reloads"] == 3, reload
+    # A reload per write (one more when a write came while the previous reload's workers may
+    # still have been booting), each booting WORKERS new workers, none started early.
+    assert 3 <= reloads <= 6, reload
     assert reload["failures"] == before["failures"] and reload["failing"] is False, reload
     assert all(d <= SERVED_WITHIN_S for d in durations), durations
-    assert len(hups) == 3, log
+    assert len(hups) == reloads, log
     assert all(len(workers) == WORKERS for workers in hups), hups
     assert status["loaded"] is True or stack.served() == stack.wanted()

@@ -540,7 +540,7 @@ def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_s
         admin_api.call("PATCH", "litellm", {"backend": "file", "config_path": str(config_path)})
         status = wait_for(
             "the background load check",
-            lambda: s if (s := admin_api.call("GET", "litellm"))["loaded"] is not None else None,
+            lambda: s if (s := admin_api.call("GET", "litellm"))["loaded"] else None,
             30,
         )
         assert status["config_writes"] == 1 and config_path.is_file()
@@ -549,9 +549,12 @@ def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_s
         expect(facts).to_contain_text("Last write of the file")
         expect(facts).to_contain_text("LiteLLM restarts caused")
         expect(facts).to_contain_text("1 since DGXMM started")
-        # This LiteLLM (the double) does not read the file, unless its list happens to match.
-        expect(facts).to_contain_text("Loaded" if status["loaded"] else "Not loaded")
-        # The write is followed by the reload command, which fails here: shown, and retried.
+        # This LiteLLM (the double) does not read the file, but serves what it holds: no entry
+        # of DGXMM's, as the file (a status read just after the write said "not yet").
+        expect(facts).to_contain_text("Loaded (checked")
+        # A write LiteLLM does not serve yet is followed by the reload command, which fails
+        # here: shown, and retried.
+        create(admin_api, "reloaded", mode="on_demand")
         wait_for(
             "the reload command's failure",
             lambda: True if admin_api.call("GET", "litellm")["reload"]["failing"] else None,
@@ -565,6 +568,7 @@ def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_s
         expect(facts).to_contain_text("(no gunicorn.pid)")
         shot(page, "23-settings-file-back-end")
     finally:
+        remove(admin_api, "reloaded")
         admin_api.call("PATCH", "litellm", {"backend": "api"})
     page.reload()
     expect(page.locator("#litellm-facts")).to_contain_text("Model-management API")

@@ -109,6 +109,9 @@ class LiteLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     master_key_env: str = "LITELLM_MASTER_KEY"
     backend: Literal["file", "api"] = "file"
     config_path: str | None = None  # file back-end: default <data_dir>/litellm.yaml
+    # file back-end: run after each write to reload LiteLLM (/bin/sh -c); unset: LiteLLM --reload
+    reload_command: str | None = None
+    reload_timeout_s: float = 60.0  # for the command, then again for the new list to be served
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -198,6 +201,8 @@ def _check(config: Config, where: str) -> None:
         raise ConfigError(f"{where}: server.shutdown_grace_s must be at least 0")
     if config.runtime.health_failure_window_s <= 0:
         raise ConfigError(f"{where}: runtime.health_failure_window_s must be more than 0")
+    if not 0 < config.litellm.reload_timeout_s <= 3600:
+        raise ConfigError(f"{where}: litellm.reload_timeout_s must be more than 0 and at most 3600")
     if config.memory.max_concurrent_starts < 1:
         raise ConfigError(f"{where}: memory.max_concurrent_starts must be at least 1")
     server, mem = config.server, config.memory

@@ -248,6 +248,8 @@ def write_config(
     """The TOML file the test DGXMM runs with."""
     litellm = (
         f'[litellm]\nenabled = true\nbackend = "api"\nurl = "{litellm_url}"\n'
+        # the file back-end (one test turns it on) reloads with a command that always fails
+        'reload_command = "echo no gunicorn.pid >&2; exit 3"\n'
         if litellm_url
         else "[litellm]\nenabled = false\n"
     )

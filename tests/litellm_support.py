@@ -430,13 +430,10 @@ class LiteLLMProxy:
             NO_PROXY="127.0.0.1,localhost",
             PYTHONUNBUFFERED="1",
         )
-        argv = [str(self.binary), "--config", str(self.config_path)]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
-        if self.reload:
-            argv.append("--reload")
+        env.update(self.extra_env())
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                argv,
+                self.argv(),
                 cwd=self.workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -457,6 +454,18 @@ class LiteLLMProxy:
                 )
             time.sleep(0.2)  # poll interval; the deadline above bounds the wait
         return self
+
+    def argv(self) -> list[str]:
+        """The command line (`litellm --config FILE`, with `--reload` unless told otherwise)."""
+        argv = [str(self.binary), "--config", str(self.config_path)]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
+        if self.reload:
+            argv.append("--reload")
+        return argv
+
+    def extra_env(self) -> dict[str, str]:
+        """Environment variables the command line needs besides the master key."""
+        return {}
 
     @property
     def pid(self) -> int | None:

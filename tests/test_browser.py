@@ -549,10 +549,26 @@ def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_s
         expect(facts).to_contain_text("Last write of the file")
         expect(facts).to_contain_text("LiteLLM restarts caused")
         expect(facts).to_contain_text("1 since DGXMM started")
-        # This LiteLLM (the double) does not read the file, unless its list happens to match.
-        expect(facts).to_contain_text("Loaded" if status["loaded"] else "Not loaded")
+        # This LiteLLM (the double) does not read the file: loaded only if what it holds happens
+        # to match (alone, this test finds it so; after the others, it holds their entries).
+        expect(facts).to_contain_text(re.compile(r"Loaded \(checked|Not loaded"))
+        # A write LiteLLM does not serve yet is followed by the reload command, which fails
+        # here: shown, and retried.
+        create(admin_api, "reloaded", mode="on_demand")
+        wait_for(
+            "the reload command's failure",
+            lambda: True if admin_api.call("GET", "litellm")["reload"]["failing"] else None,
+            30,
+        )
+        page.reload()
+        facts = page.locator("#litellm-facts")
+        expect(facts).to_contain_text("Reload command (gunicorn: new workers, no outage)")
+        expect(facts).to_contain_text("Failing")
+        expect(facts).to_contain_text("the reload command exited with 3")
+        expect(facts).to_contain_text("(no gunicorn.pid)")
         shot(page, "23-settings-file-back-end")
     finally:
+        remove(admin_api, "reloaded")
         admin_api.call("PATCH", "litellm", {"backend": "api"})
     page.reload()
     expect(page.locator("#litellm-facts")).to_contain_text("Model-management API")

@@ -91,6 +91,10 @@ def test_dgxmm_writes_an_empty_model_list_at_start_up_while_litellm_is_down(
     assert "dgxmm_litellm_config_writes_total 1\n" in text
     assert "dgxmm_litellm_config_loaded 0\n" in text
     assert "dgxmm_litellm_sync_ok 1\n" in text
+    # No reload_command: LiteLLM's --reload watches the file; none seen loaded yet.
+    assert status["reload"]["mode"] == "watch" and status["reload"]["reloads"] == 0
+    assert 'dgxmm_litellm_reload_mode{mode="watch"} 1\n' in text
+    assert "dgxmm_litellm_reloads_total 0\n" in text
 
 
 def test_a_deployment_reaches_the_file_at_once_and_its_state_changes_write_nothing(

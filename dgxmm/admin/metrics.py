@@ -225,4 +225,62 @@ def litellm_families(status: Mapping[str, Any]) -> list[Family]:
             )
             at.add(float(last))
             families.append(at)
+        families += reload_families(status.get("reload"))
+    return families
+
+
+def _single(name: str, kind: str, text: str, value: float) -> Family:
+    family = Family(name, kind, text)
+    family.add(value)
+    return family
+
+
+def reload_families(reload: Any) -> list[Family]:
+    """The file back-end's reloads: the mode, how many, how long each took, the failures."""
+    if not isinstance(reload, Mapping):
+        return []
+    mode = Family(
+        "dgxmm_litellm_reload_mode",
+        "gauge",
+        "1 for the way LiteLLM is reloaded after a write: command (reload_command) or watch.",
+    )
+    for name in ("command", "watch"):
+        mode.add(int(reload.get("mode") == name), mode=name)
+    families = [
+        mode,
+        _single(
+            "dgxmm_litellm_reloads_total",
+            "counter",
+            "Reloads done: LiteLLM served the new list.",
+            int(reload.get("reloads") or 0),
+        ),
+        _single(
+            "dgxmm_litellm_reload_seconds_total",
+            "counter",
+            "Sum over reloads of the time from the write to LiteLLM serving the new list.",
+            float(reload.get("durations_sum_s") or 0.0),
+        ),
+        _single(
+            "dgxmm_litellm_reload_failures_total",
+            "counter",
+            "Reload command runs that failed, hung, or were not followed by the new list in time.",
+            int(reload.get("failures") or 0),
+        ),
+        _single(
+            "dgxmm_litellm_reload_failing",
+            "gauge",
+            "1 while the last reload attempt failed.",
+            int(bool(reload.get("failing"))),
+        ),
+    ]
+    last = reload.get("last_duration_s")
+    if isinstance(last, int | float):
+        families.append(
+            _single(
+                "dgxmm_litellm_reload_last_seconds",
+                "gauge",
+                "The last reload's time from the write to LiteLLM serving the new list.",
+                float(last),
+            )
+        )
     return families

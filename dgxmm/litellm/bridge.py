@@ -1,11 +1,14 @@
 """The LiteLLM bridge: keeps LiteLLM's model list following the controller's deployments.
 
 Every change that matters to LiteLLM (a deployment created, ready, failed, removed, or its
-mode switched) schedules one sync; changes that arrive together share it.  Traffic (requests
-starting and ending, the queue) never does.  With the file back-end the entries are stable
+mode switched) schedules one sync; changes that arrive within `COALESCE_S` (0.2 s) of the
+first share it, and a sync writes LiteLLM's file at most once.  Traffic (requests starting and
+ending, the queue) never does.  With the file back-end the entries are stable
 (`desired_entries(stable=True)`): a state change or mode switch leaves them equal, so the sync
 writes nothing and LiteLLM is not restarted; the first sync at start-up writes the file even
-with no deployments, so LiteLLM can be started on it right away.  Each sync's outcome is
+with no deployments, so LiteLLM can be started on it right away.  With `reload_command` set,
+each write is followed by that command, run in the background by `dgxmm.litellm.reload`
+(writes during a reload share the next one); syncs never wait for it.  Each sync's outcome is
 recorded as a `LiteLLMSynced` event when it differs from the previous one, so the log shows when
 LiteLLM fell out of step and when it came back, without an event per sync.
 """
@@ -18,6 +21,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import structlog
 
 from actors.controller import Controller
@@ -26,6 +30,7 @@ from actors.ports import ModelEntry
 from actors.runtime import Clock, TimerHandle
 from dgxmm.config import Config
 from dgxmm.litellm.filesync import ConfigFileSync, LoadStatus
+from dgxmm.litellm.reload import ReloadStatus
 from dgxmm.litellm.sync import (
     HINT,
     ApiSync,
@@ -94,6 +99,13 @@ class LiteLLMBridge:
         return settings
 
     def _build_backend(self) -> ApiSync | ConfigFileSync | DisabledSync:
+        backend = self._make_sync()
+        lite = self._config.litellm
+        if isinstance(backend, ConfigFileSync) and lite.reload_command:
+            backend.use_reload_command(lite.reload_command, lite.reload_timeout_s, self._clock)
+        return backend
+
+    def _make_sync(self) -> ApiSync | ConfigFileSync | DisabledSync:
         s = self._settings
         return make_sync(
             LiteLLMSettings(
@@ -206,11 +218,17 @@ class LiteLLMBridge:
         backend = self._backend
         return backend.load_status() if isinstance(backend, ConfigFileSync) else LoadStatus()
 
+    def reload_status(self) -> ReloadStatus | None:
+        """File back-end: how LiteLLM is reloaded after a write, and each reload's time."""
+        backend = self._backend
+        return backend.reload_status() if isinstance(backend, ConfigFileSync) else None
+
     def status(self) -> dict[str, Any]:
         """Enabled, last sync, ok or the error, the file back-end's load, the wizard's default."""
         s = self._settings
         synced = bool(s["enabled"] and self._last_ok)
         load = self.load_status()
+        reload = self.reload_status()
         return {
             "enabled": s["enabled"],
             "url": s["url"],
@@ -229,6 +247,7 @@ class LiteLLMBridge:
             "loaded": load.loaded,
             "loaded_at": load.loaded_at,
             "load_error": load.load_error,
+            "reload": None if reload is None else msgspec.to_builtins(reload),
         }
 
     async def register_key(self, timeout_s: float) -> bool:

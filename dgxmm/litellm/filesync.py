@@ -10,6 +10,9 @@ DGXMM reads the file as it is, and a LiteLLM that is down never delays a write. 
 LiteLLM loaded what was written is checked in the background (`GET /model/info`, polled with a
 growing interval) and shown as a status (`load_status`), never waited for.  Each write is
 counted: it is a LiteLLM restart DGXMM caused.
+
+With a reload command configured (`use_reload_command`), each write is followed by that command
+instead of relying on `--reload`'s file watcher: `dgxmm.litellm.reload` owns those runs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import copy
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,8 @@ import structlog
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
+from actors.runtime import Clock
+from dgxmm.litellm.reload import CommandReloader, ReloadStatus, served, stop_task
 from dgxmm.litellm.sync import (
     _Backend,
     _model_id,
@@ -128,6 +133,8 @@ class ConfigFileSync(_Backend):
         self._want: dict[str, dict[str, Any]] | None = None  # this box's entries in the file
         self._check: asyncio.Task[None] | None = None
         self._loaded_event = asyncio.Event()
+        self._reloader: CommandReloader | None = None
+        self._watch_reloads = ReloadStatus(mode="watch")  # --reload: writes LiteLLM was seen load
 
     def __repr__(self) -> str:
         return f"ConfigFileSync({str(self.path)!r}, box_id={self._box_id!r})"
@@ -135,6 +142,27 @@ class ConfigFileSync(_Backend):
     def can_check(self) -> bool:
         """Whether the background check can see what LiteLLM serves (it has the master key)."""
         return self._has_key
+
+    def use_reload_command(self, command: str, timeout_s: float, clock: Clock) -> None:
+        """Run `command` after each write (a gunicorn reload) instead of relying on --reload."""
+        self._reloader = CommandReloader(
+            command, timeout_s=timeout_s, serves=self._serves, clock=clock
+        )
+
+    def reload_status(self) -> ReloadStatus:
+        """How LiteLLM is reloaded after a write and how the reloads went."""
+        return self._reloader.status() if self._reloader is not None else self._watch_reloads
+
+    async def _serves(self, wants: Sequence[Mapping[str, Mapping[str, Any]]]) -> bool:
+        """Whether LiteLLM serves exactly one of `wants` now, in one look (True without a key:
+        nothing to ask with)."""
+        if not self._has_key:
+            return True
+        try:
+            live = _owned(await self._client.list_entries(), self._box_id)
+        except SyncFailed:  # unreachable (booting workers), a wrong key: not served yet
+            return False
+        return any(load_verdict(want, live) is None for want in wants)
 
     def load_status(self) -> LoadStatus:
         """Writes so far, the last one, and whether LiteLLM has loaded it."""
@@ -160,15 +188,18 @@ class ConfigFileSync(_Backend):
                 self._tracker.failed(self.kind, exc)
                 raise
             self._tracker.succeeded(self.kind, writes=int(wrote))
+            if not wrote and self._reloader is not None and not self._reloader.requested:
+                # The file was already as wanted: a reload may have been lost with a DGXMM that
+                # stopped between its write and the reload.  Reload if LiteLLM serves another list.
+                self._reloader.request(self._want)
         self._start_check(restart=wrote)
 
     async def close(self) -> None:
-        """Stop the background check."""
+        """Stop the background check and the reloads."""
+        if self._reloader is not None:
+            await self._reloader.close()
         task, self._check = self._check, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)
 
     async def _write_if_changed(self, want: dict[str, dict[str, Any]]) -> bool:
         document, exists = await asyncio.to_thread(self._read)
@@ -186,6 +217,8 @@ class ConfigFileSync(_Backend):
             load_error="written; LiteLLM has not been seen serving it yet",
         )
         self._loaded_event.clear()
+        if self._reloader is not None:
+            self._reloader.request(want)
         log.info(
             "litellm_config_written",
             path=str(self.path),
@@ -233,7 +266,9 @@ class ConfigFileSync(_Backend):
             return False
         verdict = load_verdict(want, live)
         if verdict is not None:
-            self._not_loaded(False, f"{verdict}; is it running with --config {self.path} --reload?")
+            reloader = self._reloader
+            how = "--reload" if reloader is None else f"and reloaded by {reloader.command!r}"
+            self._not_loaded(False, f"{verdict}; is it running with --config {self.path} {how}?")
             return False
         if self._load.loaded is not True:
             since = self._load.last_write_at
@@ -242,6 +277,8 @@ class ConfigFileSync(_Backend):
                 path=str(self.path),
                 after_s=None if since is None else round(self._clock() - since, 1),
             )
+            if since is not None and self._reloader is None:  # --reload restarted its worker
+                self._watch_reloads = served(self._watch_reloads, self._clock(), since, 1)
         self._load = msgspec.structs.replace(
             self._load, loaded=True, loaded_at=self._clock(), load_error=None
         )

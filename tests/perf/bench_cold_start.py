@@ -30,6 +30,10 @@ streaming request waits at the gateway, an independent poller reads the engine's
 process runtime's state file and hits its `GET /health` every 10 ms; the figure is the time
 from the poller's first 200 to the first byte DGXMM relays to the waiting client (its status
 line; the first `data:` line is printed beside it).  Target: <= 50 ms, median of the starts.
+Measured 2026-12-03 (2 shared cores, load 6.6-7.6, starts of 60-210 s): 52.5, 25.1, 34.8 ms
+(median 34.8) and 36.2, 29.7, 37.4 ms (median 36.2); of the latter, 1-12 ms until
+EngineReady (the 20 ms probe of a port that refuses connections), 25-29 ms from EngineReady to
+the engine's status line relayed (hand-over, connect, vLLM's own handling of the request).
 
 Everything is on loopback, on this shared machine: read the ratios and medians, not the
 absolute numbers.  Exit status 0 even when a target is missed (it is a measurement).

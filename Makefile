@@ -25,6 +25,13 @@ LLAMA_SERVER ?= $(patsubst LLAMA_SERVER=%,%,$(filter LLAMA_SERVER=%,$(LLAMA_PATH
 LLAMA_MODEL ?= $(patsubst LLAMA_MODEL=%,%,$(filter LLAMA_MODEL=%,$(LLAMA_PATHS)))
 export LLAMA_SERVER LLAMA_MODEL
 
+# The real vLLM (CPU build) and its Hugging Face model folder (scripts/build-vllm caches them
+# outside the repository); the real-vLLM tests read VLLM_PYTHON and VLLM_MODEL.
+VLLM_PATHS := $(shell scripts/build-vllm --print 2>/dev/null)
+VLLM_PYTHON ?= $(patsubst VLLM_PYTHON=%,%,$(filter VLLM_PYTHON=%,$(VLLM_PATHS)))
+VLLM_MODEL ?= $(patsubst VLLM_MODEL=%,%,$(filter VLLM_MODEL=%,$(VLLM_PATHS)))
+export VLLM_PYTHON VLLM_MODEL
+
 .PHONY: help demo test lint bootstrap venv
 
 help:

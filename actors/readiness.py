@@ -7,6 +7,13 @@ or two), then less and less often, in steps (`BANDS`), up to once a second after
 vLLM load of several minutes costs one cheap `GET /health` a second.  The detection delay
 stays under about 2.5 % of the start time after the first seconds.
 
+An engine that refuses connections until it is ready (vLLM, SGLang: their HTTP server starts
+after the load) is different: a probe of it is one refused connect on loopback, nothing the
+engine has to serve, and its start is long, so the bands would add up to a second to every
+vLLM start.  While the real probe finds nothing listening (`Readiness.DOWN`), the next probe
+comes `REFUSED_PROBE_S` later whatever the age: about 50 cheap connects a second, and the
+engine is seen ready within that period of its first answer.
+
 Probes fall on a grid of the engine's age (multiples of the current period), so a long start
 is probed at whole seconds of age, as it always was.  `next_probe_age` is the schedule, a pure
 function of the age.  A probe may bring its own schedule (an attribute `probe_schedule`, same
@@ -45,6 +52,7 @@ YOUNG_S = 5.0
 # (age below which, period): every period divides the next band's start and one second.
 BANDS = ((YOUNG_S, FAST_PROBE_S), (10.0, 0.1), (20.0, 0.25), (40.0, 0.5))
 SLOW_PROBE_S = 1.0
+REFUSED_PROBE_S = 0.02  # the period while nothing listens (default schedule only)
 SLACK_S = 1e-6  # a probe lands just after its grid point, never a float rounding before it
 
 
@@ -91,9 +99,11 @@ async def wait_until_ready(
 ) -> BootOutcome:
     """Probe `handle` on the schedule until it is ready, exits, or `deadline` passes.
 
-    `schedule`: default the probe's own `probe_schedule` if it has one, else `next_probe_age`.
+    `schedule`: default the probe's own `probe_schedule` if it has one, else `next_probe_age`,
+    and then an engine that refuses connections is probed every `REFUSED_PROBE_S`.
     """
-    next_age: Schedule = schedule or getattr(probe, "probe_schedule", None) or next_probe_age
+    own: Schedule | None = schedule or getattr(probe, "probe_schedule", None)
+    next_age: Schedule = own or next_probe_age
     exited: asyncio.Future[None] = asyncio.ensure_future(runtime.wait_exited(handle))
     exited.add_done_callback(functools.partial(_log_watch_failure, handle))
     try:
@@ -110,7 +120,10 @@ async def wait_until_ready(
             now = clock.now()
             if now >= deadline:
                 return BootOutcome.TIMED_OUT
-            pause = min(launched_at + next_age(now - launched_at) - now, deadline - now)
+            if own is None and ready is Readiness.DOWN:
+                pause = min(REFUSED_PROBE_S, deadline - now)
+            else:
+                pause = min(launched_at + next_age(now - launched_at) - now, deadline - now)
             pause = max(0.0, pause) + SLACK_S
             if await _race(exited, _slept(clock, pause)) is None:
                 return BootOutcome.EXITED

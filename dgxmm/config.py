@@ -97,7 +97,8 @@ class EnginesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     cache_root: str | None = None  # default: ~/.cache
     startup_timeout_s: float = 1200.0
     extra_env: dict[str, str] = {}
-    programs: dict[str, str] = {}  # process runtime: engine -> program (default: found on PATH)
+    # Process runtime: engine -> program path or command (default: found on PATH).
+    programs: dict[str, str | list[str]] = {}
     gpu: bool = True  # request the GPU for vllm/llamacpp/sglang containers
 
 
@@ -239,3 +240,6 @@ def _check(config: Config, where: str) -> None:
             f"{where}: engines.programs has no engine {', '.join(unknown)}; "
             f"expected {', '.join(PROGRAM_ENGINES)}"
         )
+    empty = sorted(engine for engine, program in config.engines.programs.items() if not program)
+    if empty:
+        raise ConfigError(f"{where}: engines.programs.{empty[0]} names no program")

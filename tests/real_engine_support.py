@@ -37,7 +37,7 @@ import pytest
 
 from tests.e2e_support import docker_problem, remove_containers_of
 from tests.gateway_support import gateway_auth
-from tests.litellm_support import Response, http_request
+from tests.litellm_support import LiteLLMProxy, Response, http_request
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_IMAGE = "dgxmm-llama:local"
@@ -56,20 +56,25 @@ class LlamaBuild:
     model: Path
 
 
-def llama_build() -> LlamaBuild | str:
-    """The build (from the environment or the build script's cache), or why there is none."""
-    server, model = os.environ.get("LLAMA_SERVER"), os.environ.get("LLAMA_MODEL")
-    if not server or not model:
+def build_paths(script: str, *names: str) -> list[str | None]:
+    """The paths named `names`: from the environment, else from `scripts/<script> --print`."""
+    found = [os.environ.get(name) for name in names]
+    if not all(found):
         printed = subprocess.run(
-            [str(REPO / "scripts" / "build-llama-server"), "--print"],
+            [str(REPO / "scripts" / script), "--print"],
             capture_output=True,
             text=True,
             timeout=30,
             check=False,
         )
         paths = dict(line.split("=", 1) for line in printed.stdout.splitlines() if "=" in line)
-        server = server or paths.get("LLAMA_SERVER")
-        model = model or paths.get("LLAMA_MODEL")
+        found = [value or paths.get(name) for value, name in zip(found, names, strict=True)]
+    return found
+
+
+def llama_build() -> LlamaBuild | str:
+    """The build (from the environment or the build script's cache), or why there is none."""
+    server, model = build_paths("build-llama-server", "LLAMA_SERVER", "LLAMA_MODEL")
     if not server or not model:
         return "scripts/build-llama-server --print named no paths"
     build = LlamaBuild(Path(server), Path(model))
@@ -229,6 +234,17 @@ def stream_text(events: list[str]) -> str:
             for choice in json.loads(payload).get("choices", []):
                 text.append((choice.get("delta") or {}).get("content") or "")
     return "".join(text)
+
+
+def models_of(proxy: LiteLLMProxy) -> list[str]:
+    """The model names LiteLLM lists ([] while it does not answer)."""
+    try:
+        answer = call(proxy.port, "GET", "/v1/models", headers=proxy.auth, timeout_s=10)
+    except OSError:
+        return []
+    if answer.status != 200:
+        return []
+    return [m["id"] for m in answer.json().get("data", [])]
 
 
 # --- a real `dgxmm serve` -----------------------------------------------------------------------

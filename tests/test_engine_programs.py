@@ -45,7 +45,7 @@ def test_on_the_process_runtime_each_engine_runs_the_program_of_its_name_found_o
 
 
 def test_engines_programs_names_the_program_on_the_process_runtime_only() -> None:
-    programs = {"llamacpp": "/opt/llama/llama-server"}
+    programs: dict[str, str | list[str]] = {"llamacpp": "/opt/llama/llama-server"}
     local = EngineSettings(local=True, programs=programs)
     assert command_line("llamacpp", "/m/x.gguf", settings=local)[0] == "/opt/llama/llama-server"
     docker = EngineSettings(programs=programs)
@@ -95,6 +95,33 @@ def test_an_unknown_engine_in_engines_programs_is_a_config_error(tmp_path: Path)
         load_config(config)
     config.write_text('[engines]\nprograms = {llamacpp = "/opt/llama-server"}\n')
     assert load_config(config).engines.programs == {"llamacpp": "/opt/llama-server"}
+
+
+def test_a_program_may_be_a_command_the_models_options_follow_on_the_process_runtime_only(
+    tmp_path: Path,
+) -> None:
+    vllm = ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    local = EngineSettings(local=True, programs={"vllm": vllm, "llamacpp": ["/opt/ls", "-v"]})
+    assert command_line("vllm", "/m/gemma", ["--enforce-eager"], settings=local) == [
+        *vllm,
+        *("--model", "/m/gemma", "--host", "{host}", "--port", "{port}", "--enforce-eager"),
+    ]
+    assert command_line("llamacpp", "/m/x.gguf", settings=local)[:4] == [
+        "/opt/ls", "-v", "-m", "/m/x.gguf",
+    ]  # fmt: skip
+    assert program("vllm", local) == "/opt/vllm/bin/python"
+    docker = EngineSettings(programs={"vllm": vllm})
+    assert command_line("vllm", "/m/gemma", settings=docker)[:3] == ["vllm", "serve", "/m/gemma"]
+
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[engines]\nprograms = {vllm = ["/opt/vllm/bin/python", "-m", '
+        '"vllm.entrypoints.openai.api_server"]}\n'
+    )
+    assert load_config(config).engines.programs == {"vllm": vllm}
+    config.write_text("[engines]\nprograms = {vllm = []}\n")
+    with pytest.raises(ConfigError, match=r"engines\.programs\.vllm names no program"):
+        load_config(config)
 
 
 def test_a_model_given_by_its_host_path_is_mounted_read_only_into_its_container() -> None:

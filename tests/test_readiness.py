@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from actors.errors import RuntimeFailure
-from actors.ports import EngineHandle, LaunchSpec
+from actors.ports import EngineHandle, LaunchSpec, Readiness
 from actors.readiness import (
     FAST_PROBE_S,
+    REFUSED_PROBE_S,
     SLOW_PROBE_S,
     YOUNG_S,
     BootOutcome,
@@ -124,6 +125,71 @@ def test_an_engine_healthy_after_1_6_s_is_seen_ready_within_25_ms() -> None:
         assert not waiting.done()
         await clock.advance(FAST_PROBE_S + 0.001)
         assert waiting.done() and waiting.result() is BootOutcome.READY
+
+    run(scenario())
+
+
+class _ProbeOfItsOwn:
+    """The simulated probe's answers without its whole-seconds schedule: the default one."""
+
+    def __init__(self, runtime: SimRuntime) -> None:
+        self._sim = SimProbe(runtime)
+        self.probes = 0
+
+    async def readiness(self, engine: str, handle: EngineHandle) -> Readiness:
+        self.probes += 1
+        return await self._sim.readiness(engine, handle)
+
+
+def _wait_default(
+    clock: VirtualClock,
+    runtime: SimRuntime,
+    handle: EngineHandle,
+    probe: _ProbeOfItsOwn,
+    engine: str,
+) -> asyncio.Task[BootOutcome]:
+    """Wait with the default schedule (the probe has none of its own)."""
+    return asyncio.ensure_future(
+        wait_until_ready(
+            runtime=runtime,
+            probe=probe,  # type: ignore[arg-type]
+            clock=clock,
+            engine=engine,
+            handle=handle,
+            launched_at=clock.now(),
+            deadline=clock.now() + 600.0,
+        )
+    )
+
+
+@pytest.mark.parametrize("age_s", [1.6, 61.3, 95.01])
+def test_an_engine_that_refuses_connections_until_ready_is_seen_within_20_ms_at_any_age(
+    age_s: float,
+) -> None:
+    async def scenario() -> None:
+        clock, runtime, handle = await _started(EngineBehaviour(startup_s=age_s), engine="vllm")
+        probe = _ProbeOfItsOwn(runtime)
+        waiting = _wait_default(clock, runtime, handle, probe, "vllm")
+        await clock.advance(age_s - 0.001)
+        assert not waiting.done()
+        assert probe.probes <= age_s / REFUSED_PROBE_S + 2  # no faster than the period
+        await clock.advance(REFUSED_PROBE_S + 0.001)
+        assert waiting.done() and waiting.result() is BootOutcome.READY
+
+    run(scenario())
+
+
+def test_an_engine_answering_loading_keeps_the_growing_schedule() -> None:
+    async def scenario() -> None:
+        clock, runtime, handle = await _started(EngineBehaviour(startup_s=60.5))
+        probe = _ProbeOfItsOwn(runtime)
+        # llama.cpp: HTTP up at once, 503 "Loading model" meanwhile.
+        waiting = _wait_default(clock, runtime, handle, probe, "llamacpp")
+        await clock.advance(60.6)
+        assert not waiting.done()  # probed at whole seconds by now
+        await clock.advance(SLOW_PROBE_S)
+        assert waiting.done() and waiting.result() is BootOutcome.READY
+        assert probe.probes < 400
 
     run(scenario())
 

@@ -36,6 +36,7 @@ from tests.real_engine_support import (
     chat_body,
     comparable,
     data_of,
+    models_of,
     poll,
     serving,
     stream_text,
@@ -227,17 +228,6 @@ def test_a_request_through_a_real_litellm_for_a_sleeping_real_model_gets_real_to
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def models_of(proxy: LiteLLMProxy) -> list[str]:
-    """The model names LiteLLM lists ([] while it does not answer)."""
-    try:
-        answer = call(proxy.port, "GET", "/v1/models", headers=proxy.auth, timeout_s=10)
-    except OSError:
-        return []
-    if answer.status != 200:
-        return []
-    return [m["id"] for m in answer.json().get("data", [])]
 
 
 def event_titles(serve: Serve, name: str) -> list[str]:

@@ -119,9 +119,10 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     extra_env: dict[str, str] = {}  # e.g. HF_TOKEN, added to every engine
     # Process runtime: engines run on this host, their programs found on PATH unless
-    # `programs` names them (engine -> path).  Docker: the image's own path, always.
+    # `programs` names them (engine -> path, or a command, see `launcher`).  Docker: the
+    # image's own path, always.
     local: bool = False
-    programs: dict[str, str] = {}
+    programs: dict[str, str | list[str]] = {}
     gpu: bool = True  # False: no GPU request even for GPU engines (a host without one)
 
 
@@ -135,7 +136,19 @@ def program(engine: str, settings: EngineSettings = DEFAULT_SETTINGS) -> str:
         return settings.sim_python
     if not settings.local:
         return spec.program
-    return settings.programs.get(engine) or spec.local_program
+    configured = settings.programs.get(engine)
+    if isinstance(configured, list):
+        return configured[0] if configured else spec.local_program
+    return configured or spec.local_program
+
+
+def launcher(engine: str, settings: EngineSettings = DEFAULT_SETTINGS) -> list[str] | None:
+    """A configured command (process runtime) that launches the engine, the model's options
+    following it, e.g. `["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]`;
+    None when the engine's program is a path (or found on PATH) and the adapter adds its own
+    words (`vllm serve MODEL`, `python3 -m sglang.launch_server`)."""
+    configured = settings.programs.get(engine) if settings.local else None
+    return list(configured) if isinstance(configured, list) and configured else None
 
 
 def program_problem(engine: str, argv0: str, path: str | None = None) -> str | None:
@@ -180,17 +193,20 @@ def command_line(
         raise InvalidEngineArgs("--host and --port are set by DGXMM; remove them from the args")
     listen = ["--host", HOST_PLACEHOLDER, "--port", PORT_PLACEHOLDER]
     user = list(args)
+    command = launcher(engine, settings)
     match engine:
         case "vllm":
-            return [program(engine, settings), "serve", model, *listen, *user]
+            # `vllm serve MODEL`; a command (the OpenAI server module) takes `--model MODEL`.
+            serve = [*command, "--model"] if command else [program(engine, settings), "serve"]
+            return [*serve, model, *listen, *user]
         case "llamacpp":
             local = model.startswith(("/", "./")) or model.endswith(".gguf")
             metrics = [] if _has_flag(args, "--metrics") else ["--metrics"]
-            argv0 = program(engine, settings)
-            return [argv0, "-m" if local else "-hf", model, *listen, *metrics, *user]
+            argv0 = command or [program(engine, settings)]
+            return [*argv0, "-m" if local else "-hf", model, *listen, *metrics, *user]
         case "sglang":
             metrics = [] if _has_flag(args, "--enable-metrics") else ["--enable-metrics"]
-            launch = [program(engine, settings), "-m", "sglang.launch_server"]
+            launch = command or [program(engine, settings), "-m", "sglang.launch_server"]
             return [*launch, "--model-path", model, *listen, *metrics, *user]
         case _:
             flavour = (

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.add_argument("--config", metavar="FILE", help=config_help)
 
     when = "ISO 8601 (naive = local time) or epoch seconds"
-    relative = "show times as distances (from --until, or from now)"
+    relative = "show times as distances from now"
     replay = sub.add_parser(
         "replay",
         parents=[common],
@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     span.add_argument("--all", action="store_true", help="every timeline line (streamed)")
     replay.add_argument("--json", action="store_true", help="JSON lines, streamed")
-    replay.add_argument("--relative", action="store_true", help=relative)
+    replay.add_argument(
+        "--relative", action="store_true", help="show times as distances from --until (or now)"
+    )
 
     events = sub.add_parser(
         "events", parents=[common], help="the raw event log, one line per event"

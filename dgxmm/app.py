@@ -24,7 +24,7 @@ from actors.memory_broker import GIB, MemoryBroker
 from actors.ports import LaunchSpec, Runtime
 from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
-from dgxmm.config import Config, ConfigError, load_config
+from dgxmm.config import Config, ConfigError, load_config, with_absolute_paths
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
 from dgxmm.private import auth_key, private_umask, secure_tree
@@ -456,7 +456,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if not isinstance(sys.stderr, _SafeStream):
         sys.stderr = _SafeStream(sys.stderr)
     try:
-        config = load_config(getattr(args, "config", None))
+        config = with_absolute_paths(load_config(getattr(args, "config", None)), Path.cwd())
     except ConfigError as exc:
         print(f"dgxmm: {exc}", file=sys.stderr)
         return 2

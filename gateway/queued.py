@@ -211,6 +211,15 @@ def deployment_not_found(deployment_id: str) -> ErrorReply:
     return ErrorReply(404, "deployment_not_found", f"no on-demand deployment {deployment_id}")
 
 
+def model_not_found(named: str, served: str) -> ErrorReply:
+    """A request for a model this deployment does not serve (OpenAI's code)."""
+    return ErrorReply(
+        404,
+        "model_not_found",
+        f"the model {named} does not exist here; this deployment serves {served}",
+    )
+
+
 def route_not_found(method: str, path: str) -> ErrorReply:
     """An endpoint the gateway does not pass to engines."""
     return ErrorReply(404, "not_found", f"{method} {path} is not served by the on-demand gateway")

@@ -928,3 +928,17 @@ def test_adversarial_requests_get_an_answer_or_a_close_and_the_gateway_keeps_ser
                 await gateway.shutdown(1.0)
 
     run(main(), timeout=20)
+
+
+def test_a_request_for_a_model_the_deployment_does_not_serve_starts_nothing() -> None:
+    async def main() -> None:
+        async with rig(state="stopped") as r:
+            body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+            reply = await request_once(r.port, "POST", CHAT, body)
+            assert reply.status == 404
+            error = reply.json()["error"]
+            assert (error["code"], error["type"]) == ("model_not_found", "invalid_request_error")
+            assert "served-a" in error["message"]
+            assert r.controller.enqueued == 0 and r.engine.seen == []
+
+    run(main())

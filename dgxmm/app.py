@@ -25,6 +25,7 @@ from actors.ports import LaunchSpec, Runtime
 from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
 from dgxmm.config import Config, ConfigError, load_config, with_absolute_paths
+from dgxmm.demo import demo_config, demo_notes
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
 from dgxmm.private import auth_key, private_umask, secure_tree
@@ -76,7 +77,7 @@ class App:
     """Every running part of one DGXMM."""
 
     def __init__(self, config: Config, *, demo: bool = False) -> None:
-        self.config = config
+        self.config = demo_config(config) if demo else config
         self.demo = demo
         self.clock = SystemClock()
         self.store: EventStore | None = None
@@ -327,6 +328,8 @@ class App:
             lines.append(f"  admin login    : admin / {self.admin_password}")
         for rec in self.controller.records():
             lines.append(f"  deployment     : {rec.name} ({rec.id}, {rec.mode}, {rec.state})")
+        if self.demo:
+            lines.extend(demo_notes(self.config, PROJECT_DIR))
         first = next(
             (r for r in self.controller.records() if r.name == "demo-chat"),
             None,

@@ -1,0 +1,65 @@
+"""What `dgxmm serve --demo` does differently from a real install, and the banner lines that
+say so.
+
+The demo swaps at once: `ondemand_make_room_after_s = 0`, so a model asked for puts an idle
+one to sleep without waiting for its idle timeout (the seed's default, which real installs
+keep, waits for it).  It writes LiteLLM's config file (the `file` back-end) into its data
+dir, so that one command puts a real LiteLLM in front of it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import msgspec
+
+from dgxmm.config import Config
+
+MAKE_ROOM_AFTER_S = 0
+LITELLM_PORT = 4000
+LITELLM_PIN = "litellm[proxy]==1.108.7"
+
+
+def demo_config(config: Config) -> Config:
+    """The configuration the demo runs with: swaps at once, LiteLLM's file written (unless
+    the given configuration sets these itself)."""
+    room = config.ondemand_make_room_after_s
+    litellm = config.litellm
+    if not litellm.enabled:
+        litellm = msgspec.structs.replace(litellm, enabled=True, backend="file")
+    return msgspec.structs.replace(
+        config,
+        ondemand_make_room_after_s=MAKE_ROOM_AFTER_S if room is None else room,
+        litellm=litellm,
+    )
+
+
+def litellm_program(project_dir: Path) -> str | None:
+    """The pinned LiteLLM of this checkout (`make test` installs it), else $LITELLM_BIN."""
+    own = project_dir / ".venv-litellm" / "bin" / "litellm"
+    if own.exists():
+        return str(own)
+    return os.environ.get("LITELLM_BIN") or None
+
+
+def demo_notes(config: Config, project_dir: Path) -> list[str]:
+    """The banner's lines on what the demo does differently, and LiteLLM in front of it."""
+    data_dir = Path(config.server.data_dir)
+    litellm_file = config.litellm.config_path or str(data_dir / "litellm.yaml")
+    program = litellm_program(project_dir)
+    run = (
+        f"cd {shlex.quote(str(data_dir))} && {shlex.quote(program or 'litellm')} "
+        f"--config {shlex.quote(litellm_file)} --port {LITELLM_PORT} --reload"
+    )
+    lines = [
+        "The demo differs from a real install: simulated engines and memory, and",
+        f"  ondemand_make_room_after_s = {config.ondemand_make_room_after_s} (a model asked for "
+        "puts an idle one to sleep at once; a real install waits for its idle timeout).",
+        "LiteLLM in front (then call http://127.0.0.1:4000/v1 with the deployment's name):",
+        f"  {run}",
+    ]
+    if program is None:
+        lines.append(f"  (no LiteLLM here: pip install '{LITELLM_PIN}' in a venv of its own)")
+    return lines

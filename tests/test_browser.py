@@ -707,3 +707,27 @@ def test_the_wizard_tells_the_truth_for_a_deployment_that_did_not_fit(
         assert admin_api.deployment("no-room")["not_started"]
     finally:
         remove(admin_api, "no-room", "filler")
+
+
+def _card_tops(page: Page) -> list[float]:
+    """The top edges of the cards side by side in the page's first grid."""
+    cards = page.locator("main .grid").first.locator(":scope > .card")
+    expect(cards.nth(1)).to_be_visible()
+    boxes = [cards.nth(i).bounding_box() for i in range(cards.count())]
+    return [box["y"] for box in boxes if box is not None]
+
+
+def test_the_cards_side_by_side_start_at_the_same_height(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    dep = create(admin_api, "aligned", mode="on_demand")
+    for route, heading in (
+        ("/", "Dashboard"),
+        (f"/deployments/{dep['id']}", "aligned"),
+        ("/settings", "Settings"),
+    ):
+        open_hash(admin_page, dgxmm, route)
+        expect(admin_page.get_by_role("heading", name=heading, exact=True)).to_be_visible()
+        tops = _card_tops(admin_page)
+        assert len(tops) >= 2, route
+        assert max(tops) - min(tops) < 1, f"{route}: card tops {tops}"

@@ -731,3 +731,39 @@ def test_the_cards_side_by_side_start_at_the_same_height(
         tops = _card_tops(admin_page)
         assert len(tops) >= 2, route
         assert max(tops) - min(tops) < 1, f"{route}: card tops {tops}"
+
+
+def test_error_texts_keep_a_deployment_name_as_it_is_written(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    others_asleep(admin_api)
+    create(admin_api, "filler", memory_gib=round(free_gib(admin_api) - 1, 1))
+    try:
+        wait_state(admin_api, "filler", "ready")
+        rec = create(admin_api, "cap-me", memory_gib=3)
+        assert admin_api.deployment("cap-me")["not_started"]
+        open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
+        admin_page.locator("#action-start").click()
+        toast = admin_page.get_by_role("alert").filter(has_text="needs 3 GiB")
+        expect(toast).to_contain_text(re.compile(r"\bcap-me needs 3 GiB"))
+    finally:
+        remove(admin_api, "cap-me", "filler")
+
+
+def test_an_on_demand_deployment_that_did_not_fit_is_told_it_starts_on_its_next_request(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    others_asleep(admin_api)
+    create(admin_api, "filler", memory_gib=round(free_gib(admin_api) - 1, 1))
+    try:
+        wait_state(admin_api, "filler", "ready")
+        rec = create(admin_api, "later", memory_gib=3, mode="on_demand")
+        assert admin_api.deployment("later")["not_started"]
+        open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
+        card = admin_page.locator("#not-started-card")
+        expect(card).to_be_visible()
+        expect(card).to_contain_text("starts on its next request")
+        expect(card).not_to_have_class(re.compile(r"failed-card"))
+        expect(card).not_to_have_attribute("role", "alert")
+    finally:
+        remove(admin_api, "later", "filler")

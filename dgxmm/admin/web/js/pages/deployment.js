@@ -192,13 +192,24 @@ export function render({ params, isAdmin, navigate, notify }) {
 
   function drawOverview() {
     if (progress) progress.update(rec);
-    notStarted.hidden = !rec.not_started;
+    // On demand, a model that did not fit simply starts on its next request: no alarm, and
+    // nothing at all once a request waits for it (the queue panel says what it waits for).
+    const onDemand = rec.mode === "on_demand";
+    notStarted.hidden = !rec.not_started || (onDemand && (rec.state !== "stopped" || rec.queued > 0 || rec.waiting_for_start > 0));
+    notStarted.className = onDemand ? "card" : "card failed-card";
+    notStarted.setAttribute("role", onDemand ? "status" : "alert");
     if (rec.not_started) {
-      replace(notStarted, [
-        h("h2", "Not started"),
-        h("p.reason", `Why: ${rec.not_started}`),
-        h("p.hint", "Free memory (stop or shrink another deployment), then start it."),
-      ]);
+      replace(notStarted, onDemand
+        ? [
+            h("h2", "Not started yet"),
+            h("p.reason", `Why: ${rec.not_started}`),
+            h("p.hint", "On demand, it starts on its next request, making room then if it can."),
+          ]
+        : [
+            h("h2", "Not started"),
+            h("p.reason", `Why: ${rec.not_started}`),
+            h("p.hint", "Free memory (stop or shrink another deployment), then start it."),
+          ]);
     }
     failedBox.hidden = rec.state !== "failed";
     failedReason.textContent = rec.last_error ? `Why: ${rec.last_error}` : "It did not say why.";

@@ -300,7 +300,9 @@ export function render({ navigate, notify }) {
       const created = rec.deployment || rec;
       if (created && created.id) {
         live.putDeployment(created);
-        if (created.not_started) {
+        if (created.not_started && created.mode === "on_demand") {
+          notify(`${created.name} was created; it starts on its next request (not now: ${created.not_started})`);
+        } else if (created.not_started) {
           notify(`${created.name} was created but not started: ${created.not_started}`, "error");
         } else {
           notify(`${created.name} is deployed and starting.`);

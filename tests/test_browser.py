@@ -767,3 +767,18 @@ def test_an_on_demand_deployment_that_did_not_fit_is_told_it_starts_on_its_next_
         expect(card).not_to_have_attribute("role", "alert")
     finally:
         remove(admin_api, "later", "filler")
+
+
+def test_audit_details_give_durations_in_words_with_their_unit(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    rec = create(admin_api, "timed", mode="on_demand")
+    try:
+        body = {"mode": "on_demand", "idle_timeout_s": 120}
+        admin_api.call("PATCH", f"deployments/{rec['id']}/mode", body)
+        open_hash(admin_page, dgxmm, "/audit?action=ondemand_mode")
+        details = admin_page.locator("#audit-table tbody tr td.details").first
+        expect(details).to_contain_text("idle timeout: 120 s")
+        expect(details).not_to_contain_text("timeout s:")
+    finally:
+        remove(admin_api, "timed")

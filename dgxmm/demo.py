@@ -10,6 +10,7 @@ dir, so that one command puts a real LiteLLM in front of it.
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 from pathlib import Path
 
@@ -24,9 +25,12 @@ LITELLM_PIN = "litellm[proxy]==1.108.7"
 
 def demo_config(config: Config) -> Config:
     """The configuration the demo runs with: swaps at once, LiteLLM's file written (unless
-    the given configuration sets these itself)."""
+    the given configuration sets these itself).  LiteLLM refuses to start without a master
+    key: unless the environment has one, a fresh one goes into this process's environment,
+    so that DGXMM checks what LiteLLM loaded with the key the banner prints."""
     room = config.ondemand_make_room_after_s
     litellm = config.litellm
+    os.environ.setdefault(litellm.master_key_env, "sk-demo-" + secrets.token_hex(16))
     if not litellm.enabled:
         litellm = msgspec.structs.replace(litellm, enabled=True, backend="file")
     return msgspec.structs.replace(
@@ -49,15 +53,19 @@ def demo_notes(config: Config, project_dir: Path) -> list[str]:
     data_dir = Path(config.server.data_dir)
     litellm_file = config.litellm.config_path or str(data_dir / "litellm.yaml")
     program = litellm_program(project_dir)
+    key_env = config.litellm.master_key_env
+    key = os.environ.get(key_env, "")
     run = (
-        f"cd {shlex.quote(str(data_dir))} && {shlex.quote(program or 'litellm')} "
-        f"--config {shlex.quote(litellm_file)} --port {LITELLM_PORT} --reload"
+        f"cd {shlex.quote(str(data_dir))} && {key_env}={shlex.quote(key)} "
+        f"{shlex.quote(program or 'litellm')} --config {shlex.quote(litellm_file)} "
+        f"--port {LITELLM_PORT} --reload"
     )
     lines = [
         "The demo differs from a real install: simulated engines and memory, and",
         f"  ondemand_make_room_after_s = {config.ondemand_make_room_after_s} (a model asked for "
         "puts an idle one to sleep at once; a real install waits for its idle timeout).",
-        "LiteLLM in front (then call http://127.0.0.1:4000/v1 with the deployment's name):",
+        "LiteLLM in front (then call http://127.0.0.1:4000/v1 with the deployment's name and",
+        "  that key as the API key):",
         f"  {run}",
     ]
     if program is None:

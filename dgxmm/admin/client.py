@@ -274,7 +274,10 @@ def ps_lines(deployments: list[dict[str, Any]], now: float) -> list[str]:
     notes = []
     for d in deployments:
         name = str(d.get("name", ""))
-        if d.get("not_started"):
+        if d.get("not_started") and d.get("mode") == "on_demand":
+            if d.get("state") == "stopped":
+                notes.append(f"{name}: starts on its next request (not now: {d['not_started']})")
+        elif d.get("not_started"):
             notes.append(f"{name}: not started: {d['not_started']}")
         elif d.get("state") == "failed" and d.get("last_error"):
             notes.append(f"{name}: failed: {d['last_error']}")

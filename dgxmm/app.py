@@ -25,7 +25,7 @@ from actors.ports import LaunchSpec, Runtime
 from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
 from dgxmm.config import Config, ConfigError, load_config, with_absolute_paths
-from dgxmm.demo import demo_config, demo_notes
+from dgxmm.demo import demo_config, demo_notes, stop_engines
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
 from dgxmm.private import auth_key, private_umask, secure_tree
@@ -366,6 +366,8 @@ class App:
             await _step("watchdog", self.watchdog.stop())
         if self.litellm is not None:
             await _step("litellm", self.litellm.stop())
+        if self.demo and self.controller is not None:  # recorded, so not lost at the next start
+            await _step("demo_engines", stop_engines(self.controller))
         if self.controller is not None:
             await _step("controller", self.controller.close())
         if self.snapshotter is not None:  # orderly shutdown: the next start folds no tail

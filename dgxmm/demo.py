@@ -9,6 +9,8 @@ dir, so that one command puts a real LiteLLM in front of it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import secrets
 import shlex
@@ -16,11 +18,16 @@ from pathlib import Path
 
 import msgspec
 
+from actors.controller import Controller
+from actors.deployment import StopDeployment
+from actors.errors import ActorError
 from dgxmm.config import Config
+from events.state import Lifecycle
 
 MAKE_ROOM_AFTER_S = 0
 LITELLM_PORT = 4000
 LITELLM_PIN = "litellm[proxy]==1.108.7"
+STOP_WAIT_S = 10.0  # per engine at shutdown; the runtime stops what is left
 
 
 def demo_config(config: Config) -> Config:
@@ -71,3 +78,17 @@ def demo_notes(config: Config, project_dir: Path) -> list[str]:
     if program is None:
         lines.append(f"  (no LiteLLM here: pip install '{LITELLM_PIN}' in a venv of its own)")
     return lines
+
+
+async def stop_engines(controller: Controller) -> None:
+    """Stop the demo's engines (children of its process, they cannot outlive it) through
+    their deployments, so that the log records the stop (reason `shutdown`): the next start
+    finds them stopped as recorded, not lost, and starts the always-on one again."""
+    for actor in list(controller.actors.values()):
+        # A starting engine is left to the runtime's own stop: its actor is busy with the
+        # start, so an ask would wait behind it.
+        if actor.engine_handle is not None and actor.state.lifecycle is Lifecycle.READY:
+            with contextlib.suppress(ActorError, TimeoutError):
+                await asyncio.wait_for(
+                    actor.ask(StopDeployment(reason="shutdown", actor="system")), STOP_WAIT_S
+                )

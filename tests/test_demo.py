@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -71,3 +73,24 @@ def test_the_banners_curl_after_another_model_was_used_is_answered_within_10_s(
         assert reply["object"] == "chat.completion"
     finally:
         stop_demo(proc)
+
+
+def test_a_demo_stopped_and_started_again_records_no_lost_engine(tmp_path: Path) -> None:
+    # The demo's engines are its children and stop with it: it records their stop, so the
+    # next start finds nothing missing (no engine_lost, "the engine was not running").
+    proc, banner = start_demo(tmp_path, DEADLINE_S)
+    try:
+        url = re.search(r"curl -s (\S+)", banner)
+        body = re.search(r"-d '(.+)'", banner)
+        assert url and body
+        _post(url.group(1), body.group(1), DEADLINE_S)  # demo-chat runs
+    finally:
+        stop_demo(proc)
+    proc, _ = start_demo(tmp_path, DEADLINE_S)
+    stop_demo(proc)
+    done = subprocess.run(
+        [sys.executable, "-m", "dgxmm.cli", "events", "--db", "dgxmm-data/dgxmm.db",
+         "--type", "EngineLost", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=DEADLINE_S, check=True,
+    )  # fmt: skip
+    assert done.stdout == "", done.stdout

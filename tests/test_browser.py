@@ -782,3 +782,16 @@ def test_audit_details_give_durations_in_words_with_their_unit(
         expect(details).not_to_contain_text("timeout s:")
     finally:
         remove(admin_api, "timed")
+
+
+def test_a_deployment_page_loaded_directly_names_the_deployment_in_its_breadcrumb(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    rec = create(admin_api, "crumbed", mode="on_demand")
+    try:
+        open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
+        admin_page.reload()  # a fresh page: the record comes after the page is built
+        expect(admin_page.get_by_role("heading", name="crumbed", exact=True)).to_be_visible()
+        expect(admin_page.locator("p.crumbs")).to_have_text("Deployments / crumbed")
+    finally:
+        remove(admin_api, "crumbed")

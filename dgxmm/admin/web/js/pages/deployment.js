@@ -39,6 +39,7 @@ export function render({ params, isAdmin, navigate, notify }) {
   let rec = findRecord(key);
 
   const title = h("h1", rec ? rec.name : key);
+  const crumb = h("span", rec ? rec.name : key); // the name once the record is known
   const headBadge = h("span.head-badge", { id: "deployment-badge" });
   const subtitle = h("p.subtitle");
   const pageError = h("p.error", { role: "alert", id: "page-error", hidden: true });
@@ -50,7 +51,7 @@ export function render({ params, isAdmin, navigate, notify }) {
     h("p", h("a", { href: "#/deployments" }, "Back to the deployments")),
   ]);
   const node = h("section.deployment", [
-    h("p.crumbs", [h("a", { href: "#/deployments" }, "Deployments"), " / ", h("span", rec ? rec.name : key)]),
+    h("p.crumbs", [h("a", { href: "#/deployments" }, "Deployments"), " / ", crumb]),
     h("div.page-head", [h("div.title-row", [title, headBadge]), actionsBar]),
     subtitle,
     pageError,
@@ -158,7 +159,7 @@ export function render({ params, isAdmin, navigate, notify }) {
 
   // --- header and tabs -----------------------------------------------------------------
   function drawHead() {
-    title.textContent = rec.name;
+    title.textContent = crumb.textContent = rec.name;
     if (headBadge.textContent !== rec.badge) replace(headBadge, badge(rec.badge));
     subtitle.textContent = `${engineName(rec.engine)} · ${rec.model} · ${modeSummary(rec)}`;
   }

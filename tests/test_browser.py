@@ -11,6 +11,7 @@ for real, with a deadline, never a fixed sleep.  Screenshots of every page go to
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -594,6 +595,18 @@ def others_asleep(api: ApiClient) -> None:
     )
 
 
+@contextlib.contextmanager
+def almost_full(api: ApiClient) -> Iterator[None]:
+    """Every on-demand model asleep and a ready `filler` that leaves 1 GiB free."""
+    others_asleep(api)
+    create(api, "filler", memory_gib=round(free_gib(api) - 1, 1))
+    try:
+        wait_state(api, "filler", "ready")
+        yield
+    finally:
+        remove(api, "filler")
+
+
 def stop_and_wait(api: ApiClient, rec: dict[str, Any]) -> None:
     api.call("POST", f"deployments/{rec['id']}/stop")
     wait_state(api, rec["name"], "stopped")
@@ -736,37 +749,33 @@ def test_the_cards_side_by_side_start_at_the_same_height(
 def test_error_texts_keep_a_deployment_name_as_it_is_written(
     admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
 ) -> None:
-    others_asleep(admin_api)
-    create(admin_api, "filler", memory_gib=round(free_gib(admin_api) - 1, 1))
-    try:
-        wait_state(admin_api, "filler", "ready")
+    with almost_full(admin_api):
         rec = create(admin_api, "cap-me", memory_gib=3)
-        assert admin_api.deployment("cap-me")["not_started"]
-        open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
-        admin_page.locator("#action-start").click()
-        toast = admin_page.get_by_role("alert").filter(has_text="needs 3 GiB")
-        expect(toast).to_contain_text(re.compile(r"\bcap-me needs 3 GiB"))
-    finally:
-        remove(admin_api, "cap-me", "filler")
+        try:
+            assert admin_api.deployment("cap-me")["not_started"]
+            open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
+            admin_page.locator("#action-start").click()
+            toast = admin_page.get_by_role("alert").filter(has_text="needs 3 GiB")
+            expect(toast).to_contain_text(re.compile(r"\bcap-me needs 3 GiB"))
+        finally:
+            remove(admin_api, "cap-me")
 
 
 def test_an_on_demand_deployment_that_did_not_fit_is_told_it_starts_on_its_next_request(
     admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
 ) -> None:
-    others_asleep(admin_api)
-    create(admin_api, "filler", memory_gib=round(free_gib(admin_api) - 1, 1))
-    try:
-        wait_state(admin_api, "filler", "ready")
+    with almost_full(admin_api):
         rec = create(admin_api, "later", memory_gib=3, mode="on_demand")
-        assert admin_api.deployment("later")["not_started"]
-        open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
-        card = admin_page.locator("#not-started-card")
-        expect(card).to_be_visible()
-        expect(card).to_contain_text("starts on its next request")
-        expect(card).not_to_have_class(re.compile(r"failed-card"))
-        expect(card).not_to_have_attribute("role", "alert")
-    finally:
-        remove(admin_api, "later", "filler")
+        try:
+            assert admin_api.deployment("later")["not_started"]
+            open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
+            card = admin_page.locator("#not-started-card")
+            expect(card).to_be_visible()
+            expect(card).to_contain_text("starts on its next request")
+            expect(card).not_to_have_class(re.compile(r"failed-card"))
+            expect(card).not_to_have_attribute("role", "alert")
+        finally:
+            remove(admin_api, "later")
 
 
 def test_audit_details_give_durations_in_words_with_their_unit(

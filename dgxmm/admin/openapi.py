@@ -42,16 +42,14 @@ class Error(msgspec.Struct, kw_only=True):
     error: ErrorDetail
 
 
-class EngineErrorDetail(msgspec.Struct, kw_only=True):
+class EngineErrorDetail(ErrorDetail, kw_only=True):
     """An engine's own error, relayed as it came (vLLM and llama.cpp number their codes)."""
 
-    message: str
-    type: str | None = None
-    code: str | int | None = None
-    param: str | None = None
+    type: str | None = None  # type: ignore[assignment]
+    code: str | int | None = None  # type: ignore[assignment]
 
 
-class EngineError(msgspec.Struct, kw_only=True):
+class EngineError(Error, kw_only=True):
     """An error answer of the engine, relayed by the gateway."""
 
     error: EngineErrorDetail

@@ -679,7 +679,7 @@ def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_
             expect(row.locator("td.reason")).to_contain_text(
                 re.compile(
                     r"needs 4 GiB; 2 GiB free; idle candidates: none; "
-                    r"waiting for q-holder \(used \d+ s ago\)"
+                    r"waiting for q-holder \(ready \d+ s, never used\)"
                 )
             )
             (queued,) = admin_api.call("GET", "queue")["requests"]

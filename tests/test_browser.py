@@ -804,3 +804,9 @@ def test_a_deployment_page_loaded_directly_names_the_deployment_in_its_breadcrum
         expect(admin_page.locator("p.crumbs")).to_have_text("Deployments / crumbed")
     finally:
         remove(admin_api, "crumbed")
+
+
+def test_the_wizard_explains_what_the_decision_model_is(admin_page: Page, dgxmm: Dgxmm) -> None:
+    open_hash(admin_page, dgxmm, "/deploy")
+    box = admin_page.get_by_label("This is the decision model (always on)")
+    expect(box).to_have_accessible_description(re.compile(r"routes each request"))

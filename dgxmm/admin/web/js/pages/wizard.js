@@ -99,10 +99,11 @@ export function render({ navigate, notify }) {
     h("textarea", { name: "args", rows: "2", spellcheck: "false" }),
     "Optional. Passed to the engine as given: separate them with spaces, quote one that contains spaces.",
   );
-  const decision = h("input", { type: "checkbox", name: "decision", id: "wiz-decision" });
+  const decision = h("input", { type: "checkbox", name: "decision", id: "wiz-decision", "aria-describedby": "wiz-decision-hint" });
   const decisionWrap = h("div.field.check", [
     decision,
     h("label", { for: "wiz-decision" }, "This is the decision model (always on)"),
+    h("p.hint", { id: "wiz-decision-hint" }, "The small model that routes each request to a model (for example LiteLLM's auto-router). DGXMM keeps it always on and never puts it to sleep to make room. Leave this off for an ordinary model."),
   ]);
   const step1 = h("fieldset.step", { id: "wizard-step-1" }, [
     h("legend", "Step 1 of 2: what to run"),

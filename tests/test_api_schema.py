@@ -58,7 +58,8 @@ def admin_token(admin: str, password: str) -> str:
 
 
 def schemathesis(schema: Path, base: str, *extra: str) -> tuple[int, str]:
-    """`schemathesis run`, bounded: the exit status and its output."""
+    """`schemathesis run`, bounded: the exit status and its output (its cache stays in the
+    schema's directory, out of the checkout)."""
     program = Path(sys.executable).with_name("schemathesis")
     done = subprocess.run(
         [
@@ -66,7 +67,7 @@ def schemathesis(schema: Path, base: str, *extra: str) -> tuple[int, str]:
             "-c", CHECKS, "--phases", "examples,fuzzing", "--request-timeout", "20",
             "--seed", "32", *extra,
         ],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True, text=True, timeout=600, check=False, cwd=schema.parent,
         env={**os.environ, "NO_COLOR": "1"},
     )  # fmt: skip
     return done.returncode, done.stdout + done.stderr

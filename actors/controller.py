@@ -517,6 +517,7 @@ class Controller:
         except Refusal as exc:
             log.info("created_not_started", deployment=dep_id, reason=exc.message)
             self._not_started[dep_id] = exc.message
+            self._notify(dep_id, "not_started")  # the UI shows why at once
         return self.record(dep_actor)
 
     async def start(self, deployment_id: str, actor: str) -> DeploymentRecord:
@@ -527,6 +528,7 @@ class Controller:
         except Refusal as exc:
             if dep_actor.state.lifecycle is Lifecycle.STOPPED:
                 self._not_started[deployment_id] = exc.message
+                self._notify(deployment_id, "not_started")
             raise
         return self.record(dep_actor)
 

@@ -24,7 +24,8 @@ from actors.memory_broker import GIB, MemoryBroker
 from actors.ports import LaunchSpec, Runtime
 from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
-from dgxmm.config import Config, ConfigError, load_config
+from dgxmm.config import Config, ConfigError, load_config, with_absolute_paths
+from dgxmm.demo import demo_config, demo_notes, stop_engines
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.logs import launch_lines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
@@ -79,7 +80,7 @@ class App:
     """Every running part of one DGXMM."""
 
     def __init__(self, config: Config, *, demo: bool = False) -> None:
-        self.config = config
+        self.config = demo_config(config) if demo else config
         self.demo = demo
         self.clock = SystemClock()
         self.store: EventStore | None = None
@@ -369,6 +370,8 @@ class App:
             lines.append(f"  admin login    : admin / {self.admin_password}")
         for rec in self.controller.records():
             lines.append(f"  deployment     : {rec.name} ({rec.id}, {rec.mode}, {rec.state})")
+        if self.demo:
+            lines.extend(demo_notes(self.config, PROJECT_DIR))
         first = next(
             (r for r in self.controller.records() if r.name == "demo-chat"),
             None,
@@ -410,6 +413,8 @@ class App:
             await _step("watchdog", self.watchdog.stop())
         if self.litellm is not None:
             await _step("litellm", self.litellm.stop())
+        if self.demo and self.controller is not None:  # recorded, so not lost at the next start
+            await _step("demo_engines", stop_engines(self.controller))
         if self.controller is not None:
             await _step("controller", self.controller.close())
         if self.snapshotter is not None:  # orderly shutdown: the next start folds no tail
@@ -503,7 +508,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if not isinstance(sys.stderr, _SafeStream):
         sys.stderr = _SafeStream(sys.stderr)
     try:
-        config = load_config(getattr(args, "config", None))
+        config = with_absolute_paths(load_config(getattr(args, "config", None)), Path.cwd())
     except ConfigError as exc:
         print(f"dgxmm: {exc}", file=sys.stderr)
         return 2

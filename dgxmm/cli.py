@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.add_argument("--config", metavar="FILE", help=config_help)
 
     when = "ISO 8601 (naive = local time) or epoch seconds"
-    relative = "show times as distances (from --until, or from now)"
+    relative = "show times as distances from now"
     replay = sub.add_parser(
         "replay",
         parents=[common],
@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     span.add_argument("--all", action="store_true", help="every timeline line (streamed)")
     replay.add_argument("--json", action="store_true", help="JSON lines, streamed")
-    replay.add_argument("--relative", action="store_true", help=relative)
+    replay.add_argument(
+        "--relative", action="store_true", help="show times as distances from --until (or now)"
+    )
     replay.add_argument(
         "--timeline", action="store_true", help="draw the window's memory timeline (--out)"
     )

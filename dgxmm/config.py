@@ -243,3 +243,21 @@ def _check(config: Config, where: str) -> None:
     empty = sorted(engine for engine, program in config.engines.programs.items() if not program)
     if empty:
         raise ConfigError(f"{where}: engines.programs.{empty[0]} names no program")
+
+
+def with_absolute_paths(config: Config, base: Path) -> Config:
+    """`config` with its relative data dir, log and LiteLLM file resolved against `base` (the
+    directory `dgxmm serve` started in), so that nothing depends on a later working directory."""
+
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str((base / path).resolve())
+
+    server = msgspec.structs.replace(
+        config.server,
+        data_dir=absolute(config.server.data_dir) or "",
+        db=absolute(config.server.db),
+    )
+    litellm = msgspec.structs.replace(
+        config.litellm, config_path=absolute(config.litellm.config_path)
+    )
+    return msgspec.structs.replace(config, server=server, litellm=litellm)

@@ -36,7 +36,7 @@ def badge(dep: DeploymentState, queued: int = 0) -> str:
     match dep.lifecycle:
         case Lifecycle.STOPPED | Lifecycle.STOPPING | Lifecycle.ASLEEP:
             return "Sleeping (on demand)"
-        case Lifecycle.STARTING if dep.start_reason in ("request", "mode_switch"):
+        case Lifecycle.STARTING if dep.start_reason == "request":  # a mode switch: Loading
             return "Starting for a request"
         case Lifecycle.READY:
             return "Ready"
@@ -84,6 +84,8 @@ def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
             if not isinstance(ev.make_room_after_s, msgspec.UnsetType):
                 mode["make_room_after_s"] = ev.make_room_after_s
             return "ondemand_mode", mode
+        case m.PendingModeSet():  # the switch of a model that is not ready, applied once it is
+            return "ondemand_mode", {"mode": ev.mode, "once": "ready"}
         case m.StartRequested() if ev.reason == "request":
             return "ondemand_start", {"request_id": ev.request_id}
         case m.StartRequested() if ev.reason == "admin":
@@ -139,6 +141,7 @@ AUDITED_TYPES = frozenset(
         "DeploymentReconfigured",
         "ModelSwitched",
         "ModeChanged",
+        "PendingModeSet",
         "StartRequested",
         "StopRequested",
         "PutToSleep",

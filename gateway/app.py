@@ -22,7 +22,14 @@ from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
 from actors.ports import EngineHandle
 from gateway import health, queued
 from gateway.access import Access
-from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
+from gateway.classify import (
+    Endpoint,
+    Route,
+    RouteKind,
+    body_model,
+    body_traits,
+    classify_route,
+)
 from gateway.errors import UpstreamClosed, UpstreamError
 from gateway.express import Exchange, Forwarding
 from gateway.messages import (
@@ -318,6 +325,11 @@ class Gateway:
             await self._wait_then_relay(
                 request, responder, view, route, body, target, arrived, missed=True
             )
+            return
+        named = body_model(route.endpoint, body)
+        if named is not None and named not in (view.served_model, view.model_name):
+            # Not started for: once ready, its engine would answer this 404 itself.
+            await _reply(responder, queued.model_not_found(named, view.served_model))
             return
         await self._wait_then_relay(request, responder, view, route, body, target, arrived)
 

@@ -183,6 +183,18 @@ def body_traits(endpoint: Endpoint | None, body: bytes) -> BodyTraits:
     return BodyTraits(stream=stream, structured=_structured(fields, endpoint))
 
 
+def body_model(endpoint: Endpoint | None, body: bytes) -> str | None:
+    """The `model` a JSON request body names (None: none, or not JSON)."""
+    if endpoint is None or endpoint not in _JSON_ENDPOINTS or not body:
+        return None
+    try:
+        raw = _decode_object(body).get("model")
+        named = None if raw is None else _decode_any(bytes(raw))
+    except msgspec.MsgspecError:
+        return None
+    return named if isinstance(named, str) else None
+
+
 def classify_request(
     method: bytes, path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes
 ) -> Classification:

@@ -18,6 +18,7 @@ new cycle after it has sent a response itself.  The engine side is in `engine_pr
 from __future__ import annotations
 
 import enum
+import http
 
 import h11
 
@@ -51,6 +52,7 @@ from gateway.request_head import (
 
 __all__ = [
     "HOP_BY_HOP",
+    "REASON_PHRASES",
     "ClientSession",
     "Headers",
     "RequestHead",
@@ -62,6 +64,9 @@ __all__ = [
 ]
 
 _EMPTY_BODY_STATUS = frozenset({204, 304})
+# The standard reason phrase of each status (`HTTP/1.1 200 OK`): what the server puts in a
+# status line given none (its own answers, and an engine's that came without one).
+REASON_PHRASES = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 # h11 has it at the top level but leaves it out of `__all__`.
 _CLIENT_DONE = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)  # type: ignore[attr-defined]
 _Item = tuple[bytes, bytes, bytes]  # raw name, lower-case name, value
@@ -457,11 +462,13 @@ class ServerSession:
         """The `100 Continue` interim response."""
         if self._own_body:
             self._expect_continue = False
-            return b"HTTP/1.1 100 \r\n\r\n"  # h11's bytes for it
+            return b"HTTP/1.1 100 Continue\r\n\r\n"  # h11's bytes for it, with its reason
         if self._conn is None:
             raise ResponseStateError("no request is waiting for 100 Continue")
         try:  # a chunked body: through h11, so that it stops waiting too
-            out = self._conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+            out = self._conn.send(
+                h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+            )
         except h11.LocalProtocolError as exc:
             raise ResponseStateError(str(exc)) from exc
         return out or b""
@@ -693,7 +700,8 @@ class ServerSession:
     def error_reply(self, status: int, headers: Headers, body: bytes) -> bytes:
         """A complete error response that also closes the connection."""
         head = [*headers, (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
-        return self.response_head(status, head) + self.body(body) + self.end()
+        reason = REASON_PHRASES.get(status, b"")
+        return self.response_head(status, head, reason) + self.body(body) + self.end()
 
     def send_failed(self) -> None:
         """Bytes we produced never reached the peer: the connection must not be reused."""

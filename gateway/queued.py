@@ -148,8 +148,10 @@ class ErrorReply:
     retry_after: int | None = None
 
     def body(self) -> bytes:
-        """The JSON error body."""
-        return error_body(self.code, self.message)
+        """The JSON error body, typed by its status: OpenAI's (and LiteLLM's mapping)
+        `invalid_request_error` for a 4xx, the seed's `server_error` for the rest."""
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return error_body(self.code, self.message, kind)
 
     def headers(self) -> Headers:
         """Content-Type, and Retry-After when set."""
@@ -162,9 +164,9 @@ class ErrorReply:
         return sse_error(self.code, self.message)
 
 
-def error_body(code: str, message: str) -> bytes:
-    """`{"error": {"message", "type": "server_error", "code"}}`."""
-    return _encode({"error": {"message": message, "type": "server_error", "code": code}})
+def error_body(code: str, message: str, kind: str = "server_error") -> bytes:
+    """`{"error": {"message", "type": "server_error", "code"}}` (or another type)."""
+    return _encode({"error": {"message": message, "type": kind, "code": code}})
 
 
 def sse_error(code: str, message: str) -> bytes:
@@ -207,6 +209,15 @@ def too_large(limit: int) -> ErrorReply:
 def deployment_not_found(deployment_id: str) -> ErrorReply:
     """No deployment with this id behind the gateway."""
     return ErrorReply(404, "deployment_not_found", f"no on-demand deployment {deployment_id}")
+
+
+def model_not_found(named: str, served: str) -> ErrorReply:
+    """A request for a model this deployment does not serve (OpenAI's code)."""
+    return ErrorReply(
+        404,
+        "model_not_found",
+        f"the model {named} does not exist here; this deployment serves {served}",
+    )
 
 
 def route_not_found(method: str, path: str) -> ErrorReply:

@@ -57,7 +57,14 @@ from gateway.errors import (
     MalformedRequest,
     ResponseStateError,
 )
-from gateway.protocol import Headers, RequestHead, ServerSession, Signal, header_value
+from gateway.protocol import (
+    REASON_PHRASES,
+    Headers,
+    RequestHead,
+    ServerSession,
+    Signal,
+    header_value,
+)
 from gateway.transport import ByteStream, Outbox
 
 log = structlog.get_logger("gateway.server")
@@ -748,6 +755,8 @@ class _Connection:
         `drop`: Connection: close while the server closes, and the request id when the
         server names requests."""
         server = self.server
+        if not reason:  # ours, or an engine's without one: the standard phrase
+            reason = REASON_PHRASES.get(status, b"")
         if drop is None:
             headers = [*headers]
         else:

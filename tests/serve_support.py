@@ -211,14 +211,16 @@ class Serve:
                 os.killpg(pid, signal.SIGKILL)
 
 
-def start_demo(tmp_path: Path, deadline_s: float = 60.0) -> tuple[subprocess.Popen[str], str]:
+def start_demo(
+    tmp_path: Path, deadline_s: float = 60.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str]:
     """`dgxmm serve --demo` on ephemeral ports in tmp_path (so it never collides with a demo a
-    developer runs), and its banner up to the printed curl command."""
+    developer runs), and its banner up to the printed curl command; `env` adds variables."""
     (tmp_path / "ports.toml").write_text("[server]\nadmin_port = 0\ngateway_port = 0\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", "ports.toml"],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(PROJECT)},
+        env={**os.environ, "PYTHONPATH": str(PROJECT), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -11,6 +11,7 @@ for real, with a deadline, never a fixed sleep.  Screenshots of every page go to
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -610,6 +611,18 @@ def others_asleep(api: ApiClient) -> None:
     )
 
 
+@contextlib.contextmanager
+def almost_full(api: ApiClient) -> Iterator[None]:
+    """Every on-demand model asleep and a ready `filler` that leaves 1 GiB free."""
+    others_asleep(api)
+    create(api, "filler", memory_gib=round(free_gib(api) - 1, 1))
+    try:
+        wait_state(api, "filler", "ready")
+        yield
+    finally:
+        remove(api, "filler")
+
+
 def stop_and_wait(api: ApiClient, rec: dict[str, Any]) -> None:
     api.call("POST", f"deployments/{rec['id']}/stop")
     wait_state(api, rec["name"], "stopped")
@@ -691,7 +704,7 @@ def test_the_queue_panel_lists_a_queued_request_with_its_reason_and_clears_when_
             expect(row.locator("td.reason")).to_contain_text(
                 re.compile(
                     r"needs 4 GiB; 2 GiB free; idle candidates: none; "
-                    r"waiting for q-holder \(used \d+ s ago\)"
+                    r"waiting for q-holder \(ready \d+ s, never used\)"
                 )
             )
             # It never started: no expected start time, rather than a guess.
@@ -742,3 +755,93 @@ def test_the_wizard_tells_the_truth_for_a_deployment_that_did_not_fit(
         assert admin_api.deployment("no-room")["not_started"]
     finally:
         remove(admin_api, "no-room", "filler")
+
+
+def _card_tops(page: Page) -> list[float]:
+    """The top edges of the cards side by side in the page's first grid."""
+    cards = page.locator("main .grid").first.locator(":scope > .card")
+    expect(cards.nth(1)).to_be_visible()
+    boxes = [cards.nth(i).bounding_box() for i in range(cards.count())]
+    return [box["y"] for box in boxes if box is not None]
+
+
+def test_the_cards_side_by_side_start_at_the_same_height(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    dep = create(admin_api, "aligned", mode="on_demand")
+    for route, heading in (
+        ("/", "Dashboard"),
+        (f"/deployments/{dep['id']}", "aligned"),
+        ("/settings", "Settings"),
+    ):
+        open_hash(admin_page, dgxmm, route)
+        expect(admin_page.get_by_role("heading", name=heading, exact=True)).to_be_visible()
+        tops = _card_tops(admin_page)
+        assert len(tops) >= 2, route
+        assert max(tops) - min(tops) < 1, f"{route}: card tops {tops}"
+
+
+def test_error_texts_keep_a_deployment_name_as_it_is_written(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    with almost_full(admin_api):
+        rec = create(admin_api, "cap-me", memory_gib=3)
+        try:
+            assert admin_api.deployment("cap-me")["not_started"]
+            open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
+            admin_page.locator("#action-start").click()
+            toast = admin_page.get_by_role("alert").filter(has_text="needs 3 GiB")
+            expect(toast).to_contain_text(re.compile(r"\bcap-me needs 3 GiB"))
+        finally:
+            remove(admin_api, "cap-me")
+
+
+def test_an_on_demand_deployment_that_did_not_fit_is_told_it_starts_on_its_next_request(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    with almost_full(admin_api):
+        rec = create(admin_api, "later", memory_gib=3, mode="on_demand")
+        try:
+            assert admin_api.deployment("later")["not_started"]
+            open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
+            card = admin_page.locator("#not-started-card")
+            expect(card).to_be_visible()
+            expect(card).to_contain_text("starts on its next request")
+            expect(card).not_to_have_class(re.compile(r"failed-card"))
+            expect(card).not_to_have_attribute("role", "alert")
+        finally:
+            remove(admin_api, "later")
+
+
+def test_audit_details_give_durations_in_words_with_their_unit(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    rec = create(admin_api, "timed", mode="on_demand")
+    try:
+        body = {"mode": "on_demand", "idle_timeout_s": 120}
+        admin_api.call("PATCH", f"deployments/{rec['id']}/mode", body)
+        open_hash(admin_page, dgxmm, "/audit?action=ondemand_mode")
+        details = admin_page.locator("#audit-table tbody tr td.details").first
+        expect(details).to_contain_text("idle timeout: 120 s")
+        expect(details).not_to_contain_text("timeout s:")
+    finally:
+        remove(admin_api, "timed")
+
+
+def test_a_deployment_page_loaded_directly_names_the_deployment_in_its_breadcrumb(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    rec = create(admin_api, "crumbed", mode="on_demand")
+    try:
+        open_hash(admin_page, dgxmm, f"/deployments/{rec['id']}")
+        admin_page.reload()  # a fresh page: the record comes after the page is built
+        expect(admin_page.get_by_role("heading", name="crumbed", exact=True)).to_be_visible()
+        expect(admin_page.locator("p.crumbs")).to_have_text("Deployments / crumbed")
+    finally:
+        remove(admin_api, "crumbed")
+
+
+def test_the_wizard_explains_what_the_decision_model_is(admin_page: Page, dgxmm: Dgxmm) -> None:
+    open_hash(admin_page, dgxmm, "/deploy")
+    box = admin_page.get_by_label("This is the decision model (always on)")
+    expect(box).to_have_accessible_description(re.compile(r"routes each request"))

@@ -393,7 +393,7 @@ def test_children_get_ctrl_c_even_when_this_run_ignores_it() -> None:
     assert not ignores_sigint()
 
 
-def follower(path: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
+def follower(path: Path, *args: str, as_json: bool = True) -> tuple[subprocess.Popen[bytes], int]:
     """`dgxmm events --db PATH --follow --json ARGS...` once it follows, and where it began."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with ctrl_c_for_children():
@@ -408,7 +408,7 @@ def follower(path: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
                 "--db",
                 str(path),
                 "--follow",
-                "--json",
+                *(["--json"] if as_json else []),
                 *args,
             ],
             stdout=subprocess.PIPE,
@@ -467,6 +467,27 @@ def test_events_follow_starts_at_now_and_prints_new_events_as_they_are_appended(
         assert m.decode_recorded(line[0]).seq == 2  # event 1 was there before: not shown
     finally:
         stop_follower(proc)
+
+
+def test_events_follow_relative_says_how_long_ago_each_new_event_happened(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "live.db"
+
+    asyncio.run(append_setting(path, 1))
+    proc, _ = follower(path, "--relative", as_json=False)
+    try:
+        asyncio.run(append_setting(path, 2))  # after the follower began: in its past when shown
+        (line,) = read_lines_until(proc, 1)
+        assert re.match(r" *2 [0-9.]+ s ago settings ", line), line
+    finally:
+        stop_follower(proc)
+
+
+def test_the_relative_flag_of_events_and_audit_mentions_no_until() -> None:
+    for command in ("events", "audit"):
+        helped = ok(command, "--help")
+        assert "--until" not in helped, helped
 
 
 def test_events_follow_since_goes_back_first(tmp_path: Path) -> None:
@@ -774,3 +795,20 @@ def test_replay_and_audit_read_a_log_without_read_models_the_same_way(
         with_models = ok(*args, "--db", str(path)).replace(str(path), "LOG")
         without = ok(*args, "--db", str(bare)).replace(str(bare), "LOG")
         assert without == with_models, args
+
+
+def test_replay_of_a_request_id_this_log_never_gave_out_says_not_in_the_log(
+    incident: tuple[Path, list[m.Recorded]],
+) -> None:
+    # A gateway id is its start second times a million plus a counter: 999 was never
+    # given out (second 0), nor 9999999999999999 (the year 2286); an id from the log's
+    # own time is a request served at once.
+    path, _ = incident
+    for rid in ("999", "9999999999999999"):
+        done = dgxmm("replay", "--db", str(path), "--request", rid)
+        assert done.returncode == 1, done.stdout
+        assert "not in the log" in done.stderr
+        assert rid in done.stderr
+    plausible = str(int(T0) * 1_000_000 + 7)
+    out = ok("replay", "--db", str(path), "--request", plausible)
+    assert "served at once" in out

@@ -602,7 +602,7 @@ def test_switching_a_stopped_on_demand_deployment_to_always_on_starts_it_first(
         await put_to_sleep(h, a)
         rec = await h.controller.change_mode(a, "always_on", None, True, "admin:test")
         assert rec.mode == "on_demand" and rec.pending_mode == "always_on"
-        assert rec.badge == "Starting for a request"
+        assert rec.badge == "Loading"  # for the switch: no request waits for it
         r = h.request(a)  # requests meanwhile wait for the start like any on-demand one
         await h.advance(STARTUP_S + 2)
         rec = h.controller.record(h.controller.actors[a])

@@ -596,6 +596,19 @@ def test_status_badges_are_the_seeds() -> None:
     assert badge(state_of(log, "d2")) == "Failed"
 
 
+def test_switching_a_sleeping_model_to_always_on_is_loading_and_audited_as_ondemand_mode() -> None:
+    log = two_on_demand_models()
+    d1 = m.deployment_stream("d1")
+    log.at(1, d1, m.PendingModeSet(mode="always_on"), actor="admin:alice")
+    log.at(2, d1, m.StartRequested(reason="mode_switch"), actor="admin:alice")
+    log.at(3, d1, m.EngineStarting(runtime_id="c", host="h", port=1))
+    assert badge(state_of(log, "d1")) == "Loading"  # no request waits for it
+    rows = [r for r in audit_rows(log.records) if r.action == "ondemand_mode"]
+    assert [(r.actor, r.details) for r in rows] == [
+        ("admin:alice", {"mode": "always_on", "once": "ready"})
+    ]
+
+
 def test_a_removed_deployment_leaves_the_state_but_is_remembered() -> None:
     log = two_on_demand_models()
     log.at(1, m.deployment_stream("d1"), m.DeploymentRemoved(), actor="admin:alice")

@@ -501,7 +501,7 @@ def test_unknown_deployment_is_an_openai_404() -> None:
             reply = await request_once(r.port, "POST", "/d/nope/v1/chat/completions", b"{}")
             assert reply.status == 404
             assert reply.json()["error"]["code"] == "deployment_not_found"
-            assert reply.json()["error"]["type"] == "server_error"
+            assert reply.json()["error"]["type"] == "invalid_request_error"  # OpenAI's, LiteLLM's
             assert r.engine.seen == []
 
     run(main())
@@ -740,7 +740,7 @@ def test_everything_else_is_404_and_never_reaches_engine_or_controller(
         async with rig() as r:
             reply = await request_once(r.port, method, path, b"{}" if method == "POST" else b"")
             assert reply.status == 404
-            assert reply.json()["error"]["type"] == "server_error"
+            assert reply.json()["error"]["type"] == "invalid_request_error"
             assert r.engine.seen == []
             assert r.controller.acquired == 0 and r.controller.enqueued == 0
 
@@ -771,6 +771,7 @@ def test_health_probe_of_a_failed_deployment_is_unhealthy() -> None:
             reply = await request_once(r.port, "POST", CHAT, {"messages": []}, PROBE)
             assert reply.status == 503
             assert reply.header("x-dgxmm-ondemand-state") == "failed"
+            assert reply.json()["error"]["type"] == "server_error"  # the seed's 503s stay so
             assert r.engine.seen == []
 
     run(main())
@@ -822,6 +823,7 @@ def test_request_bodies_over_16_mib_get_413_request_too_large() -> None:
             )
             assert reply.status == 413
             assert reply.json()["error"]["code"] == "request_too_large"
+            assert reply.json()["error"]["type"] == "invalid_request_error"
             assert r.controller.enqueued == 0
 
     run(main())
@@ -872,7 +874,7 @@ def test_malformed_requests_do_not_disturb_the_gateway() -> None:
         async with rig() as r:
             got = await raw_exchange(r.port, b"POST /d/a/v1/chat/completions HTTP/1.1\r\n\r\n")
             assert got.startswith(b"HTTP/1.1 400 ")
-            assert b'"type":"server_error"' in got
+            assert b'"type":"invalid_request_error"' in got
             assert (await request_once(r.port, "POST", CHAT, {"messages": []})).status == 200
 
     run(main())
@@ -949,7 +951,8 @@ def test_adversarial_requests_get_an_answer_or_a_close_and_the_gateway_keeps_ser
                     status = int(got[9:12])
                     assert status in (200, 400, 404, 408, 413, 431, 501), got[:200]
                     if status >= 400 and status != 404 and method != b"HEAD":  # no body
-                        assert b'"type":"server_error"' in got
+                        kind = b"server_error" if status >= 500 else b"invalid_request_error"
+                        assert b'"type":"%s"' % kind in got
                 reply = await request_once(server.port, "POST", CHAT, {"messages": []})
                 assert reply.status == 200
                 await poll(lambda: controller.in_flight["a"] == 0)
@@ -957,3 +960,17 @@ def test_adversarial_requests_get_an_answer_or_a_close_and_the_gateway_keeps_ser
                 await gateway.shutdown(1.0)
 
     run(main(), timeout=20)
+
+
+def test_a_request_for_a_model_the_deployment_does_not_serve_starts_nothing() -> None:
+    async def main() -> None:
+        async with rig(state="stopped") as r:
+            body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+            reply = await request_once(r.port, "POST", CHAT, body)
+            assert reply.status == 404
+            error = reply.json()["error"]
+            assert (error["code"], error["type"]) == ("model_not_found", "invalid_request_error")
+            assert "served-a" in error["message"]
+            assert r.controller.enqueued == 0 and r.engine.seen == []
+
+    run(main())

@@ -320,17 +320,24 @@ def test_stream_error_ends_with_done() -> None:
     assert events[1] == b"data: [DONE]" and events[2] == b""
 
 
-def test_gateway_error_texts_never_say_rate_limit_or_invalid_request_error() -> None:
-    replies = [
-        queued.queue_timeout("m"),
-        queued.not_ready("m"),
+def test_gateway_error_texts_never_say_rate_limit_nor_a_5xx_invalid_request_error() -> None:
+    # LiteLLM maps a body that says "rate limit" to 429 and one that says
+    # invalid_request_error to 400: a 503 must say neither; a 4xx is the client's error,
+    # typed as OpenAI types it.
+    unavailable = [queued.queue_timeout("m"), queued.not_ready("m")]
+    for reply in unavailable:
+        text = reply.body().lower()
+        assert b"rate limit" not in text and b"invalid_request_error" not in text
+    refused = [
         queued.too_large(16 * 1024 * 1024),
         queued.deployment_not_found("d"),
         queued.route_not_found("GET", "/x"),
+        queued.model_not_found("x", "m"),
     ]
-    for reply in replies:
+    for reply in refused:
         text = reply.body().lower()
-        assert b"rate limit" not in text and b"invalid_request_error" not in text
+        assert b"rate limit" not in text
+        assert b'"type":"invalid_request_error"' in text
 
 
 def test_not_ready_and_too_large_have_the_seed_codes() -> None:

@@ -707,7 +707,7 @@ def test_a_client_waiting_for_100_continue_gets_it(loop: str) -> None:
 
     fast, slow = both(go, loop)
     assert fast.comparable() == slow.comparable()
-    assert fast.answers[0] == b"HTTP/1.1 100 \r\n\r\n"
+    assert fast.answers[0] == b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 @pytest.mark.parametrize("loop", LOOPS)

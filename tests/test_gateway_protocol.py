@@ -124,7 +124,7 @@ def test_error_reply_closes_and_is_allowed_only_before_the_response() -> None:
     assert s.can_send_error
     out = s.error_reply(400, [(b"content-type", b"text/plain")], b"bad")
     assert out == (
-        b"HTTP/1.1 400 \r\ncontent-type: text/plain\r\ncontent-length: 3\r\n"
+        b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain\r\ncontent-length: 3\r\n"
         b"connection: close\r\n\r\nbad"
     )
     assert not s.can_send_error and not s.reusable

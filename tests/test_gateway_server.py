@@ -519,3 +519,25 @@ def test_adversarial_bytes_get_a_4xx_or_a_close_and_the_server_keeps_serving(
             client.close()
 
     run(main(), timeout=20)
+
+
+def test_every_status_line_carries_its_reason_phrase() -> None:
+    async def main() -> None:
+        async with serving(ServerConfig(max_body_bytes=1000)) as (server, _):
+            for raw, line in (
+                (b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", b"200 OK"),
+                (b"GET /nope HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", b"404 Not Found"),
+                (b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1001\r\n\r\n", b"413 Re"),
+                (b"GET / HTTP/1.1\r\n\x00\r\n\r\n", b"400 Bad Request"),
+            ):
+                got = await raw_exchange(server.port, raw)
+                assert got.startswith(b"HTTP/1.1 " + line), got[:40]
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(
+                b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n"
+                b"expect: 100-continue\r\n\r\n"
+            )
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.transport.abort()
+
+    run(main())

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import ClientError, ResponseStateError
-from gateway.protocol import RequestHead, ServerSession, Signal
+from gateway.protocol import REASON_PHRASES, RequestHead, ServerSession, Signal
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -240,6 +240,7 @@ def test_error_replies_after_a_refused_request_are_written_as_h11_writes_them(
         h11.Response(
             status_code=status,
             headers=[*headers, (b"content-length", b"%d" % len(body)), (b"connection", b"close")],
+            reason=REASON_PHRASES[status],
         )
     )
     assert expected is not None
@@ -318,7 +319,9 @@ def _theirs(parts: list[bytes], eof: bool) -> list[object]:
                 headers = [(n.lower(), v) for n, v in event.headers.raw_items()]
                 seen.append((event.method, event.target, headers))
                 if conn.they_are_waiting_for_100_continue:
-                    response = h11.InformationalResponse(status_code=100, headers=[])
+                    response = h11.InformationalResponse(
+                        status_code=100, headers=[], reason=b"Continue"
+                    )
                     seen.append(conn.send(response))
             elif isinstance(event, h11.Data):
                 seen.append(bytes(event.data))

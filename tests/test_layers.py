@@ -31,6 +31,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "dgxmm.replay": frozenset({*_LOWER, "dgxmm.config"}),
     "dgxmm.engines": frozenset({*_LOWER, "dgxmm.config"}),
     "dgxmm.litellm": frozenset({*_LOWER, "dgxmm.config"}),
+    "dgxmm.demo": frozenset({*_LOWER, "dgxmm.config"}),  # what the demo does differently
     "dgxmm.admin": frozenset(
         {*_LOWER, "dgxmm.config", "dgxmm.replay", "dgxmm.engines", "dgxmm.litellm"}
     ),
@@ -43,6 +44,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "dgxmm.litellm",
             "dgxmm.admin",
             "dgxmm.private",
+            "dgxmm.demo",
         }
     ),
     "dgxmm.cli": frozenset(

@@ -36,6 +36,15 @@ def test_the_wait_reason_names_need_free_candidates_and_what_holds_the_memory() 
     )
 
 
+def test_the_wait_reason_says_never_used_of_a_model_no_request_has_used() -> None:
+    reason = wait_reason(
+        kind="queued", need=40 * 1024**3, free=8 * 1024**3, candidates=[],
+        holders=[Holder(name="demo-large", in_flight=0, starting=False, idle_for_s=4, used=False)],
+        ahead=0,
+    )  # fmt: skip
+    assert reason.endswith("waiting for demo-large (ready 4 s, never used)")
+
+
 def test_the_wait_reason_of_a_request_behind_others_says_how_many() -> None:
     reason = wait_reason(
         kind="queued", need=1024**3, free=0, candidates=["a"],

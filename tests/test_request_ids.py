@@ -15,7 +15,7 @@ from tests.gateway_support import FakeEngine, Reply, ScriptedController, poll, r
 from tests.runtime_support import run
 from tests.test_gateway_app import PROBE, rig
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+CHAT = {"model": "served-a", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def rid(reply: Reply) -> int:

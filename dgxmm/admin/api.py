@@ -385,6 +385,11 @@ class AdminApi:
             "session_idle_s": self.auth.config.session_idle_s,
         }
 
+    async def _h_openapi(self, call: _Call) -> Reply:
+        from dgxmm.admin.openapi import document
+
+        return 200, document()
+
     async def _h_logout(self, call: _Call) -> Reply:
         principal = call.principal
         assert principal is not None

@@ -3,8 +3,11 @@
 How the CLI finds the server and authenticates, first match wins:
 1. `--url` / `DGXMM_URL` and `--token` / `DGXMM_TOKEN` (an API token; for another box);
 2. `<data_dir>/cli.json`, which `dgxmm serve` writes at start-up (mode 0600: only the owner
-   of the data dir reads it) with its admin address and a token of its own;
-3. the admin address of the configuration (then a token must be given).
+   of the data dir reads it) with its admin address and a token of its own; without a
+   configuration and with no such file here (the demo's `./dgxmm-data` is relative), the
+   data dir the user's last `dgxmm serve` named in `$XDG_STATE_HOME/dgxmm/data-dir`;
+3. the admin address of the configuration (then a token must be given, and the errors name
+   the file that was not there).
 
 Blocking `http.client` on purpose: a command makes one call (or follows one stream).
 """
@@ -37,22 +40,46 @@ class ClientError(Exception):
 
 @dataclass(frozen=True)
 class Target:
-    """Where the admin API is, and the token to send."""
+    """Where the admin API is, the token to send, and the token file looked for when none
+    was found (for the error texts)."""
 
     url: str
     token: str | None
+    missing: Path | None = None
 
 
-def find_server(config: Config, url: str | None, token: str | None) -> Target:
-    """The server to talk to (see the module docstring)."""
+def state_pointer() -> Path:
+    """Where `dgxmm serve` leaves its data dir for the CLI of the same user."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "dgxmm" / "data-dir"
+
+
+def _cli_file(config: Config, configured: bool) -> Path:
+    """The token file to read: the configuration's, else the last served one's."""
+    path = Path(config.server.data_dir).absolute() / CLI_FILE
+    if configured or path.exists():
+        return path
+    try:
+        served = Path(state_pointer().read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return path
+    return served / CLI_FILE if served.is_absolute() else path
+
+
+def find_server(
+    config: Config, url: str | None, token: str | None, *, configured: bool = False
+) -> Target:
+    """The server to talk to (see the module docstring); `configured`: a configuration file
+    was given, so its data dir is the only one to look in."""
     url = url or os.environ.get("DGXMM_URL") or None
     token = token or os.environ.get("DGXMM_TOKEN") or None
-    path = Path(config.server.data_dir) / CLI_FILE
+    path = _cli_file(config, configured)
     saved: dict[str, Any] = {}
+    missing: Path | None = None
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        pass
+        missing = path
     except PermissionError:
         if token is None:
             raise ClientError(
@@ -66,7 +93,7 @@ def find_server(config: Config, url: str | None, token: str | None) -> Target:
         url = saved.get("url") or _config_url(config)
         if token is None:
             token = saved.get("token")
-    return Target(url=str(url).rstrip("/"), token=token)
+    return Target(url=str(url).rstrip("/"), token=token, missing=missing)
 
 
 def _config_url(config: Config) -> str:
@@ -100,7 +127,20 @@ def write_cli_file(data_dir: Path, host: str, port: int) -> str:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    _leave_pointer(data_dir)
     return token
+
+
+def _leave_pointer(data_dir: Path) -> None:
+    """Name the data dir in the user's state dir, for the CLI run elsewhere (best effort)."""
+    pointer = state_pointer()
+    try:
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pointer.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(f"{data_dir.resolve()}\n", encoding="utf-8")
+        os.replace(tmp, pointer)
+    except OSError:
+        pass  # policy: without it, the CLI needs --config from elsewhere, as before
 
 
 class AdminClient:
@@ -141,9 +181,13 @@ class AdminClient:
             conn.close()
             raise ClientError(
                 f"cannot reach DGXMM at {self.target.url} ({exc or type(exc).__name__}); "
-                "is `dgxmm serve` running with this configuration?",
+                f"is `dgxmm serve` running with this configuration?{self._no_file()}",
                 2,
             ) from None
+
+    def _no_file(self) -> str:
+        missing = self.target.missing
+        return "" if missing is None else f" (found no {missing})"
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         """One JSON call; ClientError with the API's own message when it refuses."""
@@ -155,7 +199,7 @@ class AdminClient:
         finally:
             conn.close()
         if resp.status >= 400:
-            raise ClientError(_error_text(resp.status, raw, self.target.token is not None))
+            raise ClientError(_error_text(resp.status, raw, self.target))
         return json.loads(raw) if raw else None
 
     def events(self, path: str) -> Iterator[tuple[str, str]]:
@@ -163,9 +207,7 @@ class AdminClient:
         conn, resp = self._send("GET", path, None, None)
         try:
             if resp.status >= 400:
-                raise ClientError(
-                    _error_text(resp.status, resp.read(), self.target.token is not None)
-                )
+                raise ClientError(_error_text(resp.status, resp.read(), self.target))
             event, data = "message", list[str]()
             while True:
                 raw = resp.readline()
@@ -191,13 +233,14 @@ class AdminClient:
             conn.close()
 
 
-def _error_text(status: int, raw: bytes, had_token: bool) -> str:
+def _error_text(status: int, raw: bytes, target: Target) -> str:
     try:
         message = str(json.loads(raw)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         message = raw.decode("utf-8", errors="replace").strip()[:200] or f"HTTP {status}"
-    if status == 401 and not had_token:
-        message += " (no token: run as the user that runs DGXMM, or give --token)"
+    if status == 401 and target.token is None:
+        found = "" if target.missing is None else f"found no {target.missing}; "
+        message += f" (no token: {found}run as the user that runs DGXMM, or give --token)"
     return message
 
 
@@ -234,7 +277,10 @@ def ps_lines(deployments: list[dict[str, Any]], now: float) -> list[str]:
     notes = []
     for d in deployments:
         name = str(d.get("name", ""))
-        if d.get("not_started"):
+        if d.get("not_started") and d.get("mode") == "on_demand":
+            if d.get("state") == "stopped":
+                notes.append(f"{name}: starts on its next request (not now: {d['not_started']})")
+        elif d.get("not_started"):
             notes.append(f"{name}: not started: {d['not_started']}")
         elif d.get("state") == "failed" and d.get("last_error"):
             notes.append(f"{name}: failed: {d['last_error']}")
@@ -271,7 +317,8 @@ def estimate_text(seconds: float | None) -> str:
 
 def _client(args: Any) -> AdminClient:
     config: Config = args.loaded_config
-    return AdminClient(find_server(config, args.url, args.token))
+    configured = bool(getattr(args, "config", None))
+    return AdminClient(find_server(config, args.url, args.token, configured=configured))
 
 
 def _path_id(name: str) -> str:

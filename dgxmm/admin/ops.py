@@ -79,7 +79,8 @@ class Holder:
     name: str
     in_flight: int
     starting: bool
-    idle_for_s: float
+    idle_for_s: float  # since its last request ended, or since it became ready
+    used: bool = True  # False: no request has used it since it became ready
 
 
 def wait_reason(
@@ -103,6 +104,8 @@ def wait_reason(
                 said.append(f"{h.name} (starting)")
             elif h.in_flight:
                 said.append(f"{h.name} ({h.in_flight} in flight)")
+            elif not h.used:
+                said.append(f"{h.name} (ready {human_duration(h.idle_for_s)}, never used)")
             else:
                 said.append(f"{h.name} (used {human_duration(h.idle_for_s)} ago)")
         more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
@@ -326,6 +329,7 @@ class OpsApi:
                         in_flight=other.activity.in_flight,
                         starting=o.lifecycle is Lifecycle.STARTING,
                         idle_for_s=now - other.activity.last_used,
+                        used=other.activity.served > 0,
                     )
                 )
             # The one that will be idle soonest is named first.

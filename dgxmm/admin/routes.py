@@ -36,6 +36,7 @@ class Route:
 
 ROUTES: tuple[Route, ...] = (
     Route("POST", ("login",), "login", Access.PUBLIC),
+    Route("GET", ("openapi.json",), "openapi", Access.PUBLIC),  # dgxmm/admin/openapi.py
     Route("POST", ("logout",), "logout", Access.VIEWER),
     Route("GET", ("session",), "session", Access.VIEWER),
     Route("POST", ("tokens",), "accounts.create_token", Access.ADMIN),

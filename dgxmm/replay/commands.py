@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -50,8 +51,11 @@ from storage.readmodels import AuditFilter
 DEFAULT_LAST = 50  # timeline lines per deployment unless --last or --all
 MAX_STORY = 5_000  # deployment events shown around one request
 HOLDING_MEMORY = (Lifecycle.STARTING, Lifecycle.READY, Lifecycle.STOPPING, Lifecycle.ASLEEP)
-# The gateway numbers requests with decimal integers (`x-dgxmm-request-id`).
+# The gateway numbers requests with decimal integers (`x-dgxmm-request-id`): its start
+# second times IDS_PER_SECOND plus a counter (`gateway.app`).
 GATEWAY_REQUEST_ID = re.compile(r"[0-9]{1,20}")
+IDS_PER_SECOND = 1_000_000
+STARTUP_SLACK_S = 60  # a new log's first event may be written after its gateway started
 SERVED_AT_ONCE = "served at once (a request to a ready model records nothing by design)"
 
 
@@ -225,7 +229,7 @@ async def story_view(
     own = [r for r in named if isinstance(r.event, QUEUE_EVENTS)]
     started_for = [r for r in named if isinstance(r.event, m.StartRequested)]
     if not named:
-        if GATEWAY_REQUEST_ID.fullmatch(request_id):
+        if await _given_out_by_this_log(store, until, request_id):
             return StoryView(
                 db=db,
                 until=until,
@@ -285,6 +289,18 @@ async def story_view(
         story=items,
         wait=await request_wait(store, named, names),
     )
+
+
+async def _given_out_by_this_log(store: EventStore, until: float | None, request_id: str) -> bool:
+    """Whether a gateway writing this log could have numbered a request so: an id names the
+    second its gateway started, which lies between the log's first event and `until` (now)."""
+    if not GATEWAY_REQUEST_ID.fullmatch(request_id):
+        return False
+    started = int(request_id) // IDS_PER_SECOND
+    first = [rec async for rec in store.iterate(limit=1)]
+    if not first or started < first[0].ts - STARTUP_SLACK_S:
+        return False
+    return started <= (time.time() if until is None else until)
 
 
 _DEP_TYPES = tuple(t.__name__ for t in m.AnyEvent.__args__ if t not in QUEUE_EVENTS)
@@ -486,7 +502,7 @@ def _concerns(rec: m.Recorded, dep_ids: set[str]) -> bool:
 async def events_command(args: argparse.Namespace) -> int:
     """`dgxmm events`: the raw log; `--follow` starts at now unless `--since` goes back."""
     since: float | None = args.since
-    fmt = time_formatter(bool(args.relative))
+    fmt = time_formatter(bool(args.relative), live=bool(args.follow))
     store = await EventStore.open(args.db, create=False, readonly=True)
     try:
         types = _selected_types(args)

@@ -105,10 +105,15 @@ def relative_time(ts: float, reference: float) -> str:
     return f"{text} ago" if delta >= 0 else f"in {text}"
 
 
-def time_formatter(relative: bool, reference: float | None = None) -> Callable[[float], str]:
-    """Absolute local times, or distances from `reference` (now when None)."""
+def time_formatter(
+    relative: bool, reference: float | None = None, *, live: bool = False
+) -> Callable[[float], str]:
+    """Absolute local times, or distances from `reference` (now when None; with `live`, the
+    moment each line is written, for events that happen after the command began)."""
     if not relative:
         return format_time
+    if live:
+        return lambda ts: relative_time(ts, time.time())
     ref = time.time() if reference is None else reference
     return lambda ts: relative_time(ts, ref)
 

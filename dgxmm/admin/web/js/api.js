@@ -88,10 +88,16 @@ const FIELD_LABELS = {
   ondemand_make_room_after_s: "Make room after (seconds)",
 };
 
+/** Deployment names the page knows (live.js keeps it): a message that begins with one keeps
+ * it as it is written ("my-sim needs 6 GiB", not "My-sim"). */
+export const knownNames = new Set();
+
 function sentence(text) {
   const trimmed = String(text || "").trim();
   if (!trimmed) return "";
-  const first = trimmed[0].toUpperCase() + trimmed.slice(1);
+  const word = trimmed.split(/[\s:,]/, 1)[0];
+  const keep = knownNames.has(word) || /[-_./0-9]/.test(word);
+  const first = keep ? trimmed : trimmed[0].toUpperCase() + trimmed.slice(1);
   return /[.!?)]$/.test(first) ? first : `${first}.`;
 }
 

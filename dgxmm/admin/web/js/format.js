@@ -147,7 +147,12 @@ export function detailsText(details) {
   if (!details) return "";
   return Object.entries(details)
     .filter(([, v]) => v !== null && v !== undefined && v !== "")
-    .map(([k, v]) => `${k.replaceAll("_", " ")}: ${typeof v === "object" ? JSON.stringify(v) : v}`)
+    .map(([k, v]) => {
+      // A unit in the key's name goes after the value: "idle timeout: 120 s".
+      const unit = /_s$/.test(k) && typeof v === "number" ? " s" : "";
+      const name = (unit ? k.slice(0, -2) : k).replaceAll("_", " ");
+      return `${name}: ${typeof v === "object" ? JSON.stringify(v) : v}${unit}`;
+    })
     .join(", ");
 }
 

@@ -1,7 +1,7 @@
 // The live picture: deployments, memory, queue and settings, kept current by the admin API's
 // event stream (GET api/events/stream). Pages read from here and subscribe to changes.
 
-import { api, apiUrl } from "./api.js";
+import { api, apiUrl, knownNames } from "./api.js";
 
 export const state = {
   deployments: new Map(), // id -> record
@@ -38,6 +38,7 @@ export function deploymentsInOrder() {
 /** A record the page got from a call (a POST's answer, say): apply it at once. */
 export function putDeployment(rec) {
   state.deployments.set(rec.id, rec);
+  knownNames.add(rec.name);
   emit("deployment", rec);
 }
 
@@ -51,6 +52,7 @@ let checkSession = async () => true;
 
 function applySnapshot(data) {
   state.deployments = new Map(data.deployments.map((d) => [d.id, d]));
+  for (const d of data.deployments) knownNames.add(d.name);
   state.memory = data.memory;
   state.queue = data.queue;
   state.settings = data.settings;

@@ -40,6 +40,7 @@ export function render({ params, isAdmin, navigate, notify }) {
   let rec = findRecord(key);
 
   const title = h("h1", rec ? rec.name : key);
+  const crumb = h("span", rec ? rec.name : key); // the name once the record is known
   const headBadge = h("span.head-badge", { id: "deployment-badge" });
   const subtitle = h("p.subtitle");
   const pageError = h("p.error", { role: "alert", id: "page-error", hidden: true });
@@ -51,7 +52,7 @@ export function render({ params, isAdmin, navigate, notify }) {
     h("p", h("a", { href: "#/deployments" }, "Back to the deployments")),
   ]);
   const node = h("section.deployment", [
-    h("p.crumbs", [h("a", { href: "#/deployments" }, "Deployments"), " / ", h("span", rec ? rec.name : key)]),
+    h("p.crumbs", [h("a", { href: "#/deployments" }, "Deployments"), " / ", crumb]),
     h("div.page-head", [h("div.title-row", [title, headBadge]), actionsBar]),
     subtitle,
     pageError,
@@ -159,7 +160,7 @@ export function render({ params, isAdmin, navigate, notify }) {
 
   // --- header and tabs -----------------------------------------------------------------
   function drawHead() {
-    title.textContent = rec.name;
+    title.textContent = crumb.textContent = rec.name;
     if (headBadge.textContent !== rec.badge) replace(headBadge, badge(rec.badge));
     subtitle.textContent = `${engineName(rec.engine)} · ${rec.model} · ${modeSummary(rec)}`;
   }
@@ -195,13 +196,24 @@ export function render({ params, isAdmin, navigate, notify }) {
 
   function drawOverview() {
     if (progress) progress.update(rec);
-    notStarted.hidden = !rec.not_started;
+    // On demand, a model that did not fit simply starts on its next request: no alarm, and
+    // nothing at all once a request waits for it (the queue panel says what it waits for).
+    const onDemand = rec.mode === "on_demand";
+    notStarted.hidden = !rec.not_started || (onDemand && (rec.state !== "stopped" || rec.queued > 0 || rec.waiting_for_start > 0));
+    notStarted.className = onDemand ? "card" : "card failed-card";
+    notStarted.setAttribute("role", onDemand ? "status" : "alert");
     if (rec.not_started) {
-      replace(notStarted, [
-        h("h2", "Not started"),
-        h("p.reason", `Why: ${rec.not_started}`),
-        h("p.hint", "Free memory (stop or shrink another deployment), then start it."),
-      ]);
+      replace(notStarted, onDemand
+        ? [
+            h("h2", "Not started yet"),
+            h("p.reason", `Why: ${rec.not_started}`),
+            h("p.hint", "On demand, it starts on its next request, making room then if it can."),
+          ]
+        : [
+            h("h2", "Not started"),
+            h("p.reason", `Why: ${rec.not_started}`),
+            h("p.hint", "Free memory (stop or shrink another deployment), then start it."),
+          ]);
     }
     failedBox.hidden = rec.state !== "failed";
     failedReason.textContent = rec.last_error ? `Why: ${rec.last_error}` : "It did not say why.";

@@ -126,10 +126,11 @@ export function render({ navigate, notify }) {
     h("textarea", { name: "args", rows: "2", spellcheck: "false" }),
     "Optional. Passed to the engine as given: separate them with spaces, quote one that contains spaces.",
   );
-  const decision = h("input", { type: "checkbox", name: "decision", id: "wiz-decision" });
+  const decision = h("input", { type: "checkbox", name: "decision", id: "wiz-decision", "aria-describedby": "wiz-decision-hint" });
   const decisionWrap = h("div.field.check", [
     decision,
     h("label", { for: "wiz-decision" }, "This is the decision model (always on)"),
+    h("p.hint", { id: "wiz-decision-hint" }, "The small model that routes each request to a model (for example LiteLLM's auto-router). DGXMM keeps it always on and never puts it to sleep to make room. Leave this off for an ordinary model."),
   ]);
   const step1 = h("fieldset.step", { id: "wizard-step-1" }, [
     h("legend", "Step 1 of 2: what to run"),
@@ -327,7 +328,9 @@ export function render({ navigate, notify }) {
       const created = rec.deployment || rec;
       if (created && created.id) {
         live.putDeployment(created);
-        if (created.not_started) {
+        if (created.not_started && created.mode === "on_demand") {
+          notify(`${created.name} was created; it starts on its next request (not now: ${created.not_started})`);
+        } else if (created.not_started) {
           notify(`${created.name} was created but not started: ${created.not_started}`, "error");
         } else {
           notify(`${created.name} is deployed and starting.`);

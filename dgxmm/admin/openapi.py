@@ -1,0 +1,338 @@
+"""The OpenAPI 3.1 document of DGXMM's two listeners: the admin API (`/dgxmm/api/...`) and
+the on-demand gateway (`/d/{deployment}/v1/...`).
+
+It owns the document only.  Request bodies are the msgspec types the API validates with
+(`dgxmm.admin.bodies`), a deployment is the record the API answers with
+(`actors.controller.DeploymentRecord`); their JSON Schemas come from
+`msgspec.json.schema_components`, so the document cannot drift from what is enforced.  The
+few answers that are plain dicts in the handlers are declared here as Structs for the
+document.  The admin API serves it at `GET /dgxmm/api/openapi.json`;
+`scripts/gen-api-docs` renders it as `docs/api.md` (a test keeps that file current).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from actors.controller import DeploymentRecord
+from dgxmm.admin import bodies
+from dgxmm.admin.routes import ROUTES, Access, Route
+
+SCHEMA_REF = "#/components/schemas/{name}"
+JSON = "application/json"
+
+
+# --- answers declared for the document ---------------------------------------------------
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    """What went wrong: `code` is for programs, `message` for people."""
+
+    message: str
+    type: str
+    code: str
+    param: str | None = None
+
+
+class Error(msgspec.Struct, kw_only=True):
+    """Every error answer of both listeners, OpenAI style."""
+
+    error: ErrorDetail
+
+
+class EngineErrorDetail(ErrorDetail, kw_only=True):
+    """An engine's own error, relayed as it came (vLLM and llama.cpp number their codes)."""
+
+    type: str | None = None  # type: ignore[assignment]
+    code: str | int | None = None  # type: ignore[assignment]
+
+
+class EngineError(Error, kw_only=True):
+    """An error answer of the engine, relayed by the gateway."""
+
+    error: EngineErrorDetail
+
+
+class LoginAnswer(msgspec.Struct, kw_only=True):
+    """`POST /login`: the session cookie comes in `set-cookie`; send `csrf_token` back as
+    `x-csrf-token` on every call that changes something."""
+
+    user: str
+    role: Literal["admin", "viewer"]
+    csrf_token: str
+    session_idle_s: float
+
+
+class SessionAnswer(msgspec.Struct, kw_only=True):
+    """`GET /session`: who is calling, and how (`session` or `token`)."""
+
+    user: str
+    role: str
+    via: str
+    csrf_token: str | None = None
+
+
+class LogoutAnswer(msgspec.Struct, kw_only=True):
+    """`POST /logout`."""
+
+    logged_out: bool
+
+
+class Deployment(DeploymentRecord, frozen=True, kw_only=True):
+    """A deployment as the API shows it (`args` with secrets redacted for viewers)."""
+
+    memory_gib: float | None = None
+
+
+class DeploymentList(msgspec.Struct, kw_only=True):
+    """`GET /deployments`."""
+
+    deployments: list[Deployment]
+
+
+class Removed(msgspec.Struct, kw_only=True):
+    """`DELETE /deployments/{id}`."""
+
+    id: str
+    name: str
+    removed: bool
+
+
+class ModelObject(msgspec.Struct, kw_only=True):
+    """One model as the gateway lists it."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """`GET /d/{deployment}/v1/models`: the deployment's model, answered from its record."""
+
+    object: str
+    data: list[ModelObject]
+
+
+class InferenceBody(msgspec.Struct, kw_only=True):
+    """An inference request: passed to the engine as it is.  `model` is the model the engine
+    serves (what LiteLLM sends); another name gets 404 `model_not_found` while the model
+    does not run, instead of starting it."""
+
+    model: str | None = None
+    stream: bool | None = None
+
+
+# --- what each admin route takes and gives -------------------------------------------------
+
+# handler -> (summary, request body type or None, success status, answer type or None)
+_ADMIN: dict[str, tuple[str, Any, int, Any]] = {
+    "login": ("Log in: a session cookie and its CSRF token", bodies.LoginBody, 200, LoginAnswer),
+    "logout": ("Log out (ends the session)", None, 200, LogoutAnswer),
+    "session": ("Who is calling", None, 200, SessionAnswer),
+    "accounts.create_token": ("Create an API token (shown once)", bodies.TokenBody, 201, None),
+    "accounts.list_tokens": ("List API tokens", None, 200, None),
+    "accounts.revoke_token": ("Revoke an API token", None, 200, None),
+    "accounts.list_users": ("List users", None, 200, None),
+    "accounts.add_user": ("Add a user", bodies.UserBody, 201, None),
+    "accounts.change_user": ("Change a user's role or password", bodies.UserChangeBody, 200, None),
+    "accounts.remove_user": ("Remove a user", None, 200, None),
+    "accounts.change_own_password": ("Change one's own password", bodies.PasswordBody, 200, None),
+    "list_deployments": ("List deployments", None, 200, DeploymentList),
+    "create_deployment": ("Create a deployment", bodies.DeploymentBody, 201, Deployment),
+    "get_deployment": ("One deployment (by id or name)", None, 200, Deployment),
+    "remove_deployment": ("Remove a deployment", None, 200, Removed),
+    "start_deployment": ("Start a deployment", None, 200, Deployment),
+    "stop_deployment": ("Stop a deployment (on demand: put it to sleep)", None, 200, Deployment),
+    "switch_model": ("Switch a deployment's model", bodies.SwitchModelBody, 200, Deployment),
+    "change_mode": ("Change the mode (on demand or always on)", bodies.ModeBody, 200, Deployment),
+    "deployment_events": ("A deployment's Events tab, newest first", None, 200, None),
+    "audit": ("The audit trail, newest first", None, 200, None),
+    "memory": ("The memory budget", None, 200, None),
+    "get_settings": ("The settings in force", None, 200, None),
+    "change_settings": ("Change settings (the on-demand defaults)", "object", 200, None),
+    "litellm_status": ("The LiteLLM integration's status", None, 200, None),
+    "litellm_configure": ("Configure the LiteLLM integration", "object", 200, None),
+    "litellm_sync": ("Sync LiteLLM now", None, 200, None),
+    "event_stream": ("The UI's live stream (server-sent events)", None, 200, "sse"),
+    "deployment_logs": ("A deployment's engine log (follow=1: a stream)", None, 200, None),
+    "deployment_progress": ("A deployment's start progress", None, 200, None),
+    "queue": ("The requests waiting, with what each waits for", None, 200, None),
+    "openapi": ("This document", None, 200, None),
+}
+
+_QUERIES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
+    "deployment_events": [
+        ("limit", "rows (1 to 1000, default 100)", {"type": "integer"}),
+        ("before", "rows before this sequence number", {"type": "integer"}),
+    ],
+    "audit": [
+        ("limit", "rows (1 to 1000, default 100)", {"type": "integer"}),
+        ("before", "rows before this sequence number", {"type": "integer"}),
+        ("since", "ISO 8601 or epoch seconds", {"type": "string"}),
+        ("until", "ISO 8601 or epoch seconds", {"type": "string"}),
+        ("deployment", "a deployment's name or id", {"type": "string"}),
+        ("actor", "who, such as admin:alice or ondemand", {"type": "string"}),
+        ("action", "an audit action, such as ondemand_mode", {"type": "string"}),
+    ],
+    "deployment_logs": [
+        ("tail", "the last N lines", {"type": "integer"}),
+        ("follow", "1: keep sending new lines (server-sent events)", {"type": "string"}),
+    ],
+}
+
+# Gateway routes: (method, path after /d/{deployment}, summary).
+_GATEWAY = (
+    ("POST", "/v1/chat/completions", "A chat completion (OpenAI); starts the model if asleep"),
+    ("POST", "/v1/completions", "A completion (OpenAI); starts the model if asleep"),
+    ("POST", "/v1/embeddings", "Embeddings (OpenAI); starts the model if asleep"),
+    ("POST", "/v1/responses", "The Responses API (OpenAI); starts the model if asleep"),
+    ("POST", "/v1/messages", "Anthropic messages; starts the model if asleep"),
+    ("GET", "/v1/models", "The deployment's model, from its record (never starts it)"),
+    ("GET", "/v1/models/{model}", "The engine's answer while ready; else 503 ondemand_not_ready"),
+)
+
+_ERRORS = (
+    'An error: `{"error": {"message", "type", "code"}}` (`param` names a field at '
+    "fault). 4xx are `invalid_request_error` on the gateway; 401 `unauthenticated`, 403 "
+    "`forbidden` or `csrf_failed`, 404 `not_found`, 409 a conflict with the current state, "
+    "413 a body over the cap, 422 a field at fault (`missing_field`, `unknown_field`, ...), "
+    "429 too many failed logins, 503 `controller_busy` with Retry-After."
+)
+_GATEWAY_ERRORS = (
+    "An error, OpenAI style. 404 `not_found` (a route not passed to engines), "
+    "`deployment_not_found`, `model_not_found`; 413 `request_too_large`; 503 with the "
+    "seed's codes (`ondemand_queue_timeout` with Retry-After: 60, `ondemand_queue_full`, "
+    "`does_not_fit`, `start_failed`, `ondemand_stopped`, `ondemand_not_ready`); 502 "
+    "`engine_unreachable` or `engine_failed`. Any answer of the engine itself is relayed."
+)
+
+
+def _ref(kind: Any) -> dict[str, Any]:
+    return {"$ref": SCHEMA_REF.format(name=kind.__name__)}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {JSON: {"schema": schema}}}
+
+
+def _admin_operation(route: Route) -> dict[str, Any]:
+    summary, body, status, answer = _ADMIN[route.handler]
+    op: dict[str, Any] = {
+        "operationId": route.handler.rpartition(".")[2],
+        "summary": summary,
+        "tags": ["admin"],
+    }
+    params = [
+        {"name": part[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
+        for part in route.pattern
+        if part.startswith("{")
+    ]
+    params += [
+        {"name": name, "in": "query", "required": False, "description": text, "schema": schema}
+        for name, text, schema in _QUERIES.get(route.handler, [])
+    ]
+    if params:
+        op["parameters"] = params
+    if body is not None:
+        schema = {"type": "object"} if body == "object" else _ref(body)
+        op["requestBody"] = {"required": True, **_json(schema)}
+    if answer == "sse":
+        ok: dict[str, Any] = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    else:
+        ok = _json(_ref(answer) if answer is not None else {"type": "object"})
+    op["responses"] = {
+        str(status): {"description": "Done", **ok},
+        "default": {"description": _ERRORS, **_json(_ref(Error))},
+    }
+    if route.access is Access.PUBLIC:
+        op["security"] = []
+    else:
+        who = "an administrator" if route.access is Access.ADMIN else "a viewer or administrator"
+        op["description"] = f"For {who}."
+    return op
+
+
+def _gateway_operation(method: str, path: str, summary: str) -> dict[str, Any]:
+    params = [{"name": "deployment", "in": "path", "required": True, "schema": {"type": "string"}}]
+    if "{model}" in path:
+        params.append(
+            {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+        )
+    name = path.strip("/").replace("/", "_").replace("{", "").replace("}", "")
+    op: dict[str, Any] = {
+        "operationId": f"gateway_{method.lower()}_{name}",
+        "summary": summary,
+        "tags": ["gateway"],
+        "parameters": params,
+        "security": [],
+        "servers": [{"url": "http://127.0.0.1:8401", "description": "the on-demand gateway"}],
+    }
+    if method == "POST":
+        op["requestBody"] = {"required": True, **_json(_ref(InferenceBody))}
+        ok: dict[str, Any] = {
+            "content": {
+                JSON: {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {"type": "string"}},
+            }
+        }
+    elif path == "/v1/models":
+        ok = _json(_ref(ModelList))
+    else:
+        ok = _json({"type": "object"})
+    op["responses"] = {
+        "200": {"description": "The engine's answer (a queued request's text may start with "
+                "the seed's queued line)", **ok},
+        "default": {
+            "description": _GATEWAY_ERRORS,
+            **_json({"anyOf": [_ref(Error), _ref(EngineError)]}),
+        },
+    }  # fmt: skip
+    return op
+
+
+def document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of both listeners."""
+    types = [
+        Error, LoginAnswer, SessionAnswer, LogoutAnswer, Deployment, DeploymentList, Removed,
+        ModelList, InferenceBody, EngineError,
+        *{b for _, b, _, _ in _ADMIN.values() if isinstance(b, type)},
+    ]  # fmt: skip
+    _, components = msgspec.json.schema_components(
+        sorted(types, key=lambda t: t.__name__), ref_template=SCHEMA_REF
+    )
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        path = "/dgxmm/api/" + "/".join(route.pattern)
+        paths.setdefault(path, {})[route.method.lower()] = _admin_operation(route)
+    for method, path, summary in _GATEWAY:
+        full = "/d/{deployment}" + path
+        paths.setdefault(full, {})[method.lower()] = _gateway_operation(method, path, summary)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "DGXMM",
+            "version": "1",
+            "description": (
+                "The admin API (default http://127.0.0.1:8400) and the on-demand gateway "
+                "(default http://127.0.0.1:8401). Log in with POST /dgxmm/api/login: the "
+                "answer sets a session cookie and gives a csrf_token; send it as x-csrf-token "
+                "on every POST, PATCH and DELETE of that session. Or send an API token "
+                "(POST /dgxmm/api/tokens, or `dgxmm token create`) as `Authorization: Bearer "
+                "<token>`: no CSRF token then."
+            ),
+        },
+        "servers": [{"url": "http://127.0.0.1:8400", "description": "the admin API"}],
+        "security": [{"session": [], "csrf": []}, {"token": []}],
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "session": {"type": "apiKey", "in": "cookie", "name": "dgxmm_session"},
+                "csrf": {"type": "apiKey", "in": "header", "name": "x-csrf-token"},
+                "token": {"type": "http", "scheme": "bearer"},
+            },
+        },
+    }

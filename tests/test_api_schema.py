@@ -1,0 +1,138 @@
+"""The OpenAPI document against both listeners of a real `dgxmm serve --demo`, with
+schemathesis (property-based, on hypothesis): every documented answer matches its schema
+(status, content type, body) and no input gets a 5xx.  Its counts are printed to the
+terminal, also when pytest captures output, so they show in CI's log.
+
+The gateway is tested first, against the demo's always-on deployment once it is ready (the
+seed's 503s of a model that does not run, such as `ondemand_not_ready`, answer a state, not
+an input; tests/test_gateway_app.py holds them) and a deployment that does not exist; then
+the admin API with an
+administrator's API token (its fuzzing removes and reconfigures deployments).  The event
+stream and the log tail are streams and are left out of the fuzzing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.serve_support import start_demo, stop_demo
+
+DEADLINE_S = 60.0
+EXAMPLES = 10  # per operation: about 400 requests, under a minute
+CHECKS = ",".join(
+    ("not_a_server_error", "status_code_conformance", "content_type_conformance",
+     "response_schema_conformance")
+)  # fmt: skip
+STREAMS = ("event_stream", "deployment_logs")
+
+
+def call(url: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
+    """One JSON call."""
+    data = None if body is None else json.dumps(body).encode()
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=data, headers=hdrs)
+    with urllib.request.urlopen(request, timeout=DEADLINE_S) as answer:
+        return json.loads(answer.read()), answer.headers
+
+
+def admin_token(admin: str, password: str) -> str:
+    """Log in as the script of docs/api.md does, and create an API token."""
+    login, headers = call(f"{admin}/dgxmm/api/login", {"name": "admin", "password": password})
+    cookie = headers["set-cookie"].split(";", 1)[0]
+    token, _ = call(
+        f"{admin}/dgxmm/api/tokens",
+        {"name": "schemathesis"},
+        {"cookie": cookie, "x-csrf-token": login["csrf_token"]},
+    )
+    return str(token["token"])
+
+
+def schemathesis(schema: Path, base: str, *extra: str) -> tuple[int, str]:
+    """`schemathesis run`, bounded: the exit status and its output (its cache stays in the
+    schema's directory, out of the checkout)."""
+    program = Path(sys.executable).with_name("schemathesis")
+    done = subprocess.run(
+        [
+            str(program), "run", str(schema), "--url", base, "-n", str(EXAMPLES),
+            "-c", CHECKS, "--phases", "examples,fuzzing", "--request-timeout", "20",
+            "--seed", "32", *extra,
+        ],
+        capture_output=True, text=True, timeout=600, check=False, cwd=schema.parent,
+        env={**os.environ, "NO_COLOR": "1"},
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr
+
+
+def counts(output: str) -> str:
+    """The summary lines with schemathesis' counts."""
+    keep = re.compile(r"^\s*(Selected|Tested|\d+ generated|Operations:|Seed:)")
+    return "; ".join(line.strip() for line in output.splitlines() if keep.match(line))
+
+
+def test_both_listeners_answer_as_their_openapi_document_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    (tmp_path / "demo").mkdir()
+    proc, banner = start_demo(tmp_path / "demo", DEADLINE_S, env=env)
+    try:
+        admin = re.search(r"web UI and API : (http://\S+)/dgxmm/", banner)
+        gateway = re.search(r"gateway        : (http://\S+)/d/", banner)
+        password = re.search(r"admin login    : admin / (\S+)", banner)
+        ready = re.search(r"deployment     : demo-always \((\w+),", banner)
+        assert admin and gateway and password and ready, banner
+        token = admin_token(admin.group(1), password.group(1))
+        auth = {"authorization": f"Bearer {token}"}
+        deadline = time.monotonic() + DEADLINE_S
+        while True:  # the always-on model ready, so that the gateway relays to an engine
+            listed, _ = call(f"{admin.group(1)}/dgxmm/api/deployments", headers=auth)
+            if any(d["state"] == "ready" for d in listed["deployments"]):
+                break
+            assert time.monotonic() < deadline, listed
+            time.sleep(0.2)
+        doc, _ = call(f"{admin.group(1)}/dgxmm/api/openapi.json")
+        assert doc["openapi"].startswith("3.1")
+
+        gateway_doc = {**doc, "paths": {}}
+        for path, item in doc["paths"].items():
+            if path.startswith("/d/"):
+                for op in item.values():
+                    op.pop("servers", None)
+                    for param in op["parameters"]:
+                        if param["name"] == "deployment":  # ready, and none
+                            param["schema"] = {"type": "string", "enum": [ready.group(1), "nope"]}
+                gateway_doc["paths"][path] = item
+        admin_doc = {
+            **doc,
+            "paths": {p: i for p, i in doc["paths"].items() if p.startswith("/dgxmm/")},
+        }
+        (tmp_path / "gateway.json").write_text(json.dumps(gateway_doc))
+        (tmp_path / "admin.json").write_text(json.dumps(admin_doc))
+
+        status_gw, out_gw = schemathesis(tmp_path / "gateway.json", gateway.group(1))
+        skip = [arg for op in STREAMS for arg in ("--exclude-operation-id", op)]
+        status_admin, out_admin = schemathesis(
+            tmp_path / "admin.json", admin.group(1), "-H", f"Authorization: Bearer {token}", *skip
+        )
+        with capsys.disabled():
+            print(f"\nschemathesis, gateway: {counts(out_gw)}")
+            print(f"schemathesis, admin API: {counts(out_admin)}")
+        assert status_gw == 0, out_gw[-6000:]
+        assert status_admin == 0, out_admin[-6000:]
+        documented = sum(len(item) for item in doc["paths"].values())
+        tested = sum(
+            int(n) for n in re.findall(r"^\s*Tested: (\d+)", out_gw + out_admin, re.MULTILINE)
+        )
+        assert tested == documented - len(STREAMS)
+    finally:
+        stop_demo(proc)

@@ -90,13 +90,26 @@ class ReloadStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 async def run_shell(command: str, timeout_s: float) -> None:
     """Run `command` with /bin/sh; raises ReloadFailed when it fails or outlives `timeout_s`."""
-    process = await asyncio.create_subprocess_shell(
-        command,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,  # its own process group: a hung command is killed whole
+    spawning = asyncio.ensure_future(
+        asyncio.create_subprocess_shell(
+            command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a hung command is killed whole
+        )
     )
+    try:
+        # Shielded: the command may already run before its pipes are connected, and a stop
+        # that arrives then must still find it to kill it.
+        process = await asyncio.shield(spawning)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            spawned = await asyncio.wait_for(spawning, 5.0)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(spawned.pid, signal.SIGKILL)
+            await asyncio.wait_for(spawned.wait(), 5.0)
+        raise
     try:
         async with asyncio.timeout(timeout_s):
             output, _ = await process.communicate()

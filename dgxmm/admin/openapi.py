@@ -161,7 +161,13 @@ _ADMIN: dict[str, tuple[str, Any, int, Any]] = {
     "deployment_progress": ("A deployment's start progress", None, 200, None),
     "queue": ("The requests waiting, with what each waits for", None, 200, None),
     "openapi": ("This document", None, 200, None),
-}
+    "keys.show": ("The gateway key's fingerprints, overlap and mode (never the key)", None, 200,
+                  None),
+    "keys.rotate": ("Rotate the gateway key (LiteLLM re-registered before the old one goes)",
+                    None, 200, None),
+    "timeline.timeline": ("The memory and residency timeline of a window", None, 200, None),
+    "timeline.story": ("One request's story (the replay --request text)", None, 200, None),
+}  # fmt: skip
 
 _QUERIES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
     "deployment_events": [
@@ -176,6 +182,16 @@ _QUERIES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("deployment", "a deployment's name or id", {"type": "string"}),
         ("actor", "who, such as admin:alice or ondemand", {"type": "string"}),
         ("action", "an audit action, such as ondemand_mode", {"type": "string"}),
+    ],
+    "timeline.timeline": [
+        (
+            "since",
+            "from (ISO 8601 or epoch seconds; default an hour before until)",
+            {"type": "string"},
+        ),
+        ("until", "to (ISO 8601 or epoch seconds; default now)", {"type": "string"}),
+        ("from", "an alias of since", {"type": "string"}),
+        ("to", "an alias of until", {"type": "string"}),
     ],
     "deployment_logs": [
         ("tail", "the last N lines", {"type": "integer"}),
@@ -202,7 +218,9 @@ _ERRORS = (
     "429 too many failed logins, 503 `controller_busy` with Retry-After."
 )
 _GATEWAY_ERRORS = (
-    "An error, OpenAI style. 404 `not_found` (a route not passed to engines), "
+    "An error, OpenAI style. 401 `invalid_api_key` without the gateway key (`Authorization: "
+    "Bearer <key>`, the key DGXMM gives LiteLLM; docs/security.md); 404 `not_found` (a "
+    "route not passed to engines), "
     "`deployment_not_found`, `model_not_found`; 413 `request_too_large`; 503 with the "
     "seed's codes (`ondemand_queue_timeout` with Retry-After: 60, `ondemand_queue_full`, "
     "`does_not_fit`, `start_failed`, `ondemand_stopped`, `ondemand_not_ready`); 502 "
@@ -267,7 +285,7 @@ def _gateway_operation(method: str, path: str, summary: str) -> dict[str, Any]:
         "summary": summary,
         "tags": ["gateway"],
         "parameters": params,
-        "security": [],
+        "security": [{"gateway_key": []}],
         "servers": [{"url": "http://127.0.0.1:8401", "description": "the on-demand gateway"}],
     }
     if method == "POST":
@@ -333,6 +351,11 @@ def document() -> dict[str, Any]:
                 "session": {"type": "apiKey", "in": "cookie", "name": "dgxmm_session"},
                 "csrf": {"type": "apiKey", "in": "header", "name": "x-csrf-token"},
                 "token": {"type": "http", "scheme": "bearer"},
+                "gateway_key": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "The gateway key (<data_dir>/gateway.key); gateway only",
+                },
             },
         },
     }

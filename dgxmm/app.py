@@ -28,10 +28,12 @@ from dgxmm.config import Config, ConfigError, load_config
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
 from dgxmm.private import auth_key, private_umask, secure_tree
+from events import model as m
 from events.state import DeploymentState
 from gateway.app import Gateway
 from gateway.server import HTTPServer
 from gateway.server import ServerConfig as HTTPConfig
+from gateway.trace import TrafficTrace
 from storage.errors import StorageError
 from storage.eventlog import EventStore
 from storage.lock import InstanceLock
@@ -183,6 +185,9 @@ class App:
         await controller.load()
         self.snapshotter = Snapshotter(store, lambda: controller.system)
         self.gateway = Gateway(controller)
+        self.gateway.trace = await _traffic_trace(
+            store, usable, total, cfg.memory.max_concurrent_starts, cfg.ondemand_defaults()
+        )
         server = await self.gateway.serve(
             cfg.server.gateway_host,
             cfg.server.gateway_port,
@@ -359,6 +364,8 @@ class App:
             await _step("admin_server", self.admin.shutdown(5.0))
         if self.gateway is not None:
             await _step("gateway", self.gateway.shutdown(self.config.server.shutdown_grace_s))
+            if self.gateway.trace is not None:
+                await _step("trace", self.gateway.trace.close())
         if self.watchdog is not None:
             await _step("watchdog", self.watchdog.stop())
         if self.litellm is not None:
@@ -379,6 +386,24 @@ class App:
             await _step("store", self.store.close())
         if self.lock is not None:
             self.lock.release()
+
+
+async def _traffic_trace(
+    store: EventStore, usable: int, total: int, starts: int, defaults: dict[str, Any]
+) -> TrafficTrace:
+    """The gateway's traffic trace (`gateway.trace`), written to the log, and the box's
+    budget and configured defaults that a what-if needs and no other event says."""
+    started = m.TraceStarted(
+        usable_bytes=usable, total_bytes=total, max_concurrent_starts=starts, defaults=defaults
+    )
+    await store.append(m.STREAM_TRAFFIC, [started], actor="system")
+
+    async def sink(event: m.TrafficRecorded) -> None:
+        await store.append(m.STREAM_TRAFFIC, [event], actor="system")
+
+    trace = TrafficTrace(sink)
+    trace.start()
+    return trace
 
 
 def _http_config(cfg: Config, max_body_bytes: int) -> HTTPConfig:

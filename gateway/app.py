@@ -19,9 +19,17 @@ import msgspec
 import structlog
 
 from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
+from events.traffic import (
+    CLIENT_GONE,
+    ENGINE_ERROR,
+    QUEUE_FULL,
+    QUEUE_TIMEOUT,
+    REFUSED,
+    SERVED,
+)
 from gateway import health, queued
 from gateway.classify import Endpoint, Route, RouteKind, body_traits, classify_route
-from gateway.errors import UpstreamError
+from gateway.errors import ClientDisconnected, UpstreamError
 from gateway.express import Exchange, Forwarding
 from gateway.messages import (
     NOT_FORWARDED,
@@ -33,6 +41,7 @@ from gateway.messages import (
 )
 from gateway.queued import ErrorReply
 from gateway.server import Connection, HTTPServer, Request, Responder, ServerConfig
+from gateway.trace import TrafficTrace
 from gateway.upstream import UpstreamConfig, UpstreamPool, UpstreamResponse
 
 log = structlog.get_logger("gateway")
@@ -76,6 +85,19 @@ class _Mode(enum.Enum):
     CONTINUE_SSE = "continue_sse"  # the 200 head and queued chunk went out; body only
 
 
+class _Row:
+    """What the traffic trace records of a request on the handler's path (`gateway.trace`)."""
+
+    __slots__ = ("admitted", "arrived", "first", "outcome", "streamed")
+
+    def __init__(self, arrived: float) -> None:
+        self.arrived = arrived
+        self.admitted = 0.0  # when it got its lease (0: never)
+        self.first = 0.0  # when the engine's answer head came (0: none)
+        self.outcome = ENGINE_ERROR  # set as the request goes on
+        self.streamed = False
+
+
 class _WaitDeadline(Exception):
     """The gateway's own deadline for a waiting request ran out."""
 
@@ -112,6 +134,8 @@ class Gateway:
         self._targets: dict[bytes, tuple[str, bytes, str]] = {}
         # Called with (deployment id, seconds from arrival to the engine's answer head).
         self.on_first_byte: Callable[[str, float], None] | None = None
+        # Every inference request's row, both lanes (`gateway.trace`); None: not traced.
+        self.trace: TrafficTrace | None = None
 
     # --- serving -------------------------------------------------------------------------
 
@@ -274,20 +298,32 @@ class Gateway:
                 return
             await self._health(responder, view, route, body)
             return
-        lease = self.controller.try_acquire(view.deployment_id)
-        if lease is not None:
-            try:
-                handle = lease.handle
-                await self._relay(
-                    handle.host, handle.port, request, body, responder, view, target,
-                    _Mode.PASS, route.endpoint,
-                    arrived=arrived,
+        row = _Row(arrived)
+        try:
+            lease = self.controller.try_acquire(view.deployment_id)
+            if lease is not None:
+                row.admitted = arrived
+                try:
+                    handle = lease.handle
+                    await self._relay(
+                        handle.host, handle.port, request, body, responder, view, target,
+                        _Mode.PASS, route.endpoint,
+                        arrived=arrived, row=row,
+                    )  # fmt: skip
+                finally:
+                    lease.release()
+                self.relayed += 1
+                return
+            await self._wait_then_relay(request, responder, view, route, body, target, row)
+        except ClientDisconnected:
+            row.outcome = CLIENT_GONE
+            raise
+        finally:
+            if self.trace is not None:
+                self.trace.record(
+                    view.deployment_id, request.request_id, arrived, row.admitted or arrived,
+                    row.first, time.monotonic(), row.outcome << 1 | row.streamed,
                 )  # fmt: skip
-            finally:
-                lease.release()
-            self.relayed += 1
-            return
-        await self._wait_then_relay(request, responder, view, route, body, target, arrived)
 
     async def _health(
         self, responder: Responder, view: DeploymentView, route: Route, body: bytes
@@ -344,8 +380,9 @@ class Gateway:
         route: Route,
         body: bytes,
         target: bytes,
-        arrived: float = 0.0,
+        row: _Row,
     ) -> None:
+        arrived = row.arrived
         endpoint = route.endpoint
         traits = body_traits(endpoint, body)
         line_in_stream = (
@@ -359,6 +396,7 @@ class Gateway:
             waiter = self.controller.enqueue(view.deployment_id, rid)
         except Refused as refused:
             self.refused += 1
+            row.outcome = QUEUE_FULL if refused.code == "ondemand_queue_full" else REFUSED
             await _reply(responder, _from_refused(refused))
             return
         self.waited += 1
@@ -379,6 +417,8 @@ class Gateway:
             lease = await self._wait(waiter, send_queued_chunk if line_in_stream else None)
         except (Refused, _WaitDeadline) as exc:
             self.refused += 1
+            timed_out = isinstance(exc, _WaitDeadline) or exc.code == "ondemand_queue_timeout"
+            row.outcome = QUEUE_TIMEOUT if timed_out else REFUSED
             reply = (
                 _from_refused(exc)
                 if isinstance(exc, Refused)
@@ -390,6 +430,7 @@ class Gateway:
             else:
                 await _reply(responder, reply)
             return
+        row.admitted = time.monotonic()
         try:
             if chunk_sent:
                 mode = _Mode.CONTINUE_SSE
@@ -400,7 +441,7 @@ class Gateway:
             handle = lease.handle
             await self._relay(
                 handle.host, handle.port, request, body, responder, view, target, mode, endpoint,
-                arrived=arrived,
+                arrived=arrived, row=row,
             )  # fmt: skip
         finally:
             lease.release()
@@ -452,6 +493,7 @@ class Gateway:
         endpoint: Endpoint | None = None,
         *,
         arrived: float = 0.0,
+        row: _Row | None = None,
     ) -> None:
         headers = request.headers
         try:
@@ -462,6 +504,8 @@ class Gateway:
             )  # fmt: skip
         except UpstreamError as exc:
             reply = self.engine_unreachable(view, exc)
+            if row is not None:
+                row.outcome = ENGINE_ERROR
             if mode is _Mode.CONTINUE_SSE:
                 await responder.send(reply.sse())
                 await responder.end()
@@ -469,6 +513,12 @@ class Gateway:
                 await _reply(responder, reply)
             return
         self._answers.add(answer)
+        if row is not None:
+            row.first = time.monotonic()
+            row.streamed = mode is _Mode.CONTINUE_SSE or (
+                header_value(answer.headers, b"content-length") is None
+            )
+            row.outcome = ENGINE_ERROR  # until the answer is through
         if arrived and self.on_first_byte is not None:
             self.on_first_byte(view.deployment_id, time.monotonic() - arrived)
         try:
@@ -479,6 +529,8 @@ class Gateway:
             else:
                 assert endpoint is not None
                 await self._rewrite(answer, responder, view, endpoint)
+            if row is not None:
+                row.outcome = SERVED
         finally:
             self._answers.discard(answer)
             answer.close()

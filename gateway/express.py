@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from actors.admission import DeploymentView, Lease
+from events.traffic import CLIENT_GONE, ENGINE_ERROR, SERVED
 from gateway.classify import Endpoint
 from gateway.errors import (
     ClientDisconnected,
@@ -92,11 +93,13 @@ class Exchange:
         "_connecting",
         "_ended",
         "_engine",
+        "_first",
         "_forwarding",
         "_fresh",
         "_gateway",
         "_last",
         "_lease",
+        "_outcome",
         "_paused",
         "_request",
         "_started",
@@ -124,6 +127,8 @@ class Exchange:
         self._view = view
         self._forwarding = forwarding
         self._arrived = time.monotonic()
+        self._first = 0.0  # when the answer's first byte went out (the trace's ttfb)
+        self._outcome = SERVED  # for the trace (`gateway.trace`)
         self._request: Outgoing | None = None  # as sent to the engine, once leased
         self._lease: Lease | None = None
         self._engine: Engine | None = None
@@ -306,9 +311,10 @@ class Exchange:
     def _first_byte(self) -> None:
         """The answer starts: nothing else can go to the client instead (see `_failed`)."""
         self._started = True
+        self._first = first = time.monotonic()
         on_first_byte = self._gateway.on_first_byte
         if on_first_byte is not None:
-            on_first_byte(self._view.deployment_id, time.monotonic() - self._arrived)
+            on_first_byte(self._view.deployment_id, first - self._arrived)
 
     def _completed(self, data: bytes) -> None:
         """The last bytes of a whole answer: the exchange ends, its engine connection reused."""
@@ -356,6 +362,7 @@ class Exchange:
             if self._conn.write_now(data) and not self._paused:
                 self._pause()
         except ClientDisconnected:
+            self._outcome = CLIENT_GONE
             self._end(keep=False)
             return False
         return True
@@ -403,6 +410,7 @@ class Exchange:
                 self._conn.hand_over(self.head, self.request_id, self._request.body)
                 return
             reply = gateway.engine_unreachable(self._view, exc)
+            self._outcome = ENGINE_ERROR
             self._release(reuse=False)
             conn = self._conn
             answer = conn.complete_answer(
@@ -412,6 +420,7 @@ class Exchange:
                 self._end(keep=True)
             return
         gateway.engine_failed(self._view, exc)
+        self._outcome = ENGINE_ERROR
         self._release(reuse=False)
         relayed = strip_hop_by_hop(self._answer_headers)  # the headers the client got
         endpoint = self._forwarding.endpoint
@@ -435,7 +444,19 @@ class Exchange:
         gateway = self._gateway
         gateway.relayed += 1
         gateway.relayed_express += 1
+        self._traced()
         self._conn.express_done(keep)
+
+    def _traced(self) -> None:
+        """The exchange's row in the traffic trace (`gateway.trace`), when there is one."""
+        trace = self._gateway.trace
+        if trace is not None:
+            arrived = self._arrived
+            flags = self._outcome << 1 | self._chunks_through
+            trace.record(
+                self._view.deployment_id, self.request_id, arrived, arrived, self._first,
+                time.monotonic(), flags,
+            )  # fmt: skip
 
     def _release(self, *, reuse: bool) -> None:
         """Give back the engine connection (reused only after a complete answer) and the
@@ -453,6 +474,9 @@ class Exchange:
 
     def abort(self) -> None:
         """The client's connection ends under us: reset the engine's (it stops generating)."""
+        if not self._ended:
+            self._outcome = CLIENT_GONE
+            self._traced()
         self._ended = True  # the connection is told nothing more
         self._unpause()
         self._release(reuse=False)

@@ -148,6 +148,14 @@ class VirtualClock:
             heapq.heappop(self._heap)
         return self._heap[0][0] if self._heap else None
 
+    def jump_to(self, target: float) -> None:
+        """Move time forward to `target` without running the loop; only when no timer falls
+        due before it (`simulations.whatif` moves between its own events so)."""
+        when = self.next_deadline()
+        if when is not None and when < target:
+            raise ValueError(f"a timer falls due at {when} before {target}")
+        self._now = max(self._now, target)
+
     async def advance(self, seconds: float) -> None:
         """Move time forward by `seconds`, firing every timer due on the way."""
         await self.advance_to(self._now + seconds)

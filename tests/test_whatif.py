@@ -125,3 +125,32 @@ def test_an_always_on_model_never_cold_starts_again(log: Path) -> None:
     base, pinned = run(main(), timeout=120)
     assert base.per_model["chat"].p99 > 0  # type: ignore[attr-defined]
     assert pinned.per_model["chat"].p99 == 0  # type: ignore[attr-defined]
+
+
+# --- tune ------------------------------------------------------------------------------------
+
+
+def test_tune_recommends_a_point_that_meets_the_goal_and_shows_the_curve(log: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dgxmm", "tune", "--db", str(log), "--json",
+         "--goal", "p99<=60,cold_starts"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert len(out["points"]) == 30  # 5 make-room x 3 idle timeouts x (none, top 1 always on)
+    best = out["recommended"]
+    assert best is not None and best["p99"] <= 60
+    meeting = [p for p in out["points"] if p["p99"] <= 60]
+    assert best["cold_starts"] == min(p["cold_starts"] for p in meeting)
+    assert any(p["pareto"] for p in out["points"])
+
+
+@pytest.mark.parametrize("goal", ["p95<=30", "p90<=soon", "p90<=30,happiness", "p90"])
+def test_a_bad_goal_gets_one_line_and_status_2(log: Path, goal: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dgxmm", "tune", "--db", str(log), "--goal", goal],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "--goal" in done.stderr

@@ -81,7 +81,7 @@ async def whatif_command(args: argparse.Namespace) -> int:
         sys.stderr.write(f"dgxmm: {exc}\n")
         return EXIT_BAD
     columns = [measure_recorded(history)]
-    bar = _Progress(sys.stderr, 1 + len(groups))
+    bar = Progress(sys.stderr, 1 + len(groups))
     columns.append(await simulate(history, {}, label="calibration", progress=bar.update))
     for group, over in zip(groups, overrides, strict=True):
         bar.next()
@@ -162,7 +162,7 @@ def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + "Z"
 
 
-class _Progress:
+class Progress:
     """A bar on a terminal for runs that take more than a second; nothing otherwise."""
 
     def __init__(self, out: TextIO, runs: int) -> None:

@@ -8,7 +8,7 @@ model's recorded cold starts.  `simulate` replays that history on the virtual cl
 the real controller (deployment actors, queue, broker) with simulated engines: the same
 arrivals, each holding its model for its recorded service time (arrival to end less its
 wait), and a cold start of each model taking the median of its own recorded starts
-(`StartRequested` to `EngineReady`; a model never started takes the median of all).
+(`EngineStarting` to `EngineReady`; a model never started takes the median of all).
 `overrides` change settings: global keys (`ondemand_make_room_after_s=30`) or a deployment's
 own (`coder.idle_timeout_s=600`, `chat.mode=always_on`, `chat.make_room_after_s=0`).
 `measure_recorded` and `simulate` both yield a `Report`, so the recorded column and the
@@ -39,6 +39,7 @@ from actors.admission import Refused
 from actors.controller import DEFAULT_SETTINGS, Controller, DeploymentSpec, validate_settings
 from actors.deployment import Refusal
 from actors.memory_broker import GIB, MemoryBroker
+from actors.readiness import whole_seconds
 from actors.runtime import VirtualClock
 from events import model as m
 from events.state import EMPTY, DeploymentState, Lifecycle, evolve
@@ -177,13 +178,14 @@ def _is_change(rec: m.Recorded) -> bool:
 
 
 def _recorded_starts(records: Iterable[m.Recorded]) -> dict[str, list[float]]:
-    """Seconds from each start's request to its engine's readiness, per deployment."""
+    """Seconds from each engine's launch (`EngineStarting`: the memory granted, so a start
+    that waited for another's is not counted longer) to its readiness, per deployment."""
     asked: dict[str, float] = {}
     starts: dict[str, list[float]] = defaultdict(list)
     for rec in records:
         ev = rec.event
         dep = rec.stream.partition(":")[2]
-        if isinstance(ev, m.StartRequested):
+        if isinstance(ev, m.EngineStarting):
             asked[dep] = rec.ts
         elif isinstance(ev, m.EngineReady) and dep in asked:
             starts[dep].append(rec.ts - asked.pop(dep))
@@ -434,6 +436,19 @@ def measure_recorded(history: History) -> Report:
 # --- the simulation ------------------------------------------------------------------------
 
 
+def tenths_then_seconds(age_s: float) -> float:
+    """The probe schedule of the what-if's engines: every 0.1 s for 10 s, then every second.
+    Recorded starts already hold the real probe's small delay (`actors.readiness`); the
+    simulated harness's whole seconds would add up to one more second to each cold start."""
+    if age_s < 10.0:
+        return (math.floor(age_s * 10 + 1e-6) + 1) / 10
+    return whole_seconds(age_s)
+
+
+class _FineProbe(SimProbe):
+    probe_schedule = staticmethod(tenths_then_seconds)
+
+
 @dataclass
 class _Sim:
     clock: VirtualClock
@@ -482,7 +497,7 @@ async def simulate(
             store=store,
             clock=clock,
             runtime=runtime,
-            probe=SimProbe(runtime),
+            probe=_FineProbe(runtime),
             broker=broker,
             launch_spec=sim_launch_spec,
             defaults={**history.defaults, **history.settings, **own},

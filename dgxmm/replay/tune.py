@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from dgxmm.replay.whatif import Progress
+from dgxmm.replay.whatif import Progress, apart
 from simulations.tune import Tuning, parse_goal, tune
 from simulations.whatif import WhatIfError, load_history
 
@@ -54,7 +54,7 @@ async def tune_command(args: argparse.Namespace) -> int:
         sys.stderr.write(f"dgxmm: {exc}\n")
         return EXIT_BAD
     bar = Progress(sys.stderr, 1)
-    result = await tune(history, goal, k=args.k, progress=bar.update)
+    result = await apart(tune(history, goal, k=args.k, progress=bar.update))
     bar.done()
     if args.json:
         sys.stdout.write(msgspec.json.encode(result).decode() + "\n")

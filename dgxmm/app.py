@@ -251,6 +251,7 @@ class App:
             metrics_public=cfg.server.metrics_public,
             ops=ops,
             latencies=latencies,
+            vendor_root=self._vendor_root(),
         )
         ops.admin_server = lambda: api.server
         self.api = api
@@ -262,6 +263,17 @@ class App:
         auth.local_token = await asyncio.to_thread(
             write_cli_file, Path(cfg.server.data_dir), cfg.server.admin_host, self.admin.port
         )
+
+    def _vendor_root(self) -> Path:
+        """The chart library's directory; one warning when its files are missing."""
+        from dgxmm.admin import vendor
+
+        root = vendor.vendor_root(self.config.server.web_vendor_dir)
+        if vendor.missing(root):
+            log.warning(
+                "web_vendor_missing", directory=str(vendor.uplot_dir(root)), hint=vendor.HINT
+            )
+        return root
 
     def _operators(self) -> tuple[Any, Any]:
         """Engine logs, start progress, the queue, /healthz, and the latency histograms."""

@@ -51,6 +51,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cookie_secure: bool = False  # mark the session cookie Secure (DGXMM behind HTTPS)
     shutdown_grace_s: float = 30.0  # on SIGTERM, how long answers in flight may still run
     metrics_public: bool = False  # /metrics without a login, for clients on loopback only
+    web_vendor_dir: str | None = None  # the chart library; default $DGXMM_CACHE/web
 
     @property
     def db_path(self) -> Path:

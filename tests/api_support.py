@@ -166,6 +166,7 @@ async def api_box(
     litellm: dict[str, Any] | None = None,
     gateway_statistics: Callable[[], dict[str, Any]] | None = None,
     metrics_public: bool = False,
+    vendor_root: Path | None = None,
     **harness_kwargs: Any,
 ) -> AsyncIterator[Box]:
     """A harness (virtual clock, simulated engines), users alice (admin) and victor (viewer)."""
@@ -205,6 +206,7 @@ async def api_box(
         gateway_statistics=gateway_statistics,
         metrics_public=metrics_public,
         hub_config=hub_config,
+        vendor_root=vendor_root,
     )
     server = await api.serve("127.0.0.1", 0)
     box = Box(harness, auth, api, server, web_root, calls)

@@ -35,7 +35,7 @@ from actors.deployment import DeploymentActor, Refusal
 from actors.errors import ActorCrashed, ActorError, ActorStopped, AskTimeout, MailboxFull
 from actors.memory_broker import GIB
 from actors.runtime import Clock
-from dgxmm.admin import bodies, metrics, static
+from dgxmm.admin import bodies, metrics, static, vendor
 from dgxmm.admin.accounts import AccountRoutes
 from dgxmm.admin.auth import Auth, AuthError, Principal
 from dgxmm.admin.errors import ApiError, error_body, from_refusal
@@ -154,6 +154,7 @@ class AdminApi:
         hub_config: HubConfig | None = None,
         ops: OpsApi | None = None,
         latencies: Latencies | None = None,
+        vendor_root: Path | None = None,
     ) -> None:
         self.controller = controller
         self.store = store
@@ -163,6 +164,7 @@ class AdminApi:
         self._litellm_sync_now = litellm_sync_now or _no_sync
         self._litellm_configure = litellm_configure or _no_configure
         self.web_root = web_root.resolve() if web_root is not None else None
+        self.vendor_root = vendor_root  # the chart library's files (dgxmm/admin/vendor.py)
         self.gateway_statistics = gateway_statistics
         self.metrics_public = metrics_public
         self.ops = ops or OpsApi(controller, store, clock, None, admin_server=lambda: self.server)
@@ -224,6 +226,9 @@ class AdminApi:
             return
         elif path in ("/", "/dgxmm"):
             await self._send(responder, 308, b"", [(b"location", b"/dgxmm/")])
+            return
+        elif path.startswith("/dgxmm/" + vendor.PREFIX):
+            await self._vendor(request, responder, path[len("/dgxmm/" + vendor.PREFIX) :])
             return
         elif path.startswith("/dgxmm/"):
             await self._static(request, responder, path[len("/dgxmm/") :])
@@ -702,6 +707,12 @@ class AdminApi:
         if self.web_root is None:
             raise ApiError(404, "not_found", "the web UI is not installed")
         body, headers = await static.read(self.web_root, rel)
+        await self._send(responder, 200, body, headers)
+
+    async def _vendor(self, request: Request, responder: Responder, name: str) -> None:
+        if request.method not in (b"GET", b"HEAD"):
+            raise ApiError(405, "method_not_allowed", "GET only", headers=[(b"allow", b"GET")])
+        body, headers = await vendor.read(self.vendor_root, name)
         await self._send(responder, 200, body, headers)
 
 

@@ -44,6 +44,7 @@ from actors.runtime import VirtualClock
 from events import model as m
 from events.state import EMPTY, DeploymentState, Lifecycle, evolve
 from events.traffic import TrafficRecord, decode_batch
+from simulations.fairness import Waits, jain, waits
 from simulations.harness import sim_launch_spec
 from simulations.runtime import EngineBehaviour, SimProbe, SimRuntime
 from storage.errors import StorageError
@@ -261,16 +262,6 @@ def _int(key: str, value: Any) -> int | None:
 # --- the report ----------------------------------------------------------------------------
 
 
-class Waits(msgspec.Struct, frozen=True, kw_only=True):
-    """A distribution of waits in seconds (nearest rank)."""
-
-    n: int = 0
-    mean: float = 0.0
-    p50: float = 0.0
-    p90: float = 0.0
-    p99: float = 0.0
-
-
 class Report(msgspec.Struct, kw_only=True):
     """One column of the table."""
 
@@ -287,25 +278,6 @@ class Report(msgspec.Struct, kw_only=True):
     idle_gib_hours: float = 0.0
     jain: float = 1.0
     waited_ids: list[int] = []  # the requests that waited (for the agreement figure)
-
-
-def waits_of(values: list[float]) -> Waits:
-    """Nearest-rank percentiles."""
-    if not values:
-        return Waits()
-    s = sorted(values)
-
-    def rank(q: float) -> float:
-        return s[max(0, math.ceil(q * len(s)) - 1)]
-
-    return Waits(n=len(s), mean=sum(s) / len(s), p50=rank(0.5), p90=rank(0.9), p99=rank(0.99))
-
-
-def jain(means: list[float]) -> float:
-    """Jain's fairness index (1: all equal)."""
-    total = sum(means)
-    squares = sum(x * x for x in means)
-    return 1.0 if squares == 0 else total * total / (len(means) * squares)
 
 
 @dataclass
@@ -361,13 +333,13 @@ def build_report(
     per: dict[str, list[float]] = defaultdict(list)
     for o in measured:
         per[names.get(o.deployment_id, o.deployment_id)].append(o.wait)
-    per_model = {name: waits_of(v) for name, v in sorted(per.items())}
+    per_model = {name: waits(v) for name, v in sorted(per.items())}
     hours = max(until - since, 1.0) / 3600.0
     return Report(
         label=label,
         requests=len(outcomes),
         waited=sum(o.waited for o in outcomes),
-        waits=waits_of([o.wait for o in measured]),
+        waits=waits([o.wait for o in measured]),
         per_model=per_model,
         cold_starts=cold,
         cold_starts_per_hour=cold / hours,
@@ -602,10 +574,8 @@ async def _run(
     step = max(1, total // 200)
     for n, rec in enumerate(history.traffic):
         t = rec.arrived - sim.origin
-        while ci < len(changes) and changes[ci].at - sim.origin <= t:
-            await _advance(sim, changes[ci].at - sim.origin)
-            await _apply(sim, changes[ci], ids, per_dep, own)
-            ci += 1
+        if ci < len(changes) and changes[ci].at - sim.origin <= t:
+            ci = await _changes_until(sim, changes, ci, t, ids, per_dep, own)
         await _advance(sim, t)
         dep = ids.get(rec.deployment_id)
         if dep is None:
@@ -630,10 +600,7 @@ async def _run(
             await sim.clock.settle()
         if progress is not None and n % step == 0:
             progress(n / total)
-    while ci < len(changes):
-        await _advance(sim, changes[ci].at - sim.origin)
-        await _apply(sim, changes[ci], ids, per_dep, own)
-        ci += 1
+    await _changes_until(sim, changes, ci, math.inf, ids, per_dep, own)
     await _advance(sim, history.until - sim.origin)
     # Requests still waiting at the window's end count with their wait so far.
     for task in list(sim.tasks):
@@ -642,6 +609,23 @@ async def _run(
     await sim.clock.settle()
     if progress is not None:
         progress(1.0)
+
+
+async def _changes_until(
+    sim: _Sim,
+    changes: list[Change],
+    ci: int,
+    t: float,
+    ids: dict[str, str],
+    per_dep: dict[str, dict[str, Any]],
+    own: dict[str, Any],
+) -> int:
+    """Apply the changes from index `ci` up to virtual time `t`; the next index."""
+    while ci < len(changes) and changes[ci].at - sim.origin <= t:
+        await _advance(sim, changes[ci].at - sim.origin)
+        await _apply(sim, changes[ci], ids, per_dep, own)
+        ci += 1
+    return ci
 
 
 def _services(history: History) -> dict[str, float]:

@@ -88,7 +88,6 @@ class History:
     changes: list[Change]
     traffic: list[TrafficRecord]  # by arrival
     starts: dict[str, list[float]]  # recorded cold start durations per deployment
-    stop_s: float  # the median recorded stop (decision to memory freed)
     names: dict[str, str]  # deployment id -> name (all, removed ones too)
     records: list[m.Recorded]  # the window's events (for the recorded column)
     dropped_requests: int = 0
@@ -147,7 +146,6 @@ async def load_history(
             changes.append(Change(rec.ts, ev, dep_id))
     window = [r for r in records if lo <= r.ts <= hi]
     starts = _recorded_starts(records)
-    stops = _recorded_stops(records)
     traffic = [r for r in traffic if lo <= r.arrived <= hi]
     if deployment is not None:
         wanted = {i for i, n in names.items() if deployment in (i, n)}
@@ -167,7 +165,6 @@ async def load_history(
         changes=changes,
         traffic=traffic,
         starts=starts,
-        stop_s=statistics.median(stops) if stops else 0.0,
         names=names,
         records=window,
         dropped_requests=dropped,
@@ -196,21 +193,6 @@ def _recorded_starts(records: Iterable[m.Recorded]) -> dict[str, list[float]]:
         elif isinstance(ev, m.EngineStartFailed | m.EngineLost | m.StopRequested):
             asked.pop(dep, None)
     return dict(starts)
-
-
-def _recorded_stops(records: Iterable[m.Recorded]) -> list[float]:
-    """Seconds from each stop's decision (`PutToSleep`, `StopRequested`) to `EngineStopped`:
-    the memory is free only then."""
-    asked: dict[str, float] = {}
-    stops: list[float] = []
-    for rec in records:
-        ev = rec.event
-        dep = rec.stream.partition(":")[2]
-        if isinstance(ev, m.PutToSleep | m.StopRequested):
-            asked.setdefault(dep, rec.ts)
-        elif isinstance(ev, m.EngineStopped | m.EngineLost) and dep in asked:
-            stops.append(rec.ts - asked.pop(dep))
-    return stops
 
 
 def start_seconds(history: History, deployment_id: str) -> float:
@@ -456,23 +438,6 @@ class _QuickClock(VirtualClock):
             await asyncio.sleep(0.0002)  # work runs in a thread: give it real time
 
 
-class _SlowStops(SimRuntime):
-    """Simulated engines whose stop takes the box's median recorded stop: evicting a model
-    frees its memory only then, as on the box."""
-
-    def __init__(
-        self, clock: VirtualClock, behaviour: Callable[[Any], EngineBehaviour], stop_s: float
-    ) -> None:
-        super().__init__(clock, behaviour)
-        self.stop_s = stop_s
-
-    async def stop(self, handle: Any, timeout_s: float = 30.0) -> None:
-        """Stop it after `stop_s` of virtual time."""
-        if self.stop_s > 0:
-            await self.clock.sleep(self.stop_s)
-        await super().stop(handle, timeout_s)
-
-
 class _FineProbe(SimProbe):
     probe_schedule = staticmethod(tenths_then_seconds)
 
@@ -515,7 +480,7 @@ async def simulate(
         def behaviour(spec: Any) -> EngineBehaviour:
             return EngineBehaviour(startup_s=start_seconds(history, spec.deployment_id))
 
-        runtime = _SlowStops(clock, behaviour, history.stop_s)
+        runtime = SimRuntime(clock, behaviour)
         broker = MemoryBroker(
             history.usable_bytes,
             history.usable_bytes,

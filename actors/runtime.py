@@ -102,6 +102,11 @@ class VirtualClock:
         self._seq = itertools.count()
         self._busy_checks: list[Callable[[], bool]] = []
 
+    @property
+    def busy_checks(self) -> tuple[Callable[[], bool], ...]:
+        """The checks `settle` waits on."""
+        return tuple(self._busy_checks)
+
     def add_busy_check(self, check: Callable[[], bool]) -> None:
         """Before time moves, also wait while `check()` is true (work off the loop, e.g. I/O)."""
         self._busy_checks.append(check)
@@ -147,6 +152,24 @@ class VirtualClock:
         while self._heap and self._heap[0][2].cancelled:
             heapq.heappop(self._heap)
         return self._heap[0][0] if self._heap else None
+
+    def jump_to(self, target: float) -> None:
+        """Move time forward to `target` without running the loop; only when no timer falls
+        due before it (`simulations.whatif` moves between its own events so)."""
+        when = self.next_deadline()
+        if when is not None and when < target:
+            raise ValueError(f"a timer falls due at {when} before {target}")
+        self._now = max(self._now, target)
+
+    async def step(self) -> None:
+        """Fire the next live timer at its instant (time moves to it), then settle once."""
+        when = self.next_deadline()
+        if when is None:
+            return
+        _, _, timer = heapq.heappop(self._heap)
+        self._now = max(self._now, when)
+        timer.callback()
+        await self.settle()
 
     async def advance(self, seconds: float) -> None:
         """Move time forward by `seconds`, firing every timer due on the way."""

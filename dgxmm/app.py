@@ -31,11 +31,13 @@ from dgxmm.engines.logs import launch_lines
 from dgxmm.engines.memory import detect_source, detect_total_bytes
 from dgxmm.litellm.gateway_key import GatewayKeys
 from dgxmm.private import auth_key, private_umask, secure_tree
+from events import model as m
 from events.state import DeploymentState
 from gateway.access import Access
 from gateway.app import Gateway
 from gateway.server import HTTPServer
 from gateway.server import ServerConfig as HTTPConfig
+from gateway.trace import TrafficTrace
 from storage.errors import StorageError
 from storage.eventlog import EventStore
 from storage.lock import InstanceLock
@@ -195,6 +197,9 @@ class App:
         await asyncio.to_thread(keys.load)
         keys.start()
         self.gateway = Gateway(controller, access=access)
+        self.gateway.trace = await _traffic_trace(
+            store, usable, total, cfg.memory.max_concurrent_starts, cfg.ondemand_defaults()
+        )
         server = await self.gateway.serve(
             cfg.server.gateway_host,
             cfg.server.gateway_port,
@@ -407,6 +412,8 @@ class App:
             await _step("admin_server", self.admin.shutdown(5.0))
         if self.gateway is not None:
             await _step("gateway", self.gateway.shutdown(self.config.server.shutdown_grace_s))
+            if self.gateway.trace is not None:
+                await _step("trace", self.gateway.trace.close())
         if self.gateway_keys is not None:
             await _step("gateway_keys", self.gateway_keys.close())
         if self.watchdog is not None:
@@ -431,6 +438,24 @@ class App:
             await _step("store", self.store.close())
         if self.lock is not None:
             self.lock.release()
+
+
+async def _traffic_trace(
+    store: EventStore, usable: int, total: int, starts: int, defaults: dict[str, Any]
+) -> TrafficTrace:
+    """The gateway's traffic trace (`gateway.trace`), written to the log, and the box's
+    budget and configured defaults that a what-if needs and no other event says."""
+    started = m.TraceStarted(
+        usable_bytes=usable, total_bytes=total, max_concurrent_starts=starts, defaults=defaults
+    )
+    await store.append(m.STREAM_TRAFFIC, [started], actor="system")
+
+    async def sink(event: m.TrafficRecorded) -> None:
+        await store.append(m.STREAM_TRAFFIC, [event], actor="system")
+
+    trace = TrafficTrace(sink)
+    trace.start()
+    return trace
 
 
 def _http_config(cfg: Config, max_body_bytes: int) -> HTTPConfig:

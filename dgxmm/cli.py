@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     archive.add_argument("--to", metavar="FILE", help="the archive (default: FILE.archive.db)")
 
+    from dgxmm.replay.whatif import add_parser as add_whatif
+
+    add_whatif(sub, common, _time)
+    from dgxmm.replay.tune import add_parser as add_tune
+
+    add_tune(sub, common, _time)
+
     return parser
 
 
@@ -270,6 +277,14 @@ def _main(argv: Sequence[str] | None) -> int:
                 from dgxmm.replay import archive_command
 
                 return _run(archive_command, args)
+            case "whatif":
+                from dgxmm.replay.whatif import whatif_command
+
+                return _run(whatif_command, args)
+            case "tune":
+                from dgxmm.replay.tune import tune_command
+
+                return _run(tune_command, args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -225,6 +225,32 @@ class FirstByteRelayed(Event, frozen=True, kw_only=True):
     at: float  # epoch seconds
 
 
+# --- the traffic trace (stream "traffic"; see `events.traffic`) ----------------------------
+
+
+class TraceStarted(Event, frozen=True, kw_only=True):
+    """The gateway began tracing its traffic; what a what-if needs of the box that the other
+    events do not say: its memory budget and the configured defaults of the settings."""
+
+    usable_bytes: int
+    total_bytes: int = 0
+    max_concurrent_starts: int = 1
+    defaults: dict[str, Any] = {}
+
+
+class TrafficRecorded(Event, frozen=True, kw_only=True):
+    """A batch of gateway requests, packed rows (`events.traffic`).  Records dropped since
+    the previous batch (the writer fell behind) are counted, not lost silently."""
+
+    deployments: list[str]  # the batch's deployment ids; rows name them by index
+    base_time: float  # epoch seconds the rows' arrivals count from
+    base_id: int  # the request id the first row's delta counts from
+    count: int
+    data: bytes
+    dropped_batches: int = 0
+    dropped_requests: int = 0
+
+
 # --- settings, users, LiteLLM -----------------------------------------------------------
 
 
@@ -355,6 +381,8 @@ AnyEvent = (
     | UserRoleChanged
     | PasswordChanged
     | LiteLLMSynced
+    | TraceStarted
+    | TrafficRecorded
 )
 
 
@@ -409,3 +437,4 @@ STREAM_QUEUE = "queue"
 STREAM_SETTINGS = "settings"
 STREAM_USERS = "users"
 STREAM_LITELLM = "litellm"
+STREAM_TRAFFIC = "traffic"

@@ -20,6 +20,14 @@ import structlog
 
 from actors.admission import Controller, DeploymentView, Lease, Refused, Waiter
 from actors.ports import EngineHandle
+from events.traffic import (
+    CLIENT_GONE,
+    ENGINE_ERROR,
+    QUEUE_FULL,
+    QUEUE_TIMEOUT,
+    REFUSED,
+    SERVED,
+)
 from gateway import health, queued
 from gateway.access import Access
 from gateway.classify import (
@@ -30,7 +38,7 @@ from gateway.classify import (
     body_traits,
     classify_route,
 )
-from gateway.errors import UpstreamClosed, UpstreamError
+from gateway.errors import ClientDisconnected, UpstreamClosed, UpstreamError
 from gateway.express import Exchange, Forwarding
 from gateway.messages import (
     NOT_FORWARDED,
@@ -42,6 +50,7 @@ from gateway.messages import (
 )
 from gateway.queued import ErrorReply
 from gateway.server import Connection, HTTPServer, Request, Responder, ServerConfig
+from gateway.trace import TrafficTrace
 from gateway.upstream import UpstreamConfig, UpstreamPool, UpstreamResponse
 
 log = structlog.get_logger("gateway")
@@ -88,6 +97,19 @@ class _Mode(enum.Enum):
     CONTINUE_SSE = "continue_sse"  # the 200 head and queued chunk went out; body only
 
 
+class _Row:
+    """What the traffic trace records of a request on the handler's path (`gateway.trace`)."""
+
+    __slots__ = ("admitted", "arrived", "first", "outcome", "streamed")
+
+    def __init__(self, arrived: float) -> None:
+        self.arrived = arrived
+        self.admitted = 0.0  # when it got its lease (0: never)
+        self.first = 0.0  # when the engine's answer head came (0: none)
+        self.outcome = ENGINE_ERROR  # set as the request goes on
+        self.streamed = False
+
+
 class _WaitDeadline(Exception):
     """The gateway's own deadline for a waiting request ran out."""
 
@@ -130,6 +152,8 @@ class Gateway:
         self._targets: dict[bytes, tuple[str, bytes, str]] = {}
         # Called with (deployment id, seconds from arrival to the engine's answer head).
         self.on_first_byte: Callable[[str, float], None] | None = None
+        # Every inference request's row, both lanes (`gateway.trace`); None: not traced.
+        self.trace: TrafficTrace | None = None
 
     # --- serving -------------------------------------------------------------------------
 
@@ -306,14 +330,40 @@ class Gateway:
                 return
             await self._health(responder, view, route, body)
             return
+        row = _Row(arrived)
+        try:
+            await self._lease_then_relay(request, responder, view, route, body, target, row)
+        except ClientDisconnected:
+            row.outcome = CLIENT_GONE
+            raise
+        finally:
+            if self.trace is not None:
+                self.trace.record(
+                    view.deployment_id, request.request_id, arrived, row.admitted or arrived,
+                    row.first, time.monotonic(), row.outcome << 1 | row.streamed,
+                )  # fmt: skip
+
+    async def _lease_then_relay(
+        self,
+        request: Request,
+        responder: Responder,
+        view: DeploymentView,
+        route: Route,
+        body: bytes,
+        target: bytes,
+        row: _Row,
+    ) -> None:
+        """Relay at once to a ready model, else (or when it never reached the engine) wait."""
+        arrived = row.arrived
         lease = self.controller.try_acquire(view.deployment_id)
         if lease is not None:
+            row.admitted = arrived
             try:
                 handle = lease.handle
                 sent = await self._relay(
                     handle.host, handle.port, request, body, responder, view, target,
                     _Mode.PASS, route.endpoint,
-                    arrived=arrived, resend=True, engine=handle,
+                    arrived=arrived, resend=True, engine=handle, row=row,
                 )  # fmt: skip
             finally:
                 lease.release()
@@ -323,15 +373,16 @@ class Gateway:
             # It never reached the engine, which is being checked (and restarted if lost):
             # the request waits for it like one for a stopped model, from its arrival.
             await self._wait_then_relay(
-                request, responder, view, route, body, target, arrived, missed=True
+                request, responder, view, route, body, target, row, missed=True
             )
             return
         named = body_model(route.endpoint, body)
         if named is not None and named not in (view.served_model, view.model_name):
             # Not started for: once ready, its engine would answer this 404 itself.
+            row.outcome = REFUSED
             await _reply(responder, queued.model_not_found(named, view.served_model))
             return
-        await self._wait_then_relay(request, responder, view, route, body, target, arrived)
+        await self._wait_then_relay(request, responder, view, route, body, target, row)
 
     async def _health(
         self, responder: Responder, view: DeploymentView, route: Route, body: bytes
@@ -388,12 +439,13 @@ class Gateway:
         route: Route,
         body: bytes,
         target: bytes,
-        arrived: float = 0.0,
+        row: _Row,
         *,
         missed: bool = False,
     ) -> None:
         """Wait for the model, then relay.  `missed`: the request was sent to its engine
         and never reached it; it waits from its arrival, for the queue's deadline."""
+        arrived = row.arrived
         endpoint = route.endpoint
         traits = body_traits(endpoint, body)
         line_in_stream = (
@@ -410,6 +462,7 @@ class Gateway:
                 waiter = self.controller.enqueue(view.deployment_id, rid, waited_s=waited_s)
             except Refused as refused:
                 self.refused += 1
+                row.outcome = QUEUE_FULL if refused.code == "ondemand_queue_full" else REFUSED
                 reply = _from_refused(refused)
                 if chunk_sent:
                     await responder.send(reply.sse())
@@ -419,7 +472,7 @@ class Gateway:
                 return
             self.waited += 1
             sent, chunk_sent = await self._wait_once(
-                request, responder, view, endpoint, body, target, arrived, waiter,
+                request, responder, view, endpoint, body, target, row, waiter,
                 line_in_stream=line_in_stream and not chunk_sent,
                 line_in_answer=line_in_answer,
                 chunk_sent=chunk_sent,
@@ -436,7 +489,7 @@ class Gateway:
         endpoint: Endpoint | None,
         body: bytes,
         target: bytes,
-        arrived: float,
+        row: _Row,
         waiter: Waiter,
         *,
         line_in_stream: bool,
@@ -463,6 +516,8 @@ class Gateway:
             lease = await self._wait(waiter, send_queued_chunk if line_in_stream else None)
         except (Refused, _WaitDeadline) as exc:
             self.refused += 1
+            timed_out = isinstance(exc, _WaitDeadline) or exc.code == "ondemand_queue_timeout"
+            row.outcome = QUEUE_TIMEOUT if timed_out else REFUSED
             reply = (
                 _from_refused(exc)
                 if isinstance(exc, Refused)
@@ -474,6 +529,7 @@ class Gateway:
             else:
                 await _reply(responder, reply)
             return True, chunk_sent
+        row.admitted = time.monotonic()
         try:
             if chunk_sent:
                 mode = _Mode.CONTINUE_SSE
@@ -484,7 +540,8 @@ class Gateway:
             handle = lease.handle
             sent = await self._relay(
                 handle.host, handle.port, request, body, responder, view, target, mode, endpoint,
-                arrived=arrived, on_head=waiter.first_byte, resend=resend, engine=handle,
+                arrived=row.arrived, on_head=waiter.first_byte, resend=resend, engine=handle,
+                row=row,
             )  # fmt: skip
         finally:
             lease.release()
@@ -540,6 +597,7 @@ class Gateway:
         on_head: Callable[[], None] | None = None,
         resend: bool = False,
         engine: EngineHandle | None = None,
+        row: _Row | None = None,
     ) -> bool:
         """Relay the request and the engine's answer; False (nothing said to the client)
         when `resend` allows it and the request provably never reached the engine
@@ -558,6 +616,8 @@ class Gateway:
                 self.engine_missed(view, exc)
                 return False
             reply = self.engine_unreachable(view, exc)
+            if row is not None:
+                row.outcome = ENGINE_ERROR
             if mode is _Mode.CONTINUE_SSE:
                 await responder.send(reply.sse())
                 await responder.end()
@@ -565,6 +625,12 @@ class Gateway:
                 await _reply(responder, reply)
             return True
         self._answers.add(answer)
+        if row is not None:
+            row.first = time.monotonic()
+            row.streamed = mode is _Mode.CONTINUE_SSE or (
+                header_value(answer.headers, b"content-length") is None
+            )
+            row.outcome = ENGINE_ERROR  # until the answer is through
         if arrived and self.on_first_byte is not None:
             self.on_first_byte(view.deployment_id, time.monotonic() - arrived)
         if on_head is not None:
@@ -577,6 +643,8 @@ class Gateway:
             else:
                 assert endpoint is not None
                 await self._rewrite(answer, responder, view, endpoint)
+            if row is not None:
+                row.outcome = SERVED
         finally:
             self._answers.discard(answer)
             answer.close()

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from actors.admission import DeploymentView, Lease
+from events.traffic import CLIENT_GONE, ENGINE_ERROR, SERVED
 from gateway.classify import Endpoint
 from gateway.errors import (
     ClientDisconnected,
@@ -99,10 +100,12 @@ class Exchange:
         "_connecting",
         "_ended",
         "_engine",
+        "_first",
         "_forwarding",
         "_gateway",
         "_last",
         "_lease",
+        "_outcome",
         "_paused",
         "_request",
         "_sent_at",
@@ -131,6 +134,8 @@ class Exchange:
         self._view = view
         self._forwarding = forwarding
         self._arrived = time.monotonic()
+        self._first = 0.0  # when the answer's first byte went out (the trace's ttfb)
+        self._outcome = SERVED  # for the trace (`gateway.trace`)
         self._request: Outgoing | None = None  # as sent to the engine, once leased
         self._sent_at = 0.0  # wall clock before the request went out (`_exit_known`)
         self._lease: Lease | None = None
@@ -315,9 +320,10 @@ class Exchange:
     def _first_byte(self) -> None:
         """The answer starts: nothing else can go to the client instead (see `_failed`)."""
         self._started = True
+        self._first = first = time.monotonic()
         on_first_byte = self._gateway.on_first_byte
         if on_first_byte is not None:
-            on_first_byte(self._view.deployment_id, time.monotonic() - self._arrived)
+            on_first_byte(self._view.deployment_id, first - self._arrived)
 
     def _completed(self, data: bytes) -> None:
         """The last bytes of a whole answer: the exchange ends, its engine connection reused."""
@@ -365,6 +371,7 @@ class Exchange:
             if self._conn.write_now(data) and not self._paused:
                 self._pause()
         except ClientDisconnected:
+            self._outcome = CLIENT_GONE
             self._end(keep=False)
             return False
         return True
@@ -428,6 +435,7 @@ class Exchange:
             self._unreachable(exc)
             return
         gateway.engine_failed(self._view, exc)
+        self._outcome = ENGINE_ERROR
         self._release(reuse=False)
         relayed = strip_hop_by_hop(self._answer_headers)  # the headers the client got
         endpoint = self._forwarding.endpoint
@@ -449,6 +457,7 @@ class Exchange:
     def _unreachable(self, exc: UpstreamError) -> None:
         """The engine failed before its answer: the error, as the handler's path gives it."""
         reply = self._gateway.engine_unreachable(self._view, exc)
+        self._outcome = ENGINE_ERROR
         self._release(reuse=False)
         answer = self._conn.complete_answer(
             reply.status, reply.headers(), reply.body(), self.request_id
@@ -481,7 +490,19 @@ class Exchange:
         gateway = self._gateway
         gateway.relayed += 1
         gateway.relayed_express += 1
+        self._traced()
         self._conn.express_done(keep)
+
+    def _traced(self) -> None:
+        """The exchange's row in the traffic trace (`gateway.trace`), when there is one."""
+        trace = self._gateway.trace
+        if trace is not None:
+            arrived = self._arrived
+            flags = self._outcome << 1 | self._chunks_through
+            trace.record(
+                self._view.deployment_id, self.request_id, arrived, arrived, self._first,
+                time.monotonic(), flags,
+            )  # fmt: skip
 
     def _release(self, *, reuse: bool) -> None:
         """Give back the engine connection (reused only after a complete answer) and the
@@ -499,6 +520,9 @@ class Exchange:
 
     def abort(self) -> None:
         """The client's connection ends under us: reset the engine's (it stops generating)."""
+        if not self._ended:
+            self._outcome = CLIENT_GONE
+            self._traced()
         self._ended = True  # the connection is told nothing more
         self._unpause()
         self._release(reuse=False)

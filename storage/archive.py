@@ -1,10 +1,13 @@
-"""Moving old queue events out of the log into an archive file (`dgxmm archive`).
+"""Moving old queue events and traffic-trace batches out of the log into an archive file
+(`dgxmm archive`).
 
 The queue's events are the bulk of a busy log and matter for incident replay of their time
 only.  What moves: `RequestQueued`, `RequestAdmitted` and `RequestLeftQueue` other than
-timeouts, older than a moment.  What stays: everything else, queue timeouts included, so the
+timeouts, and the traffic trace's batches (`TrafficRecorded`), older than a moment.  What
+stays: everything else, queue timeouts included, so the
 audit trail, the Events tab and the deployments' states are the same as before; and the
-newest queue event, so sequence numbers and the queue stream's versions keep counting up.
+newest event of each of those streams, so sequence numbers and the streams' versions keep
+counting up.
 
 The archive is a DGXMM event log itself (same schema, original seq, time, stream and
 version), so `dgxmm replay --db ARCHIVE` and `dgxmm events --db ARCHIVE` read it.  Both files
@@ -31,6 +34,16 @@ _MOVABLE = (
     "(type IN ('RequestQueued', 'RequestAdmitted') OR (type = 'RequestLeftQueue'"
     " AND json_extract(CAST(data AS TEXT), '$.reason') != 'timeout'))"
 )
+# Per stream: which of its events move, always but its newest (its version keeps counting).
+_STREAMS = (("queue", _MOVABLE), ("traffic", "type = 'TrafficRecorded'"))
+
+
+def _movable_sql() -> str:
+    return " OR ".join(
+        f"(stream = '{stream}' AND {movable} AND seq <"
+        f" (SELECT MAX(seq) FROM events WHERE stream = '{stream}'))"
+        for stream, movable in _STREAMS
+    )
 
 
 async def archive_queue_events(
@@ -54,10 +67,8 @@ async def archive_queue_events(
                 await conn.execute("PRAGMA synchronous=FULL")
             while True:
                 async with log.execute(
-                    "SELECT seq, ts, stream, version, type, actor, data FROM events"
-                    f" WHERE stream = 'queue' AND ts < ? AND {_MOVABLE}"
-                    " AND seq < (SELECT MAX(seq) FROM events WHERE stream = 'queue')"
-                    " ORDER BY seq LIMIT ?",
+                    "SELECT seq, ts, stream, version, type, actor, data FROM events WHERE ts < ?"
+                    f" AND ({_movable_sql()}) ORDER BY seq LIMIT ?",
                     (before, SLICE),
                 ) as cur:
                     rows = list(await cur.fetchall())

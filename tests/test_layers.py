@@ -28,7 +28,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "dgxmm": frozenset(),
     "dgxmm.config": frozenset(_LOWER),
     "dgxmm.private": frozenset(),  # file modes and the auth key: the standard library only
-    "dgxmm.replay": frozenset({*_LOWER, "dgxmm.config"}),
+    # `dgxmm whatif` runs the what-if engine, which runs the real actors on simulated engines.
+    "dgxmm.replay": frozenset({*_LOWER, "dgxmm.config", "simulations"}),
     "dgxmm.engines": frozenset({*_LOWER, "dgxmm.config"}),
     "dgxmm.litellm": frozenset({*_LOWER, "dgxmm.config"}),
     "dgxmm.demo": frozenset({*_LOWER, "dgxmm.config"}),  # what the demo does differently

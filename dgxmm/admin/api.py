@@ -161,6 +161,7 @@ class AdminApi:
     ) -> None:
         self.controller = controller
         self.store = store
+        self.tuning: Any = None  # the Settings page's tune runner, made on first use
         self.auth = auth
         self.clock = clock
         self._litellm_status = litellm_status or (lambda: {"enabled": False, "ok": False})
@@ -578,6 +579,21 @@ class AdminApi:
 
     async def _h_change_settings(self, call: _Call) -> Reply:
         return 200, await self.controller.change_settings(_object(call.body), self._who(call))
+
+    async def _h_tune(self, call: _Call) -> Reply:
+        """`dgxmm tune` on the last 24 h (`dgxmm.admin.tuning`); it recommends only."""
+        from dgxmm.admin.tuning import TuneFailed, TuneRunner
+
+        body = _object(call.body)
+        goal = body.get("goal", "p90<=30,cold_starts")
+        if not isinstance(goal, str) or not 0 < len(goal) <= 100:
+            raise ApiError(422, "invalid_goal", "goal: text such as p90<=30,cold_starts")
+        if self.tuning is None:
+            self.tuning = TuneRunner(self.store.path)
+        try:
+            return 200, await self.tuning.result(goal, fresh=bool(body.get("fresh")))
+        except TuneFailed as exc:
+            raise ApiError(409, "tune_unavailable", str(exc)) from None
 
     # --- LiteLLM -------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", ("memory",), "memory", Access.VIEWER),
     Route("GET", ("settings",), "get_settings", Access.VIEWER),
     Route("PATCH", ("settings",), "change_settings", Access.ADMIN),
+    Route("POST", ("settings", "tune"), "tune", Access.ADMIN),
     Route("GET", ("litellm",), "litellm_status", Access.VIEWER),
     Route("PATCH", ("litellm",), "litellm_configure", Access.ADMIN),
     Route("POST", ("litellm", "sync"), "litellm_sync", Access.ADMIN),

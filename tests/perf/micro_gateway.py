@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import pstats
 import re
 import shutil
@@ -39,6 +40,7 @@ from actors.ports import EngineHandle
 from gateway.access import Access
 from gateway.app import Gateway
 from gateway.server import HTTPServer, ServerConfig, _Connection
+from gateway.trace import TrafficTrace
 from gateway.transport import ByteStream
 from gateway.upstream import _Connection as EngineConnection
 from tests.gateway_support import ScriptedController
@@ -79,6 +81,10 @@ EVENT = (
     b'"choices":[{"index":0,"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
 )
 BATCHES = 20
+
+
+async def _discard(event: object) -> None:
+    """The trace's writer (the log's group commit is not what this measures)."""
 
 
 class Collector:
@@ -122,6 +128,11 @@ class Rig:
         controller.add("d0", handle=handle, served_model="bench")
         # The gateway key's check, as DGXMM runs it (both heads carry the key "k").
         self.gateway = gateway = Gateway(controller, access=Access(["k"]))
+        # The traffic trace, as `dgxmm serve` runs it: "1" records and encodes the batches
+        # (every 500 exchanges, their cost shared out), "rows" only records, "0" not at all.
+        self.trace_mode = os.environ.get("MICRO_GATEWAY_TRACE", "1")
+        if self.trace_mode != "0":
+            gateway.trace = TrafficTrace(_discard, max_in_flight=1_000_000)
         server = HTTPServer(gateway.handle, ServerConfig())
         server._loop = asyncio.get_running_loop()
         server.request_id_header = b"x-dgxmm-request-id"
@@ -147,6 +158,12 @@ class Rig:
         self.engine.data_received(ANSWER)
         self.client_outbox.flush()
         return middle - start, time.perf_counter() - middle
+
+    def flush_trace(self) -> None:
+        """Encode the trace's rows as the loop would between rounds (counted, amortised)."""
+        trace = self.gateway.trace
+        if trace is not None and self.trace_mode == "1":
+            trace.flush()
 
     def event(self, chunk: bytes) -> None:
         """One chunk of a stream from the engine, and the end of the loop's round."""
@@ -175,6 +192,7 @@ async def exchanges(head: str, n: int, profile: bool) -> None:
         rig.client_out.out.clear()
         rig.engine_out.out.clear()
         request_s = answer_s = 0.0
+        rig.flush_trace()
         for _ in range(n // BATCHES):
             a, b = rig.exchange(request)
             request_s += a
@@ -234,6 +252,8 @@ async def untimed(head: str, n: int) -> None:
         if i % 50 == 0:
             rig.client_out.out.clear()
             rig.engine_out.out.clear()
+        if i % 500 == 0:
+            rig.flush_trace()
         rig.exchange(request)
     assert rig.gateway.relayed_express == 1000 + n, "not on the express lane"
 

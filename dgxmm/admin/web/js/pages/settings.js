@@ -5,6 +5,7 @@ import { field, h, replace } from "../dom.js";
 import { dateTime, makeRoomText, minutes, relativeTime } from "../format.js";
 import * as live from "../live.js";
 import { busy } from "./common.js";
+import { tunePanel } from "./tune.js";
 
 function numberIn(text, lo, hi, label) {
   const value = Number(String(text).trim().replace(",", "."));
@@ -28,6 +29,7 @@ export function render({ isAdmin, notify }) {
     h("div.grid", [
       h("section.card", { "aria-labelledby": "defaults-title" }, [h("h2#defaults-title", "On-demand defaults"), defaultsBody]),
       h("section.card", { "aria-labelledby": "litellm-title" }, [h("h2#litellm-title", "LiteLLM"), litellmBody]),
+      ...(isAdmin ? [tunePanel()] : []),
     ]),
   ]);
 

@@ -1,0 +1,260 @@
+"""The traffic trace: rows in memory, one event per batch, bounded, ids as clients see them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from pathlib import Path
+
+from actors.admission import Refused
+from events import model as m
+from events.traffic import CLIENT_GONE, QUEUE_FULL, SERVED, decode_batch
+from gateway.trace import TrafficTrace
+from storage.eventlog import EventStore
+from tests.gateway_support import (
+    Client,
+    FakeEngine,
+    ScriptedController,
+    poll,
+    run,
+    running_gateway,
+)
+
+T0 = 1000.0  # monotonic seconds in the rows below
+OFFSET = 1_767_225_600.0 - T0
+Row = tuple[str, int, float, float, float, float, int]
+
+
+def encode_rows(rows: list[Row]) -> m.TrafficRecorded:
+    """The batch a trace makes of `rows` (its clock at T0, its wall clock at T0 + OFFSET)."""
+
+    async def main() -> m.TrafficRecorded:
+        written: list[m.TrafficRecorded] = []
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            written.append(event)
+
+        trace = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
+        for row in rows:
+            trace.record(*row)
+        await trace.close()
+        assert len(written) == 1
+        return written[0]
+
+    return run(main())
+
+
+def _row(i: int, dep: str, *, wait: float = 0.0, first: float = 0.05, flags: int = 0) -> Row:
+    arrived = T0 + i * 0.25
+    return (
+        dep,
+        1_000_000 + i,
+        arrived,
+        arrived + wait,
+        arrived + wait + first,
+        arrived + 2.0,
+        flags,
+    )
+
+
+def test_a_batch_decodes_to_the_requests_it_was_made_of() -> None:
+    rows = [
+        _row(0, "a"),
+        _row(1, "b", wait=12.5, flags=SERVED << 1 | 1),
+        _row(2, "a", first=0.0, flags=CLIENT_GONE << 1),
+    ]
+    rows[2] = (*rows[2][:4], 0.0, *rows[2][5:])  # no answer came
+    records = decode_batch(encode_rows(rows))
+    assert [r.deployment_id for r in records] == ["a", "b", "a"]
+    assert [r.request_id for r in records] == [1_000_000, 1_000_001, 1_000_002]
+    assert abs(records[1].arrived - (OFFSET + T0 + 0.25)) < 1e-6
+    assert abs(records[1].wait_s - 12.5) < 1e-4
+    assert records[1].streamed and not records[0].streamed
+    assert abs(records[1].service_s - (2.0 - 12.5)) < 1e-3 or records[1].service_s == 0.0
+    assert records[2].ttfb_s is None and records[2].outcome == "client_gone"
+    assert records[0].ttfb_s is not None and abs(records[0].ttfb_s - 0.05) < 1e-4
+
+
+def test_a_request_costs_no_write_until_the_batch_is_flushed() -> None:
+    async def main() -> None:
+        written: list[m.TrafficRecorded] = []
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            written.append(event)
+
+        trace = TrafficTrace(sink)
+        for i in range(10):
+            trace.record(*_row(i, "a"))
+        await asyncio.sleep(0)
+        assert written == []
+        await trace.close()
+        assert [e.count for e in written] == [10]
+        assert trace.statistics()["recorded"] == 10
+
+    run(main())
+
+
+def test_a_writer_that_falls_behind_loses_whole_batches_counted_and_reported() -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+        written: list[m.TrafficRecorded] = []
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            await gate.wait()
+            written.append(event)
+
+        trace = TrafficTrace(sink, max_in_flight=2)
+        for batch in range(4):  # two wait for the writer, two are dropped whole
+            for i in range(3):
+                trace.record(*_row(batch * 3 + i, "a"))
+            trace.flush()
+        stats = trace.statistics()
+        assert stats["batches_dropped"] == 2 and stats["requests_dropped"] == 6
+        gate.set()
+        await poll(lambda: trace.statistics()["batches_written"] == 2)
+        trace.record(*_row(99, "a"))
+        await trace.close()
+        assert [e.count for e in written] == [3, 3, 1]
+        assert (written[-1].dropped_batches, written[-1].dropped_requests) == (2, 6)
+
+    run(main())
+
+
+def test_rows_beyond_the_bound_are_dropped_when_the_loop_never_flushes() -> None:
+    async def main() -> None:
+        async def sink(event: m.TrafficRecorded) -> None:
+            return None
+
+        trace = TrafficTrace(sink, batch_size=4)
+        for i in range(20):  # no await: the flush scheduled at the batch's size never runs
+            trace.record(*_row(i, "a"))
+        assert trace.statistics()["requests_dropped"] == 20 - 16
+        await trace.close()
+
+    run(main())
+
+
+def test_a_request_takes_at_most_40_bytes_of_the_log_on_disk(tmp_path: Path) -> None:
+    """Ten minutes of batches as `dgxmm serve` writes them (one each 10 s), 8 requests a
+    second (Poisson) over 8 models."""
+
+    async def main() -> int:
+        rng = random.Random(7)
+        at, rid, n = T0, 1_767_225_600_000_000, 0
+        for _batch in range(60):
+            rows: list[Row] = []
+            end_of_second = at + 10.0
+            while True:
+                at += rng.expovariate(8.0)
+                if at > end_of_second:
+                    break
+                rid += 1
+                wait = 0.0 if rng.random() < 0.9 else rng.uniform(1, 60)
+                first = wait + rng.uniform(0.02, 0.5)
+                rows.append(
+                    (f"dep{rng.randrange(8)}", rid, at, at + wait, at + first,
+                     at + first + rng.expovariate(0.2), rng.choice((0, 1)))
+                )  # fmt: skip
+            at = end_of_second
+            if rows:
+                n += len(rows)
+                batches.append(rows)
+        return n
+
+    batches: list[list[Row]] = []
+    n = run(main())
+    events = [encode_rows(rows) for rows in batches]
+
+    async def write() -> None:
+        store = await EventStore.open(tmp_path / "log.db")
+        for event in events:
+            await store.append(m.STREAM_TRAFFIC, [event], actor="system")
+        await store.close()
+
+    before = _empty_log_bytes(tmp_path / "empty.db")
+    run(write())
+    size = os.path.getsize(tmp_path / "log.db") - before
+    assert n > 4000
+    assert size / n <= 40, f"{size / n:.1f} bytes per request"
+    print(f"{size / n:.1f} bytes per request on disk")
+
+
+def _empty_log_bytes(path: Path) -> int:
+    async def main() -> None:
+        await (await EventStore.open(path)).close()
+
+    run(main())
+    return os.path.getsize(path)
+
+
+def test_both_lanes_record_each_request_with_the_id_its_client_saw() -> None:
+    async def main() -> None:
+        async with FakeEngine() as engine:
+            controller = ScriptedController()
+            controller.add("a", handle=engine.handle)
+            controller.add("cold", state="stopped")
+            controller.deployments["cold"].refuse = _queue_full()
+            written: list[m.TrafficRecorded] = []
+
+            async def sink(event: m.TrafficRecorded) -> None:
+                written.append(event)
+
+            async with running_gateway(controller) as (gateway, server):
+                gateway.trace = TrafficTrace(sink)
+                client = await Client.connect(server.port)
+                seen: dict[int, int] = {}
+                body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+                for target in ("/d/a/v1/chat/completions", "/d/cold/v1/chat/completions") * 2:
+                    reply = await client.request("POST", target, body)
+                    shown = reply.header("x-dgxmm-request-id")
+                    assert shown is not None
+                    seen[int(shown)] = reply.status
+                client.close()
+                await gateway.trace.close()
+            records = [r for ev in written for r in decode_batch(ev)]
+            assert sorted(r.request_id for r in records) == sorted(seen)
+            by_id = {r.request_id: r for r in records}
+            for rid, status in seen.items():
+                rec = by_id[rid]
+                if status == 200:
+                    assert (rec.deployment_id, rec.outcome) == ("a", "served")
+                    assert rec.ttfb_s is not None and rec.ttfb_s <= rec.duration_s
+                else:
+                    assert (rec.deployment_id, rec.outcome) == ("cold", "queue_full")
+            assert gateway.relayed_express >= 1  # the express lane was among them
+
+    run(main())
+
+
+def _queue_full() -> Refused:
+    return Refused(503, "ondemand_queue_full", "full", 10)
+
+
+assert QUEUE_FULL == 3  # the outcome numbers are on disk: never renumber them
+
+
+def test_archive_moves_old_trace_batches_and_keeps_the_newest(tmp_path: Path) -> None:
+    from storage.archive import archive_queue_events
+
+    now = [100.0]
+    batches = [encode_rows([_row(i, "a")]) for i in range(3)]
+
+    async def main() -> tuple[list[str], list[str]]:
+        store = await EventStore.open(tmp_path / "log.db", wall=lambda: now[0])
+        for i in range(3):
+            now[0] = 100.0 + i * 100
+            await store.append(m.STREAM_TRAFFIC, [batches[i]], actor="system")
+        await store.close()
+        moved = await archive_queue_events(tmp_path / "log.db", tmp_path / "old.db", 350.0)
+        assert moved == 2  # the newest stays, though older than --before
+        left: list[str] = []
+        gone: list[str] = []
+        for path, into in ((tmp_path / "log.db", left), (tmp_path / "old.db", gone)):
+            log = await EventStore.open(path, create=False, readonly=True)
+            into.extend(r.type for r in await log.read(stream=m.STREAM_TRAFFIC))
+            await log.close()
+        return left, gone
+
+    left, gone = run(main())
+    assert left == ["TrafficRecorded"] and gone == ["TrafficRecorded"] * 2

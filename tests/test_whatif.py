@@ -1,0 +1,156 @@
+"""`dgxmm whatif`: settings checked, logs that cannot answer refused plainly, and the
+simulated alternatives move the figures the way their settings say."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from simulations.whatif import load_history, parse_overrides, simulate
+from tests.gateway_support import run
+from tests.whatif_support import Model, write_log
+
+# Two models that fit together beside a third that does not: the third's requests wait.
+MODELS = [
+    Model("chat", 40, 0.05, 2.0),
+    Model("coder", 40, 0.02, 5.0),
+    Model("big", 50, 0.004, 10.0),
+]
+
+
+@pytest.fixture(scope="module")
+def log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("whatif") / "log.db"
+    run(write_log(path, MODELS, hours=1.0, usable_gib=100, defaults={}))
+    return path
+
+
+def _whatif(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dgxmm", "whatif", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("no_such_key=1", "no_such_key"),
+        ("nobody.mode=always_on", "nobody"),
+        ("chat.colour=red", "chat.colour"),
+        ("ondemand_max_queued=0", "ondemand_max_queued"),
+        ("chat.idle_timeout_s=5", "chat.idle_timeout_s"),
+        ("chat.mode=sometimes", "chat.mode"),
+    ],
+)
+def test_a_bad_setting_gets_one_line_naming_it_and_status_2(
+    log: Path, setting: str, named: str
+) -> None:
+    done = _whatif("--db", str(log), "--set", setting)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_empty_or_foreign_database_gets_a_clear_error(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.db"
+    sqlite3.connect(foreign).execute("CREATE TABLE t (x)").connection.close()
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not a database at all" * 100)
+    for path in (foreign, garbage, tmp_path / "missing.db"):
+        done = _whatif("--db", str(path))
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and str(path) in done.stderr
+
+
+def test_a_log_without_a_trace_says_so(tmp_path: Path) -> None:
+    from storage.eventlog import EventStore
+
+    async def empty() -> None:
+        await (await EventStore.open(tmp_path / "log.db")).close()
+
+    run(empty())
+    done = _whatif("--db", str(tmp_path / "log.db"))
+    assert done.returncode == 2 and "empty" in done.stderr, done.stderr
+
+
+def test_the_json_has_the_recorded_the_calibration_and_each_alternative(log: Path) -> None:
+    done = _whatif(
+        "--db", str(log), "--json", "--set", "ondemand_make_room_after_s=0",
+        "--alt", "--set", "big.mode=always_on",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    labels = [c["label"] for c in out["columns"]]
+    assert labels == [
+        "recorded",
+        "calibration",
+        "ondemand_make_room_after_s=0",
+        "big.mode=always_on",
+    ]
+    for column in out["columns"]:
+        assert column["requests"] == out["requests"] > 100
+        assert set(column["per_model"]) == {"chat", "coder", "big"}
+
+
+def test_making_room_at_once_trades_waits_for_cold_starts(log: Path) -> None:
+    async def main() -> tuple[object, object]:
+        history = await load_history(log)
+        seed_rule = await simulate(history, {})
+        at_once = await simulate(
+            history, parse_overrides(history, ["ondemand_make_room_after_s=0"])
+        )
+        return seed_rule, at_once
+
+    seed_rule, at_once = run(main(), timeout=120)
+    assert at_once.evictions > seed_rule.evictions  # type: ignore[attr-defined]
+    assert at_once.waits.p99 < seed_rule.waits.p99  # type: ignore[attr-defined]
+
+
+def test_an_always_on_model_never_cold_starts_again(log: Path) -> None:
+    async def main() -> tuple[object, object]:
+        history = await load_history(log)
+        over = parse_overrides(history, ["ondemand_make_room_after_s=0"])
+        base = await simulate(history, over)
+        over = parse_overrides(history, ["ondemand_make_room_after_s=0", "chat.mode=always_on"])
+        pinned = await simulate(history, over)
+        return base, pinned
+
+    base, pinned = run(main(), timeout=120)
+    assert base.per_model["chat"].p99 > 0  # type: ignore[attr-defined]
+    assert pinned.per_model["chat"].p99 == 0  # type: ignore[attr-defined]
+
+
+# --- tune ------------------------------------------------------------------------------------
+
+
+def test_tune_recommends_a_point_that_meets_the_goal_and_shows_the_curve(log: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dgxmm", "tune", "--db", str(log), "--json",
+         "--goal", "p99<=60,cold_starts"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert len(out["points"]) == 30  # 5 make-room x 3 idle timeouts x (none, top 1 always on)
+    best = out["recommended"]
+    assert best is not None and best["p99"] <= 60
+    meeting = [p for p in out["points"] if p["p99"] <= 60]
+    assert best["cold_starts"] == min(p["cold_starts"] for p in meeting)
+    assert any(p["pareto"] for p in out["points"])
+
+
+@pytest.mark.parametrize("goal", ["p95<=30", "p90<=soon", "p90<=30,happiness", "p90"])
+def test_a_bad_goal_gets_one_line_and_status_2(log: Path, goal: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dgxmm", "tune", "--db", str(log), "--goal", goal],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "--goal" in done.stderr

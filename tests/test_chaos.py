@@ -717,7 +717,7 @@ def test_an_idle_engine_killed_then_a_request_is_answered_after_one_cold_start(
                 await signal_engine(token, signal.SIGKILL, serve, dep)
                 report.tried["engine SIGKILL while idle"] += 1
                 started = time.monotonic()
-                client = await Client.connect(serve.gateway_port)
+                client = await Client.connect(serve.gateway_port, serve.gateway_key)
                 try:
                     reply = await chat(client, dep, model)
                 finally:
@@ -750,7 +750,7 @@ def test_an_engine_killed_between_requests_on_a_keep_alive_connection(
     async def main() -> None:
         async with serving_on(tmp_path, runtime) as serve:
             dep, model = await ready_on_demand(serve, token)
-            client = await Client.connect(serve.gateway_port)
+            client = await Client.connect(serve.gateway_port, serve.gateway_key)
             try:
                 for n in range(ROUNDS):
                     first = await chat(client, dep, model)
@@ -790,7 +790,7 @@ def test_an_always_on_engine_stopped_beyond_its_health_window_is_named_and_resta
                 serve, f"{token}-ao", args=["--token-delay", "0.05", "--tokens", "400"]
             )
             await _until_ready(serve, dep)
-            client = await Client.connect(serve.gateway_port)
+            client = await Client.connect(serve.gateway_port, serve.gateway_key)
             body = chat_body(model, stream=False, max_tokens=400)
             await client.send("POST", f"/d/{dep}/v1/chat/completions", body)
             deadline = time.monotonic() + SETTLE_S
@@ -819,7 +819,7 @@ def test_an_always_on_engine_stopped_beyond_its_health_window_is_named_and_resta
                 f"it names the hang and the restart: {message}",
             )
             report.check("start it from its page" not in message, f"no action asked: {message}")
-            client = await Client.connect(serve.gateway_port)
+            client = await Client.connect(serve.gateway_port, serve.gateway_key)
             try:
                 started = time.monotonic()
                 after = await chat(client, dep, model)

@@ -100,6 +100,8 @@ class EnginesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Process runtime: engine -> program path or command (default: found on PATH).
     programs: dict[str, str | list[str]] = {}
     gpu: bool = True  # request the GPU for vllm/llamacpp/sglang containers
+    # Docker runtime: image -> host paths bound read-only at the same path into its containers.
+    image_mounts: dict[str, list[str]] = {}
 
 
 class LiteLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -243,3 +245,9 @@ def _check(config: Config, where: str) -> None:
     empty = sorted(engine for engine, program in config.engines.programs.items() if not program)
     if empty:
         raise ConfigError(f"{where}: engines.programs.{empty[0]} names no program")
+    for image, paths in sorted(config.engines.image_mounts.items()):
+        relative = [path for path in paths if not path.startswith("/")]
+        if relative:
+            raise ConfigError(
+                f"{where}: engines.image_mounts.{image}: {relative[0]!r} is not an absolute path"
+            )

@@ -354,9 +354,20 @@ def test_the_gpu_is_requested_only_when_the_spec_asks(gpu: bool) -> None:
             {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
         ]
         assert host_config["IpcMode"] == "host"
+        assert "ShmSize" not in host_config  # the host's /dev/shm
     else:
         assert "DeviceRequests" not in host_config
         assert "IpcMode" not in host_config
+        assert host_config["ShmSize"] == 1 << 30  # vLLM's CPU build needs 160 MiB
+
+
+def test_image_mounts_bind_host_paths_read_only_into_that_images_containers_only() -> None:
+    runtime = DockerRuntime(image_mounts={"dgxmm-vllm:local": ["/opt/venv", "/usr"]})
+    vllm = spec_for(["vllm", "serve", "m"], image="dgxmm-vllm:local", engine="vllm")
+    other = spec_for(["vllm", "serve", "m"], image="vllm/vllm-openai", engine="vllm")
+    binds = runtime.container_config(vllm, host_port=41234)["HostConfig"]["Binds"]
+    assert "/opt/venv:/opt/venv:ro" in binds and "/usr:/usr:ro" in binds
+    assert runtime.container_config(other, host_port=41234)["HostConfig"]["Binds"] == []
 
 
 def test_argv_replaces_the_entrypoint_and_the_port_is_published_on_loopback() -> None:

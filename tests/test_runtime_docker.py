@@ -27,6 +27,7 @@ from dgxmm.engines.runtimes.docker import (
     container_name,
     docker_time,
     host_python_mounts,
+    oom_line,
 )
 from tests.e2e_support import require_docker
 from tests.runtime_support import http_status, poll_until, run
@@ -237,6 +238,26 @@ def test_a_failing_engines_log_tail_is_readable() -> None:
                 ]
                 assert len((await runtime.logs_tail(handle, lines=1)).splitlines()) == 1
             assert await runtime.logs_tail(handle) == ""  # removed with its container
+
+    run(scenario())
+
+
+@needs_docker
+def test_a_container_killed_for_its_memory_limit_says_so_at_the_end_of_its_log_tail() -> None:
+    code = "print('loading model', flush=True)\nheld = bytearray(512 << 20)\n"
+    spec = script_spec(code, memory_bytes=128 << 20)
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, spec) as handle:
+
+            async def exited() -> bool:
+                return not await runtime.is_running(handle)
+
+            await eventually(exited, "the engine is killed")
+            tail = (await runtime.logs_tail(handle, lines=5)).splitlines()
+            assert tail == ["loading model", oom_line(128 << 20)]
+            assert "limit of 0.125 GiB" in tail[-1]
+            assert (await runtime.logs_tail(handle, lines=1)).splitlines() == [tail[-1]]
 
     run(scenario())
 

@@ -26,6 +26,8 @@ What a container gets:
   operator names host paths for an image (`image_mounts`, `[engines] image_mounts`), bound
   read-only at the same path: `dgxmm-vllm:local` (scripts/make-vllm-image) runs the host's
   vLLM venv that way.
+- `logs_tail` ends with `oom_line()` when the kernel killed a process of the container for its
+  memory limit (Docker's `State.OOMKilled`): the engine's own last words rarely say so.
 - docker-init as PID 1 (`Init`), so SIGTERM reaches engines that do not handle it as PID 1;
   json-file logs capped at 2 x 16 MiB; no restart policy (the deployment actor decides).
 - An image missing locally is pulled within `spec.startup_timeout_s` (`pull_missing`).
@@ -153,6 +155,15 @@ def host_python_overlay(project_dir: str | os.PathLike[str] | None = None) -> Im
     if sys.prefix != sys.base_prefix:
         env["VIRTUAL_ENV"] = sys.prefix
     return ImageOverlay(mounts=host_python_mounts(project), env=env, working_dir=project)
+
+
+def oom_line(limit_bytes: int) -> str:
+    """The line a log tail ends with when the kernel killed a process of the container."""
+    limit = f" of {limit_bytes / (1 << 30):.3g} GiB" if limit_bytes > 0 else ""
+    return (
+        f"dgxmm: out of memory: the kernel killed a process of the container (its limit{limit}"
+        " is the deployment's declared memory)"
+    )
 
 
 def container_name(deployment_id: str) -> str:
@@ -314,7 +325,13 @@ class DockerRuntime:
                 )
         except _NotFound:
             return ""
-        return "\n".join("".join(chunks).splitlines()[-lines:])
+        tail = "".join(chunks).splitlines()[-lines:]
+        # A process the kernel killed for the memory limit writes nothing about it.
+        info = await self._inspect(handle.runtime_id)
+        if info is not None and info.get("State", {}).get("OOMKilled"):
+            limit = int(info.get("HostConfig", {}).get("Memory") or 0)
+            tail = [*tail[1 - lines :], oom_line(limit)] if lines > 1 else [oom_line(limit)]
+        return "\n".join(tail)
 
     async def logs_follow(self, deployment_id: str, lines: int) -> AsyncIterator[str]:
         """The container's last `lines` lines, then what it writes, until it stops.
@@ -527,4 +544,5 @@ __all__ = [
     "container_name",
     "host_python_mounts",
     "host_python_overlay",
+    "oom_line",
 ]

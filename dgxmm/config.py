@@ -236,6 +236,12 @@ def _check(config: Config, where: str) -> None:
         "unix", "tcp", "http", "https", "npipe",
     ):  # fmt: skip
         raise ConfigError(f"{where}: runtime.docker_url must be unix://, tcp:// or http(s)://")
+    for image, paths in sorted(config.engines.image_mounts.items()):
+        relative = [path for path in paths if not path.startswith("/")]
+        if relative:
+            raise ConfigError(
+                f"{where}: engines.image_mounts.{image}: {relative[0]!r} is not an absolute path"
+            )
     unknown = sorted(set(config.engines.programs) - set(PROGRAM_ENGINES))
     if unknown:
         raise ConfigError(
@@ -245,9 +251,3 @@ def _check(config: Config, where: str) -> None:
     empty = sorted(engine for engine, program in config.engines.programs.items() if not program)
     if empty:
         raise ConfigError(f"{where}: engines.programs.{empty[0]} names no program")
-    for image, paths in sorted(config.engines.image_mounts.items()):
-        relative = [path for path in paths if not path.startswith("/")]
-        if relative:
-            raise ConfigError(
-                f"{where}: engines.image_mounts.{image}: {relative[0]!r} is not an absolute path"
-            )

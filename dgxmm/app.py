@@ -112,7 +112,9 @@ class App:
             from dgxmm.engines.runtimes.docker import DockerRuntime
 
             self.runtime_kind = "docker"
-            return DockerRuntime(url=self.config.runtime.docker_url)
+            return DockerRuntime(
+                url=self.config.runtime.docker_url, image_mounts=self.config.engines.image_mounts
+            )
         self.runtime_kind = "process"
         return ProcessRuntime(data_dir / "engines", cwd=PROJECT_DIR)
 

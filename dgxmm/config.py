@@ -100,6 +100,8 @@ class EnginesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Process runtime: engine -> program path or command (default: found on PATH).
     programs: dict[str, str | list[str]] = {}
     gpu: bool = True  # request the GPU for vllm/llamacpp/sglang containers
+    # Docker runtime: image -> host paths bound read-only at the same path into its containers.
+    image_mounts: dict[str, list[str]] = {}
 
 
 class LiteLLMConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -234,6 +236,12 @@ def _check(config: Config, where: str) -> None:
         "unix", "tcp", "http", "https", "npipe",
     ):  # fmt: skip
         raise ConfigError(f"{where}: runtime.docker_url must be unix://, tcp:// or http(s)://")
+    for image, paths in sorted(config.engines.image_mounts.items()):
+        relative = [path for path in paths if not path.startswith("/")]
+        if relative:
+            raise ConfigError(
+                f"{where}: engines.image_mounts.{image}: {relative[0]!r} is not an absolute path"
+            )
     unknown = sorted(set(config.engines.programs) - set(PROGRAM_ENGINES))
     if unknown:
         raise ConfigError(

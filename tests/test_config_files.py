@@ -45,6 +45,7 @@ def config_error(tmp_path: Path, text: str | bytes) -> str:
         ('[runtime]\ndocker_url = "file:///var/run/docker.sock"\n', "runtime.docker_url"),
         ("[runtime]\nstop_timeout_s = inf\n", "runtime.stop_timeout_s"),
         ('[server]\nadmin_port = "8400"\n', "server.admin_port"),
+        ('[engines]\nimage_mounts = {"x:local" = ["venv"]}\n', "engines.image_mounts.x:local"),
     ],
 )
 def test_a_value_out_of_range_is_one_line_naming_the_key_and_the_file(

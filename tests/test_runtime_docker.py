@@ -27,6 +27,7 @@ from dgxmm.engines.runtimes.docker import (
     container_name,
     docker_time,
     host_python_mounts,
+    oom_line,
 )
 from tests.e2e_support import require_docker
 from tests.runtime_support import http_status, poll_until, run
@@ -242,6 +243,26 @@ def test_a_failing_engines_log_tail_is_readable() -> None:
 
 
 @needs_docker
+def test_a_container_killed_for_its_memory_limit_says_so_at_the_end_of_its_log_tail() -> None:
+    code = "print('loading model', flush=True)\nheld = bytearray(512 << 20)\n"
+    spec = script_spec(code, memory_bytes=128 << 20)
+
+    async def scenario() -> None:
+        async with docker_runtime() as runtime, launched(runtime, spec) as handle:
+
+            async def exited() -> bool:
+                return not await runtime.is_running(handle)
+
+            await eventually(exited, "the engine is killed")
+            tail = (await runtime.logs_tail(handle, lines=5)).splitlines()
+            assert tail == ["loading model", oom_line(128 << 20)]
+            assert "limit of 0.125 GiB" in tail[-1]
+            assert (await runtime.logs_tail(handle, lines=1)).splitlines() == [tail[-1]]
+
+    run(scenario())
+
+
+@needs_docker
 def test_stop_kills_a_container_that_ignores_sigterm_after_the_timeout() -> None:
     code = (
         "import signal, time\n"
@@ -354,9 +375,20 @@ def test_the_gpu_is_requested_only_when_the_spec_asks(gpu: bool) -> None:
             {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
         ]
         assert host_config["IpcMode"] == "host"
+        assert "ShmSize" not in host_config  # the host's /dev/shm
     else:
         assert "DeviceRequests" not in host_config
         assert "IpcMode" not in host_config
+        assert host_config["ShmSize"] == 1 << 30  # vLLM's CPU build needs 160 MiB
+
+
+def test_image_mounts_bind_host_paths_read_only_into_that_images_containers_only() -> None:
+    runtime = DockerRuntime(image_mounts={"dgxmm-vllm:local": ["/opt/venv", "/usr"]})
+    vllm = spec_for(["vllm", "serve", "m"], image="dgxmm-vllm:local", engine="vllm")
+    other = spec_for(["vllm", "serve", "m"], image="vllm/vllm-openai", engine="vllm")
+    binds = runtime.container_config(vllm, host_port=41234)["HostConfig"]["Binds"]
+    assert "/opt/venv:/opt/venv:ro" in binds and "/usr:/usr:ro" in binds
+    assert runtime.container_config(other, host_port=41234)["HostConfig"]["Binds"] == []
 
 
 def test_argv_replaces_the_entrypoint_and_the_port_is_published_on_loopback() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e_support import docker_problem
 from tests.litellm_support import LiteLLMProxy, Response, require_litellm
 from tests.real_engine_support import (
     LlamaBuild,
@@ -45,10 +47,14 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 VLLM_ARGS = ["--max-model-len", "1024", "--enforce-eager"]
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 VLLM_GIB = 5.0
+# On the Docker runtime the declared memory is the container's limit: a start peaks at 5.15 GiB
+# there (cgroup v1 max_usage, 4.8 GiB RSS once ready), and at 5 GiB the kernel kills a worker.
+VLLM_DOCKER_GIB = 6.0
 SMALL_GIB = 2.0
 TOTAL_GIB = 6.0  # vLLM + the small model do not fit together
 NO_LLAMA = LlamaBuild(Path("/nonexistent"), Path("/nonexistent"))  # VllmServe names no llama
 SMALL_MODEL = "small-model"
+VLLM_IMAGE = "dgxmm-vllm:local"  # scripts/make-vllm-image
 COLD_S = 600.0  # a cold start is 80-120 s on an idle 2-core box; generous for a shared one
 
 
@@ -88,17 +94,52 @@ def require_vllm() -> VllmBuild:
     return build
 
 
+def require_vllm_image() -> list[str]:
+    """The host paths `dgxmm-vllm:local` needs bound (`scripts/make-vllm-image --mounts`);
+    skips (fails under CI=true) without Docker or the image."""
+    problem = docker_problem()
+    if problem is None:
+        found = subprocess.run(
+            ["docker", "image", "inspect", VLLM_IMAGE], capture_output=True, timeout=30, check=False
+        )
+        if found.returncode != 0:
+            problem = f"image {VLLM_IMAGE} is missing (scripts/make-vllm-image makes it)"
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs the real-vLLM Docker test, but: {problem}")
+        pytest.skip(problem)
+    mounts = subprocess.run(
+        [str(REPO / "scripts" / "make-vllm-image"), "--mounts"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    paths: list[str] = json.loads(mounts.stdout)
+    return paths
+
+
 @dataclass
 class VllmServe(Serve):
     """`dgxmm serve` configured for the real vLLM."""
 
     vllm: VllmBuild | None = None
     queue_timeout_s: int = 900
+    image_mounts: list[str] | None = None  # Docker runtime: what dgxmm-vllm:local binds
 
     def config_text(self) -> str:
         """The TOML configuration: both programs, vLLM's CPU environment for every engine."""
         assert self.vllm is not None
         programs: dict[str, str | list[str]] = {"vllm": self.vllm.command}
+        if self.runtime == "docker":  # the image runs `vllm serve`; the venv is bound in
+            assert self.image_mounts is not None
+            engine = (
+                f'images = {{vllm = "{VLLM_IMAGE}"}}\n'
+                f'image_mounts = {{"{VLLM_IMAGE}" = {json.dumps(self.image_mounts)}}}\n'
+                f'cache_root = "{self.workdir / "engine-cache"}"\n'
+            )
+        else:
+            engine = f"programs = {toml_table(programs)}\n"
         env = ", ".join(f'{k} = "{v}"' for k, v in VLLM_ENV.items())
         return (
             f"ondemand_queue_timeout_s = {self.queue_timeout_s}\n"
@@ -110,7 +151,7 @@ class VllmServe(Serve):
             "[runtime]\n"
             f'kind = "{self.runtime}"\nstop_timeout_s = 20\n'
             "[engines]\n"
-            f"programs = {toml_table(programs)}\n"
+            f"{engine}"
             f"extra_env = {{{env}}}\n"
             f"gpu = false\nstartup_timeout_s = {COLD_S:.0f}\n"
             f"{self.extra_config}"
@@ -142,6 +183,21 @@ class VllmServe(Serve):
         created = self.api("POST", "/deployments", body)
         dep_id = str(created.get("id") or created["deployment"]["id"])
         self.deployments[name] = dep_id
+        return dep_id
+
+    def create_vllm_asleep(self, memory_gib: float = VLLM_GIB) -> str:
+        """Create the on-demand deployment `vllm` (5 GiB) without starting it; its id.
+
+        Every deployment starts when created: an always-on `filler` (2 GiB) leaves too little
+        room (`total_gib` below the two), so `vllm` is created without a start, then the
+        filler is removed.
+        """
+        assert self.vllm is not None
+        self.create("filler", "sim", SMALL_MODEL, SMALL_GIB, [], mode="always_on")
+        self.wait_state("filler", "ready")
+        dep_id = self.create("vllm", "vllm", str(self.vllm.model), memory_gib, VLLM_ARGS)
+        assert self.state("vllm") == "stopped"
+        self.api("DELETE", f"/deployments/{self.deployments.pop('filler')}")
         return dep_id
 
     def stop(self, name: str) -> None:
@@ -192,15 +248,9 @@ def vllm_serving(workdir: Path, *, litellm: bool = True, **kwargs: Any) -> Itera
     )
     try:
         serve.start()
-        # Every deployment starts when created.  An always-on `filler` (2 GiB) leaves too little
-        # for `vllm` (5 GiB), which is then created without a start; the filler is removed:
-        # nothing was spent on a vLLM start.  `small` starts (a second) and is stopped; quiet for
+        # Nothing is spent on a vLLM start.  `small` starts (a second) and is stopped; quiet for
         # 15 s, it may sleep to make room for a queued vLLM request.
-        serve.create("filler", "sim", SMALL_MODEL, SMALL_GIB, [], mode="always_on")
-        serve.wait_state("filler", "ready")
-        serve.create("vllm", "vllm", str(vllm.model), VLLM_GIB, VLLM_ARGS)
-        assert serve.state("vllm") == "stopped"
-        serve.api("DELETE", f"/deployments/{serve.deployments.pop('filler')}")
+        serve.create_vllm_asleep()
         serve.create("small", "sim", SMALL_MODEL, SMALL_GIB, [], make_room_after_s=15)
         serve.wait_state("small", "ready")
         serve.stop("small")

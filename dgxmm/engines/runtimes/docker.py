@@ -10,7 +10,10 @@ What a container gets:
 - `spec.port/tcp` published on `host_ip` (127.0.0.1) at a free host port the runtime picks;
   `list_engines` reads it back from the container.
 - `spec.gpu`: a device request for every NVIDIA GPU, and the host's IPC namespace (vLLM and
-  SGLang share tensors through /dev/shm).  `spec.memory_bytes`: the container's memory limit
+  SGLang share tensors through /dev/shm); without it a /dev/shm of `SHM_BYTES` (Docker's
+  64 MiB is too small for vLLM's CPU build, whose engine core needs a 160 MiB shared-memory
+  ring buffer; tmpfs pages count against the memory limit only once written).
+  `spec.memory_bytes`: the container's memory limit
   (`enforce_memory_limit=False` turns that off).  `spec.volumes`: read-write binds
   (host path or volume name -> container path), `spec.read_only_volumes` read-only ones (a
   model given by its host path); `extra_mounts` / `extra_env`: added to every
@@ -19,7 +22,12 @@ What a container gets:
   image only.  By default `dgxmm-sim:local` (scripts/make-sim-image: a nearly empty image) gets
   `host_python_overlay()`: the host's Python, the venv and the project read-only, the venv's
   bin/ first on PATH (so `python3 -m simulations.engine ...` runs the simulated engine) and the
-  project as working directory.  Real engine images never see the host's files.
+  project as working directory.  Real engine images never see the host's files, unless the
+  operator names host paths for an image (`image_mounts`, `[engines] image_mounts`), bound
+  read-only at the same path: `dgxmm-vllm:local` (scripts/make-vllm-image) runs the host's
+  vLLM venv that way.
+- `logs_tail` ends with `oom_line()` when the kernel killed a process of the container for its
+  memory limit (Docker's `State.OOMKilled`): the engine's own last words rarely say so.
 - docker-init as PID 1 (`Init`), so SIGTERM reaches engines that do not handle it as PID 1;
   json-file logs capped at 2 x 16 MiB; no restart policy (the deployment actor decides).
 - An image missing locally is pulled within `spec.startup_timeout_s` (`pull_missing`).
@@ -61,6 +69,7 @@ LABEL_PORT = "dgxmm.port"
 LABEL_ENGINE = "dgxmm.engine"
 LABEL_NAME = "dgxmm.name"
 CONTAINER_HOST = "0.0.0.0"  # what `{host}` means inside a container
+SHM_BYTES = 1 << 30  # /dev/shm of a container without the host's IPC namespace
 _GPU_REQUEST = {"Driver": "nvidia", "Count": -1, "Capabilities": [["gpu"]]}
 _LOG_CONFIG = {"Type": "json-file", "Config": {"max-size": "16m", "max-file": "2"}}
 _PORT_RETRIES = 3  # a free port picked by us may be taken before Docker binds it
@@ -148,6 +157,15 @@ def host_python_overlay(project_dir: str | os.PathLike[str] | None = None) -> Im
     return ImageOverlay(mounts=host_python_mounts(project), env=env, working_dir=project)
 
 
+def oom_line(limit_bytes: int) -> str:
+    """The line a log tail ends with when the kernel killed a process of the container."""
+    limit = f" of {limit_bytes / (1 << 30):.3g} GiB" if limit_bytes > 0 else ""
+    return (
+        f"dgxmm: out of memory: the kernel killed a process of the container (its limit{limit}"
+        " is the deployment's declared memory)"
+    )
+
+
 def container_name(deployment_id: str) -> str:
     """`dgxmm-<deployment_id>`, with characters Docker refuses in names replaced by `_`."""
     return "dgxmm-" + re.sub(r"[^A-Za-z0-9_.-]", "_", deployment_id)
@@ -164,6 +182,7 @@ class DockerRuntime:
         extra_mounts: Sequence[BindMount] = (),
         extra_env: Mapping[str, str] | None = None,
         image_overlays: Mapping[str, ImageOverlay] | None = None,
+        image_mounts: Mapping[str, Sequence[str]] | None = None,
         pull_missing: bool = True,
         enforce_memory_limit: bool = True,
         api_timeout_s: float = 60.0,
@@ -174,6 +193,10 @@ class DockerRuntime:
         self._extra_env = dict(extra_env or {})
         # Computed on first use: the default overlay locates the `simulations` package.
         self._image_overlays = None if image_overlays is None else dict(image_overlays)
+        self._image_mounts = {
+            image: [BindMount(path, path) for path in paths]
+            for image, paths in (image_mounts or {}).items()
+        }
         self._pull_missing = pull_missing
         self._enforce_memory_limit = enforce_memory_limit
         self._api_timeout_s = api_timeout_s
@@ -302,7 +325,13 @@ class DockerRuntime:
                 )
         except _NotFound:
             return ""
-        return "\n".join("".join(chunks).splitlines()[-lines:])
+        tail = "".join(chunks).splitlines()[-lines:]
+        # A process the kernel killed for the memory limit writes nothing about it.
+        info = await self._inspect(handle.runtime_id)
+        if info is not None and info.get("State", {}).get("OOMKilled"):
+            limit = int(info.get("HostConfig", {}).get("Memory") or 0)
+            tail = [*tail[1 - lines :], oom_line(limit)] if lines > 1 else [oom_line(limit)]
+        return "\n".join(tail)
 
     async def logs_follow(self, deployment_id: str, lines: int) -> AsyncIterator[str]:
         """The container's last `lines` lines, then what it writes, until it stops.
@@ -434,7 +463,8 @@ class DockerRuntime:
             **self._extra_env,
             **expand_env(spec.env, host=CONTAINER_HOST, port=spec.port),
         }
-        binds = [m.bind() for m in [*overlay.mounts, *self._extra_mounts]]
+        mounts = [*overlay.mounts, *self._image_mounts.get(spec.image, ()), *self._extra_mounts]
+        binds = [m.bind() for m in mounts]
         binds += [f"{src}:{dst}:rw" for src, dst in spec.volumes.items()]
         binds += [f"{src}:{dst}:ro" for src, dst in spec.read_only_volumes.items()]
         host_config: dict[str, Any] = {
@@ -447,6 +477,8 @@ class DockerRuntime:
         if spec.gpu:
             host_config["DeviceRequests"] = [_GPU_REQUEST]
             host_config["IpcMode"] = "host"
+        else:
+            host_config["ShmSize"] = SHM_BYTES
         if spec.memory_bytes > 0 and self._enforce_memory_limit:
             host_config["Memory"] = spec.memory_bytes
         config: dict[str, Any] = {
@@ -512,4 +544,5 @@ __all__ = [
     "container_name",
     "host_python_mounts",
     "host_python_overlay",
+    "oom_line",
 ]

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from tests.cold_start_support import assert_adds_up, replay_wait
 from tests.litellm_support import Response
 from tests.real_engine_support import (
     PROMPT,
@@ -173,6 +174,30 @@ def test_a_cold_request_through_litellm_is_held_through_the_whole_start_and_a_se
     assert min(plain.ended, streamed.ended) - sent > 30.0
     assert outcome_delta(before, serve.queue_outcomes()) == {"served": 2}
     assert_no_litellm_retry(litellm_lines(stack, log_at), requests=2)
+
+    # Where the start's time went: `dgxmm replay --request` of each waited request names
+    # every phase, vLLM's own loading milestones among them, and they add up to its wait.
+    dep = serve.deployments["vllm"]
+
+    def first_bytes() -> list[dict[str, Any]]:
+        return [e for e in serve.events() if e["type"] == "FirstByteRelayed"
+                and e["data"]["deployment_id"] == dep]  # fmt: skip
+
+    poll(lambda: len(first_bytes()) == 2, "both first bytes to be recorded")
+    waits = []
+    for event in first_bytes():
+        wait, text = replay_wait(serve.db, event["data"]["request_id"])
+        names = [p["name"] for p in wait["phases"]]
+        assert names[-2:] == ["ready", "first_byte"], names
+        assert {"loading_weights", "engine_init"} & set(names), names  # vLLM's milestones
+        assert_adds_up(wait)
+        for name in names:
+            assert f"    {name} " in text, text
+        waits.append(wait)
+    # The first request saw the whole start from its launch; the one that joined it later
+    # sees the phases from its arrival on.
+    first = max(waits, key=lambda w: w["wait_s"])
+    assert "launch" in [p["name"] for p in first["phases"]], first
 
 
 # --- 2. byte for byte ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dgxmm.config import Config, ConfigError, load_config, with_absolute_paths
 from dgxmm.demo import demo_config, demo_notes, stop_engines
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.logs import launch_lines
-from dgxmm.engines.memory import detect_source, detect_total_bytes
+from dgxmm.engines.memory import detect_gpu, detect_source, detect_total_bytes
 from dgxmm.litellm.gateway_key import GatewayKeys
 from dgxmm.private import auth_key, private_umask, secure_tree
 from events import model as m
@@ -271,6 +271,7 @@ class App:
             latencies=latencies,
             gateway_keys=self._key_rotation(),
             vendor_root=self._vendor_root(),
+            gpu=await detect_gpu(),
         )
         ops.admin_server = lambda: api.server
         self.api = api

@@ -845,3 +845,56 @@ def test_the_wizard_explains_what_the_decision_model_is(admin_page: Page, dgxmm:
     open_hash(admin_page, dgxmm, "/deploy")
     box = admin_page.get_by_label("This is the decision model (always on)")
     expect(box).to_have_accessible_description(re.compile(r"routes each request"))
+
+
+def _gib_text(gib: float) -> str:
+    """GiB as the wizard writes them: at most one decimal, no trailing zero."""
+    return f"{round(gib, 1):g}"
+
+
+def test_the_wizard_shows_the_free_memory_and_whether_the_model_fits_before_deploy(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    others_asleep(admin_api)
+    create(admin_api, "fit-filler", memory_gib=round(free_gib(admin_api) - 3, 1))
+    try:
+        wait_state(admin_api, "fit-filler", "ready")
+        free = free_gib(admin_api)
+        page = admin_page
+        open_hash(page, dgxmm, "/deploy")
+        fit = page.locator("#wiz-memory-fit")
+        expect(fit).to_contain_text(f"{_gib_text(free)} GiB free now")
+        page.get_by_label("Memory (GiB)").fill("1")
+        expect(fit).to_have_text(f"Fits: {_gib_text(free)} GiB free now.")
+        page.get_by_label("Memory (GiB)").fill("5")
+        # Not an alarm: on demand it starts on its next request (the deployment page's words).
+        expect(fit).to_contain_text(f"5 GiB does not fit now ({_gib_text(free)} GiB free).")
+        expect(fit).to_contain_text(
+            "On demand, it starts on its next request, making room then if it can."
+        )
+        expect(fit).not_to_have_attribute("role", "alert")
+        expect(fit).not_to_have_class(re.compile(r"\berror\b"))
+    finally:
+        remove(admin_api, "fit-filler")
+
+
+def test_the_wizard_defaults_to_the_simulated_engine_without_a_gpu_and_to_vllm_with_one(
+    admin_page: Page, dgxmm: Dgxmm, admin_api: ApiClient
+) -> None:
+    assert admin_api.call("GET", "memory")["gpu"] is False, "this test box has no nvidia-smi"
+    page = admin_page
+    engine = page.get_by_label("Engine", exact=True)
+    open_hash(page, dgxmm, "/deploy")
+    expect(engine).to_have_value("sim")
+    expect(page.locator("#wiz-engine-hint")).to_contain_text("No GPU was detected")
+
+    # The same wizard on a box whose memory answer says a GPU was detected: vLLM, no hint.
+    def with_gpu(route: Any) -> None:
+        answer = route.fetch()
+        route.fulfill(response=answer, json={**answer.json(), "gpu": True})
+
+    page.route("**/dgxmm/api/memory", with_gpu)
+    open_hash(page, dgxmm, "/")
+    open_hash(page, dgxmm, "/deploy")
+    expect(engine).to_have_value("vllm")
+    expect(page.locator("#wiz-engine-hint")).to_be_hidden()

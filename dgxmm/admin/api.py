@@ -158,6 +158,7 @@ class AdminApi:
         latencies: Latencies | None = None,
         gateway_keys: Any = None,
         vendor_root: Path | None = None,
+        gpu: bool = False,
     ) -> None:
         self.controller = controller
         self.store = store
@@ -169,6 +170,7 @@ class AdminApi:
         self._litellm_configure = litellm_configure or _no_configure
         self.web_root = web_root.resolve() if web_root is not None else None
         self.vendor_root = vendor_root  # the chart library's files (dgxmm/admin/vendor.py)
+        self.gpu = gpu  # nvidia-smi listed a GPU at start (the wizard's default engine)
         self.gateway_statistics = gateway_statistics
         self.metrics_public = metrics_public
         self.ops = ops or OpsApi(controller, store, clock, None, admin_server=lambda: self.server)
@@ -572,7 +574,7 @@ class AdminApi:
         return 200, {"rows": rows, "next_before": next_before}
 
     async def _h_memory(self, call: _Call) -> Reply:
-        return 200, memory_json(self.controller.memory())
+        return 200, {**memory_json(self.controller.memory()), "gpu": self.gpu}
 
     async def _h_get_settings(self, call: _Call) -> Reply:
         return 200, self.controller.settings()

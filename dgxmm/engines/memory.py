@@ -87,6 +87,25 @@ async def detect_source() -> tuple[MemInfoSource | GpuFreeSource, str]:
     return MemInfoSource(), "MemAvailable"
 
 
+async def detect_gpu() -> bool:
+    """Whether `nvidia-smi` lists a GPU (also on unified memory, where it has no memory.free)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return False
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            exe,
+            "--query-gpu=name",
+            "--format=csv,noheader",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 10)
+    except (OSError, TimeoutError):
+        return False
+    return proc.returncode == 0 and bool(out.strip())
+
+
 def gib_to_bytes(gib: float) -> int:
     """GiB (possibly fractional) to bytes."""
     return int(gib * GIB)

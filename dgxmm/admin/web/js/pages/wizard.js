@@ -110,6 +110,55 @@ export function render({ navigate, notify }) {
   }
   model.control.addEventListener("input", showStartEstimate);
   engine.control.addEventListener("change", showStartEstimate);
+  // The memory step's free memory now (`GET /memory`) and whether the declared memory fits.
+  // Not an alarm when it does not: on demand it starts on its next request.
+  let budget = null;
+  const memoryFit = h("p.hint", { id: "wiz-memory-fit", hidden: true });
+  memory.wrap.append(memoryFit);
+  const gib = (bytes) => String(Math.round((bytes / 1024 ** 3) * 10) / 10);
+  function showMemoryFit() {
+    memoryFit.hidden = !budget;
+    if (!budget) return;
+    const free = gib(budget.free_bytes);
+    const mem = Number(memory.control.value);
+    if (!memory.control.value || !Number.isFinite(mem) || mem <= 0) {
+      memoryFit.textContent = `${free} GiB free now (of ${gib(budget.usable_bytes)} GiB usable).`;
+    } else if (mem * 1024 ** 3 > budget.usable_bytes) {
+      memoryFit.textContent = `${mem} GiB is more than the ${gib(budget.usable_bytes)} GiB usable on this box.`;
+    } else if (mem * 1024 ** 3 <= budget.free_bytes) {
+      memoryFit.textContent = `Fits: ${free} GiB free now.`;
+    } else {
+      memoryFit.textContent =
+        `${mem} GiB does not fit now (${free} GiB free). On demand, it starts on its next request, making room then if it can. ` +
+        "Always on: free memory, then start it.";
+    }
+  }
+  memory.control.addEventListener("input", showMemoryFit);
+  // Without a GPU, vLLM and SGLang cannot run: the default engine is then the simulated one.
+  const engineHint = h("p.hint", { id: "wiz-engine-hint", hidden: true });
+  engine.wrap.append(engineHint);
+  let engineChosen = false;
+  engine.control.addEventListener("change", () => {
+    engineChosen = true;
+    engineHint.hidden = true;
+  });
+  function loadMemory() {
+    return api("GET", "memory")
+      .then((m) => {
+        if (budget === null && m.gpu === false && !engineChosen) {
+          engine.control.value = "sim";
+          engineHint.textContent =
+            "No GPU was detected, so the simulated engine is chosen: it runs anywhere and needs no download. " +
+            "llama.cpp runs GGUF models on the CPU; vLLM and SGLang need a GPU.";
+          engineHint.hidden = false;
+          showStartEstimate();
+        }
+        budget = m;
+        showMemoryFit();
+      })
+      .catch(() => {});
+  }
+  loadMemory();
   // A start that ends while the wizard is open brings its history: look again.  The page
   // has no teardown, so the listener leaves once the wizard is gone.
   let attached = false;
@@ -120,6 +169,7 @@ export function render({ navigate, notify }) {
     }
     attached = true;
     if (kind === "deployment" || kind === "snapshot") showStartEstimate();
+    if (kind === "memory") loadMemory();
   });
   const args = field(
     "Engine arguments",

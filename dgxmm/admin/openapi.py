@@ -153,6 +153,8 @@ _ADMIN: dict[str, tuple[str, Any, int, Any]] = {
     "memory": ("The memory budget", None, 200, None),
     "get_settings": ("The settings in force", None, 200, None),
     "change_settings": ("Change settings (the on-demand defaults)", "object", 200, None),
+    "tune": ("Recommend on-demand settings from the last 24 h (changes nothing)", "object", 200,
+             None),
     "litellm_status": ("The LiteLLM integration's status", None, 200, None),
     "litellm_configure": ("Configure the LiteLLM integration", "object", 200, None),
     "litellm_sync": ("Sync LiteLLM now", None, 200, None),

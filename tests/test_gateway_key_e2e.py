@@ -156,6 +156,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack: Stack | None = None
     with log_path.open("w") as log, pytest.MonkeyPatch.context() as env:
         # Everything DGXMM logs goes to one file the leak test reads.
+        # From the defaults: an earlier test may have left a level filter (the what-if runs
+        # and the fairness scenarios keep only warnings), which would hide the rotation line.
+        structlog.reset_defaults()
         structlog.configure(logger_factory=structlog.WriteLoggerFactory(file=log))
         env.setenv("LITELLM_MASTER_KEY", proxy.master_key)
         try:

@@ -204,7 +204,8 @@ def test_both_lanes_record_each_request_with_the_id_its_client_saw() -> None:
                 gateway.trace = TrafficTrace(sink)
                 client = await Client.connect(server.port)
                 seen: dict[int, int] = {}
-                body = {"model": "x", "messages": [{"role": "user", "content": "hi"}]}
+                # The model `cold` serves: a waiting request naming another gets 404 at once.
+                body = {"model": "served-cold", "messages": [{"role": "user", "content": "hi"}]}
                 for target in ("/d/a/v1/chat/completions", "/d/cold/v1/chat/completions") * 2:
                     reply = await client.request("POST", target, body)
                     shown = reply.header("x-dgxmm-request-id")

@@ -188,12 +188,12 @@ async def _exchange(
     except (UpstreamProtocolError, UnicodeEncodeError) as exc:
         raise BadResponse(f"cannot send this request: {exc}") from exc
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+        # that arrives as the connection is refused (a stop that then never ends).
+        async with asyncio.timeout(connect_timeout_s):
+            reader, writer = await asyncio.open_connection(
                 host, port, limit=READ_SIZE, ssl=ssl.create_default_context() if tls else None
-            ),
-            connect_timeout_s,
-        )
+            )
     except ConnectionRefusedError as exc:
         raise ConnectionRefused("connection refused") from exc
     except TimeoutError as exc:

@@ -47,18 +47,12 @@ RECENT = 10  # reloads kept in the status
 
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:
-    """Cancel `task` and wait until it has ended.
-
-    Cancels again until it ends: in Python 3.11 `asyncio.wait_for` (which `gateway.client` uses
-    to connect) can swallow a cancellation that arrives as the connection is refused, and a
-    polling loop would then go on forever (seen as a DGXMM stop that hung).
-    """
-    while task is not None and not task.done():
-        task.cancel()
-        await asyncio.wait([task], timeout=0.1)
-    if task is not None and not task.cancelled():
-        with contextlib.suppress(Exception):
-            task.result()
+    """Cancel `task` and wait until it has ended (its own failure is not ours to raise)."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 class ReloadFailed(Exception):

@@ -619,7 +619,9 @@ class Controller:
         engine_url = None
         if dep.host is not None and dep.port is not None:
             engine_url = f"http://{dep.host}:{dep.port}"
-        last_used = None
+        # Served since this start: the live time; else the last use the log kept (the traffic
+        # trace's batches, folded), so a restart does not make a used model "never" used.
+        last_used = self.system.last_used_at.get(dep.deployment_id)
         if act.served:
             last_used = self.clock.wall() - (self.clock.now() - act.last_used)
         return DeploymentRecord(

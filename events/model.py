@@ -249,6 +249,10 @@ class TrafficRecorded(Event, frozen=True, kw_only=True):
     data: bytes
     dropped_batches: int = 0
     dropped_requests: int = 0
+    # Per deployment of the batch that was used (a request reached its engine), when its
+    # newest such request ended, epoch seconds: the state keeps each deployment's last use
+    # without decoding the rows (`events.traffic.last_uses`).
+    last_used_at: dict[str, float] = {}
 
 
 # --- settings, users, LiteLLM -----------------------------------------------------------

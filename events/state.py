@@ -207,6 +207,9 @@ class SystemState(msgspec.Struct, frozen=True, kw_only=True):
     users: dict[str, UserRecord] = {}
     litellm: LiteLLMStatus = LiteLLMStatus()
     queue: dict[str, QueueEntry] = {}
+    # Deployment id -> when its last request that reached it ended (epoch seconds), from the
+    # traffic trace's batches: what `dgxmm ps` shows after a restart.
+    last_used_at: dict[str, float] = {}
     last_seq: int = 0
     last_ts: float = 0.0
 
@@ -320,7 +323,12 @@ def evolve(state: SystemState, rec: m.Recorded) -> SystemState:
             removed = state.removed
             if gone is not None:
                 removed = {**state.removed, dep_id: replace(gone, version=rec.version)}
-            return replace(base, deployments=deps, removed=removed)
+            used = state.last_used_at
+            if dep_id in used:
+                used = {k: v for k, v in used.items() if k != dep_id}
+            return replace(base, deployments=deps, removed=removed, last_used_at=used)
+        case m.TrafficRecorded():
+            return replace(base, last_used_at=_used(state, ev.last_used_at))
         case m.RequestQueued():
             entry = QueueEntry(
                 request_id=ev.request_id,
@@ -409,6 +417,18 @@ def new_deployment(rec: m.Recorded) -> DeploymentState:
     """The state a DeploymentCreated record starts."""
     assert isinstance(rec.event, m.DeploymentCreated)
     return _created(rec, rec.event)
+
+
+def _used(state: SystemState, batch: dict[str, float]) -> dict[str, float]:
+    """The last uses after a traffic batch: the newer of the two for each deployment that
+    still exists."""
+    used = state.last_used_at
+    newer = {
+        dep_id: at
+        for dep_id, at in batch.items()
+        if dep_id in state.deployments and at > used.get(dep_id, float("-inf"))
+    }
+    return {**used, **newer} if newer else used
 
 
 def _token_changed(

@@ -69,6 +69,28 @@ def decode_batch(event: TrafficRecorded) -> list[TrafficRecord]:
     return records
 
 
+def counts_as_use(outcome: int, first: float) -> bool:
+    """Whether a row's request used its deployment: it reached the engine (served, or the
+    engine failed it), or an answer began before the client left."""
+    return outcome in (SERVED, ENGINE_ERROR) or first >= 0
+
+
+def last_uses(rows: bytes | bytearray, names: list[str], base_time: float) -> dict[str, float]:
+    """Per deployment of a batch (`names`), when its newest request that used it ended, in
+    epoch seconds, from the rows as packed (undeflated).  Rows come in the order requests
+    ended, so the scan runs from the last row back and stops once every name is found."""
+    found: dict[str, float] = {}
+    unpack, size = ROW.unpack_from, ROW.size
+    for offset in range(len(rows) - size, -1, -size):
+        index, flags, _, arrived, _, first, duration = unpack(rows, offset)
+        name = names[index]
+        if name not in found and counts_as_use(flags >> 1, first):
+            found[name] = base_time + arrived + duration
+            if len(found) == len(names):
+                break
+    return found
+
+
 def encode_batch(records: list[TrafficRecord]) -> TrafficRecorded:
     """A batch made of whole records (synthesised traces, tests); the gateway packs its rows
     itself (`gateway.trace`), the same `ROW`s."""
@@ -91,4 +113,5 @@ def encode_batch(records: list[TrafficRecord]) -> TrafficRecorded:
         base_id=base_id,
         count=len(records),
         data=zlib.compress(out, 1),
+        last_used_at=last_uses(out, names, base),
     )

@@ -5,7 +5,9 @@ waited, which the event log otherwise does not know: a request to a ready model 
 nothing *of its own*.  So the gateway keeps one row of small integers per request in memory
 (`record`: one row packed by one C call onto a bytearray, no object kept, no I/O) and every
 `flush_every_s` hands them as one `TrafficRecorded` event to the log's group commit
-(`sink`).  The row is `events.traffic`'s.
+(`sink`).  The row is `events.traffic`'s.  The batch also says when each of its deployments
+was last used (`last_used_at`, read off the rows at the flush, never per request), which
+the folded state keeps across restarts.
 
 Bounded, and never blocking a request: at most `max_in_flight` batches wait for the writer
 (a batch beyond that is dropped whole); at most `4 * batch_size` rows wait for their flush,
@@ -25,7 +27,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from events import model as m
-from events.traffic import MAX_DEPLOYMENTS, ROW
+from events.traffic import MAX_DEPLOYMENTS, ROW, last_uses
 
 log = structlog.get_logger("gateway.trace")
 
@@ -134,14 +136,16 @@ class TrafficTrace:
         buf = self._buf
         if not buf:
             return
+        base_time = self._base + self._offset
         event = m.TrafficRecorded(
             deployments=self._names,
-            base_time=self._base + self._offset,
+            base_time=base_time,
             base_id=self._base_id,
             count=len(buf) // ROW.size,
             data=zlib.compress(buf, 1),
             dropped_batches=self._unreported_batches,
             dropped_requests=self._unreported_requests,
+            last_used_at=last_uses(buf, self._names, base_time),
         )
         self._buf, self._index, self._names = bytearray(), {}, []
         self._base = self._monotonic()

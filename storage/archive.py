@@ -5,9 +5,11 @@ The queue's events are the bulk of a busy log and matter for incident replay of 
 only.  What moves: `RequestQueued`, `RequestAdmitted` and `RequestLeftQueue` other than
 timeouts, and the traffic trace's batches (`TrafficRecorded`), older than a moment.  What
 stays: everything else, queue timeouts included, so the
-audit trail, the Events tab and the deployments' states are the same as before; and the
+audit trail, the Events tab and the deployments' states are the same as before; the
 newest event of each of those streams, so sequence numbers and the streams' versions keep
-counting up.
+counting up; and of the trace's batches, the newest that names each deployment's last use
+(`last_used_at`), so that the log folded alone, without a snapshot, still knows when each
+deployment was last used.
 
 The archive is a DGXMM event log itself (same schema, original seq, time, stream and
 version), so `dgxmm replay --db ARCHIVE` and `dgxmm events --db ARCHIVE` read it.  Both files
@@ -38,10 +40,18 @@ _MOVABLE = (
 _STREAMS = (("queue", _MOVABLE), ("traffic", "type = 'TrafficRecorded'"))
 
 
-def _movable_sql() -> str:
+# Per deployment, the newest trace batch that says when it was last used.
+_LAST_USES = (
+    "SELECT MAX(e.seq) FROM events AS e, json_each(CAST(e.data AS TEXT), '$.last_used_at') AS u"
+    " WHERE e.stream = 'traffic' AND e.type = 'TrafficRecorded' GROUP BY u.key"
+)
+
+
+def _movable_sql(keep: Sequence[int] = ()) -> str:
+    kept = f" AND seq NOT IN ({', '.join(str(int(seq)) for seq in keep)})" if keep else ""
     return " OR ".join(
         f"(stream = '{stream}' AND {movable} AND seq <"
-        f" (SELECT MAX(seq) FROM events WHERE stream = '{stream}'))"
+        f" (SELECT MAX(seq) FROM events WHERE stream = '{stream}'){kept})"
         for stream, movable in _STREAMS
     )
 
@@ -65,10 +75,13 @@ async def archive_queue_events(
         ):
             for conn in (log, archive):
                 await conn.execute("PRAGMA synchronous=FULL")
+            # Once: a batch written meanwhile is newer, and moves in a later archive if at all.
+            async with log.execute(_LAST_USES) as cur:
+                movable = _movable_sql([row[0] for row in await cur.fetchall()])
             while True:
                 async with log.execute(
                     "SELECT seq, ts, stream, version, type, actor, data FROM events WHERE ts < ?"
-                    f" AND ({_movable_sql()}) ORDER BY seq LIMIT ?",
+                    f" AND ({movable}) ORDER BY seq LIMIT ?",
                     (before, SLICE),
                 ) as cur:
                     rows = list(await cur.fetchall())

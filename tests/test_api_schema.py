@@ -6,13 +6,16 @@ terminal, also when pytest captures output, so they show in CI's log.
 The gateway is tested first, against the demo's always-on deployment once it is ready (the
 seed's 503s of a model that does not run, such as `ondemand_not_ready`, answer a state, not
 an input; tests/test_gateway_app.py holds them) and a deployment that does not exist; then
-the admin API with an
-administrator's API token (its fuzzing removes and reconfigures deployments).  The event
-stream and the log tail are streams and are left out of the fuzzing.
+the admin API's two streams (the UI's server-sent events and the engine log with
+`follow=1`): a stream never ends, so schemathesis reads each answer up to its first whole
+event (`max-stream-events`) and checks that event against the document, the log's against
+the always-on deployment and one that does not exist; then the rest of the admin API with
+an administrator's API token (its fuzzing removes and reconfigures deployments).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -34,6 +37,12 @@ CHECKS = ",".join(
      "response_schema_conformance")
 )  # fmt: skip
 STREAMS = ("event_stream", "deployment_logs")
+# A stream is read up to its first whole event, or for 5 s when none comes (a log followed
+# from `tail=0`), then closed: schemathesis checks what it read and calls it cut short.
+STREAMS_CONFIG = "".join(
+    f'[[operations]]\ninclude-operation-id = "{op}"\nmax-stream-events = 1\nrequest-timeout = 5\n'
+    for op in STREAMS
+)
 
 
 def call(
@@ -59,13 +68,16 @@ def admin_token(admin: str, password: str) -> str:
     return str(token["token"])
 
 
-def schemathesis(schema: Path, base: str, *extra: str) -> tuple[int, str]:
+def schemathesis(
+    schema: Path, base: str, *extra: str, config: Path | None = None
+) -> tuple[int, str]:
     """`schemathesis run`, bounded: the exit status and its output (its cache stays in the
     schema's directory, out of the checkout)."""
     program = Path(sys.executable).with_name("schemathesis")
+    top = [] if config is None else ["--config-file", str(config)]
     done = subprocess.run(
         [
-            str(program), "run", str(schema), "--url", base, "-n", str(EXAMPLES),
+            str(program), *top, "run", str(schema), "--url", base, "-n", str(EXAMPLES),
             "-c", CHECKS, "--phases", "examples,fuzzing", "--request-timeout", "20",
             "--seed", "32", *extra,
         ],
@@ -79,6 +91,20 @@ def counts(output: str) -> str:
     """The summary lines with schemathesis' counts."""
     keep = re.compile(r"^\s*(Selected|Tested|\d+ generated|Operations:|Seed:)")
     return "; ".join(line.strip() for line in output.splitlines() if keep.match(line))
+
+
+def answers(har: Path) -> dict[str, collections.Counter[str]]:
+    """Per operation (its path's last word), the answers schemathesis got, by status and
+    content type, from its HAR report."""
+    seen: dict[str, collections.Counter[str]] = {}
+    for entry in json.loads(har.read_text())["log"]["entries"]:
+        headers = {h["name"].lower(): h["value"] for h in entry["response"]["headers"]}
+        kind = headers.get("content-type", "none").split(";")[0]
+        path = entry["request"]["url"].split("?")[0]
+        seen.setdefault(path.rsplit("/", 1)[1], collections.Counter())[
+            f"{entry['response']['status']} {kind}"
+        ] += 1
+    return seen
 
 
 def test_both_listeners_answer_as_their_openapi_document_says(
@@ -120,11 +146,27 @@ def test_both_listeners_answer_as_their_openapi_document_says(
         }
         (tmp_path / "gateway.json").write_text(json.dumps(gateway_doc))
         (tmp_path / "admin.json").write_text(json.dumps(admin_doc))
+        streams_doc = json.loads(json.dumps(admin_doc))  # a deep copy
+        for param in streams_doc["paths"]["/dgxmm/api/deployments/{id}/logs"]["get"]["parameters"]:
+            if param["name"] == "id":  # ready, and none
+                param["schema"] = {"type": "string", "enum": [ready.group(1), "nope"]}
+                param["example"] = ready.group(1)
+            if param["name"] == "follow":  # the examples phase follows the log once
+                param["example"] = "1"
+        (tmp_path / "streams.json").write_text(json.dumps(streams_doc))
+        (tmp_path / "streams.toml").write_text(STREAMS_CONFIG)
 
         key = banner_auth(banner)["authorization"]
         status_gw, out_gw = schemathesis(
             tmp_path / "gateway.json", gateway.group(1), "-H", f"Authorization: {key}"
         )
+        status_streams, out_streams = schemathesis(
+            tmp_path / "streams.json", admin.group(1), "-H", f"Authorization: Bearer {token}",
+            *(arg for op in STREAMS for arg in ("--include-operation-id", op)),
+            "--report", "har", "--report-har-path", str(tmp_path / "streams.har"),
+            config=tmp_path / "streams.toml",
+        )  # fmt: skip
+        streamed = answers(tmp_path / "streams.har")
         # The admin run rotates the gateway key; with LiteLLM enabled (the demo's file
         # back-end) a rotation waits for a LiteLLM that the demo does not run.
         call(f"{admin.group(1)}/dgxmm/api/litellm", {"enabled": False}, auth, "PATCH")
@@ -134,13 +176,24 @@ def test_both_listeners_answer_as_their_openapi_document_says(
         )
         with capsys.disabled():
             print(f"\nschemathesis, gateway: {counts(out_gw)}")
+            print(f"schemathesis, admin API streams: {counts(out_streams)}")
+            for name, seen in sorted(streamed.items()):
+                print(f"  {name}: " + ", ".join(f"{n} x {a}" for a, n in sorted(seen.items())))
             print(f"schemathesis, admin API: {counts(out_admin)}")
         assert status_gw == 0, out_gw[-6000:]
+        assert status_streams == 0, out_streams[-6000:]
         assert status_admin == 0, out_admin[-6000:]
+        # Each stream was read as a stream (its first event checked), not only refused.
+        assert streamed["stream"]["200 text/event-stream"] > 0, streamed
+        assert streamed["logs"]["200 text/event-stream"] > 0, streamed
+        assert streamed["logs"]["200 application/json"] > 0, streamed  # without follow
         documented = sum(len(item) for item in doc["paths"].values())
         tested = sum(
-            int(n) for n in re.findall(r"^\s*Tested: (\d+)", out_gw + out_admin, re.MULTILINE)
+            int(n)
+            for n in re.findall(
+                r"^\s*Tested: (\d+)", out_gw + out_streams + out_admin, re.MULTILINE
+            )
         )
-        assert tested == documented - len(STREAMS)
+        assert tested == documented
     finally:
         stop_demo(proc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve_support import banner_auth, start_demo, stop_demo
+from tests.serve_support import PROJECT, banner_auth, start_demo, stop_demo
 
 DEADLINE_S = 60.0
 
@@ -109,3 +110,41 @@ def test_a_demo_stopped_and_started_again_records_no_lost_engine(tmp_path: Path)
         cwd=tmp_path, capture_output=True, text=True, timeout=DEADLINE_S, check=True,
     )  # fmt: skip
     assert done.stdout == "", done.stdout
+
+
+def test_a_model_used_before_a_restart_shows_its_last_use_after_it(tmp_path: Path) -> None:
+    # The last use of a model lived only in memory: after a restart `dgxmm ps` said "never"
+    # for a model used a minute before (issue 32, item 6).
+    state = {"XDG_STATE_HOME": str(tmp_path / "state")}
+    proc, banner = start_demo(tmp_path, DEADLINE_S, env=state)
+    try:
+        url = re.search(r"curl -s (\S+)", banner)
+        body = re.search(r"-d '(.+)'", banner)
+        assert url and body
+        asked = time.time()
+        _post(url.group(1), body.group(1), DEADLINE_S, banner_auth(banner))  # demo-chat
+        answered = time.time()
+    finally:
+        stop_demo(proc)
+    proc, banner = start_demo(tmp_path, DEADLINE_S, env=state)
+    try:
+        table = _cli(tmp_path, state, "ps")
+        listed = _cli(tmp_path, state, "ps", "--json")
+    finally:
+        stop_demo(proc)
+    rows = {line.split()[0]: line for line in table.splitlines() if line.strip()}
+    assert rows["demo-chat"].endswith(" ago"), table
+    assert rows["demo-large"].endswith(" never"), table  # never used: still never
+    chat = next(d for d in map(json.loads, listed.splitlines()) if d["name"] == "demo-chat")
+    assert asked - 1.0 < chat["last_used_at"] < answered + 1.0, (asked, chat, answered)
+
+
+def _cli(cwd: Path, env: dict[str, str], *args: str) -> str:
+    """`dgxmm ARGS` as the user that runs the demo; its output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dgxmm.cli", *args],
+        cwd=cwd, env={**os.environ, "PYTHONPATH": str(PROJECT), **env}, capture_output=True,
+        text=True, timeout=DEADLINE_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout

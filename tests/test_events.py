@@ -386,6 +386,41 @@ def test_replay_until_t_shows_the_state_of_folding_the_events_up_to_t(
     assert live == set(expected.deployments)
 
 
+def test_the_state_keeps_each_deployments_last_use_from_the_traffic_batches() -> None:
+    def rec(seq: int, stream: str, event: m.AnyEvent) -> m.Recorded:
+        return m.Recorded(seq=seq, ts=T0 + seq, stream=stream, version=1, actor="x", event=event)
+
+    def created(dep: str) -> m.DeploymentCreated:
+        return m.DeploymentCreated(
+            deployment_id=dep, name=dep, engine="sim", model="x", memory_bytes=1
+        )
+
+    def batch(**used: float) -> m.TrafficRecorded:
+        return m.TrafficRecorded(
+            deployments=list(used), base_time=T0, base_id=0, count=0, data=b"",
+            last_used_at=used,
+        )  # fmt: skip
+
+    state = fold(
+        [
+            rec(1, "deployment:a", created("a")),
+            rec(2, "deployment:b", created("b")),
+            rec(3, "traffic", batch(a=T0 + 10, b=T0 + 5)),
+            rec(4, "traffic", batch(a=T0 + 20)),
+            rec(5, "traffic", batch(b=T0 + 4)),  # older than b's last use: kept as it was
+            rec(6, "traffic", batch(gone=T0 + 30)),  # no such deployment: not kept
+        ]
+    )
+    assert state.last_used_at == {"a": T0 + 20, "b": T0 + 5}
+    state = evolve(state, rec(7, "deployment:a", m.DeploymentRemoved()))
+    assert state.last_used_at == {"b": T0 + 5}
+    old = msgspec.json.decode(b'{"type": "TrafficRecorded", "deployments": ["b"], '
+                              b'"base_time": 0, "base_id": 0, "count": 0, "data": ""}',
+                              type=m.TrafficRecorded)  # fmt: skip
+    assert old.last_used_at == {}  # a batch written before the field decodes, names no use
+    assert evolve(state, rec(8, "traffic", old)).last_used_at == state.last_used_at
+
+
 # --- properties of the projections ----------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from actors.admission import Refused
 from events import model as m
-from events.traffic import CLIENT_GONE, QUEUE_FULL, SERVED, decode_batch
+from events.state import fold
+from events.traffic import CLIENT_GONE, QUEUE_FULL, SERVED, decode_batch, encode_batch
 from gateway.trace import TrafficTrace
 from storage.eventlog import EventStore
 from tests.gateway_support import (
@@ -74,6 +75,27 @@ def test_a_batch_decodes_to_the_requests_it_was_made_of() -> None:
     assert abs(records[1].service_s - (2.0 - 12.5)) < 1e-3 or records[1].service_s == 0.0
     assert records[2].ttfb_s is None and records[2].outcome == "client_gone"
     assert records[0].ttfb_s is not None and abs(records[0].ttfb_s - 0.05) < 1e-4
+
+
+def _no_answer(row: Row) -> Row:
+    return (*row[:4], 0.0, *row[5:])
+
+
+def test_a_batch_says_when_each_deployment_was_last_used_by_a_request_that_reached_it() -> None:
+    rows = [
+        _row(0, "a"),
+        _row(1, "b"),
+        _row(2, "a"),  # a's newest
+        _no_answer(_row(3, "c", flags=QUEUE_FULL << 1)),  # refused: no use
+        _no_answer(_row(4, "b", flags=CLIENT_GONE << 1)),  # left while waiting: no use
+        _row(5, "d", flags=CLIENT_GONE << 1),  # left once the answer began: a use
+    ]
+    batch = encode_rows(rows)
+    end = OFFSET + T0 + 2.0  # each row ends 2 s after it arrived, rows 0.25 s apart
+    assert batch.last_used_at.keys() == {"a", "b", "d"}
+    for dep, i in (("a", 2), ("b", 1), ("d", 5)):
+        assert abs(batch.last_used_at[dep] - (end + i * 0.25)) < 1e-3, dep
+    assert encode_batch(decode_batch(batch)).last_used_at == batch.last_used_at
 
 
 def test_a_request_costs_no_write_until_the_batch_is_flushed() -> None:
@@ -259,3 +281,44 @@ def test_archive_moves_old_trace_batches_and_keeps_the_newest(tmp_path: Path) ->
 
     left, gone = run(main())
     assert left == ["TrafficRecorded"] and gone == ["TrafficRecorded"] * 2
+
+
+def test_archive_keeps_the_newest_batch_with_each_deployments_last_use(tmp_path: Path) -> None:
+    # The folded state keeps the last uses (and its snapshot); the log folded alone, with
+    # no snapshot (a new snapshot format after an upgrade), must know them too.
+    from storage.archive import archive_queue_events
+
+    now = [100.0]
+    batches = [
+        encode_rows([_row(0, "a"), _row(1, "b")]),
+        encode_rows([_row(0, "a")]),  # moves: a is used again in the next
+        encode_rows([_row(1, "a")]),
+    ]
+
+    async def main() -> tuple[list[float], list[float], dict[str, float], dict[str, float]]:
+        store = await EventStore.open(tmp_path / "log.db", wall=lambda: now[0])
+        for dep in ("a", "b"):
+            created = m.DeploymentCreated(
+                deployment_id=dep, name=dep, engine="sim", model="x", memory_bytes=1
+            )
+            await store.append(m.deployment_stream(dep), [created], actor="admin:alice")
+        for i, batch in enumerate(batches):
+            now[0] = 100.0 + i * 100
+            await store.append(m.STREAM_TRAFFIC, [batch], actor="system")
+        before = fold(await store.read()).last_used_at
+        await store.close()
+        assert await archive_queue_events(tmp_path / "log.db", tmp_path / "old.db", 1e9) == 1
+        kept: list[float] = []
+        moved: list[float] = []
+        after: dict[str, float] = {}
+        for path, into in ((tmp_path / "log.db", kept), (tmp_path / "old.db", moved)):
+            log = await EventStore.open(path, create=False, readonly=True)
+            into.extend(r.ts for r in await log.read(stream=m.STREAM_TRAFFIC))
+            if into is kept:
+                after = fold(await log.read()).last_used_at
+            await log.close()
+        return kept, moved, before, after
+
+    kept, moved, before, after = run(main())
+    assert kept == [100.0, 300.0] and moved == [200.0]
+    assert after == before and before.keys() == {"a", "b"}

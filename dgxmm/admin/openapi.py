@@ -100,6 +100,23 @@ class Removed(msgspec.Struct, kw_only=True):
     removed: bool
 
 
+class LogTail(msgspec.Struct, kw_only=True):
+    """`GET /deployments/{id}/logs` without `follow`: the engine's last lines."""
+
+    deployment_id: str
+    name: str
+    lines: list[str]
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    """The first event of the UI's stream: the whole picture (later events update a part)."""
+
+    deployments: list[Deployment]
+    memory: dict[str, Any]
+    queue: dict[str, Any]
+    settings: dict[str, Any]
+
+
 class ModelObject(msgspec.Struct, kw_only=True):
     """One model as the gateway lists it."""
 
@@ -158,8 +175,8 @@ _ADMIN: dict[str, tuple[str, Any, int, Any]] = {
     "litellm_status": ("The LiteLLM integration's status", None, 200, None),
     "litellm_configure": ("Configure the LiteLLM integration", "object", 200, None),
     "litellm_sync": ("Sync LiteLLM now", None, 200, None),
-    "event_stream": ("The UI's live stream (server-sent events)", None, 200, "sse"),
-    "deployment_logs": ("A deployment's engine log (follow=1: a stream)", None, 200, None),
+    "event_stream": ("The UI's live stream (server-sent events)", None, 200, "stream only"),
+    "deployment_logs": ("A deployment's engine log (follow=1: a stream)", None, 200, LogTail),
     "deployment_progress": ("A deployment's start progress", None, 200, None),
     "queue": ("The requests waiting, with what each waits for", None, 200, None),
     "openapi": ("This document", None, 200, None),
@@ -170,6 +187,20 @@ _ADMIN: dict[str, tuple[str, Any, int, Any]] = {
     "timeline.timeline": ("The memory and residency timeline of a window", None, 200, None),
     "timeline.story": ("One request's story (the replay --request text)", None, 200, None),
 }  # fmt: skip
+
+# The routes that answer with server-sent events: event name -> the schema of its `data` (one
+# line of JSON).  Heartbeats are SSE comments, and `retry:` comes alone first.
+_STREAMS: dict[str, dict[str, dict[str, Any]]] = {
+    "event_stream": {
+        "snapshot": {"$ref": SCHEMA_REF.format(name="Snapshot")},
+        "deployment": {"$ref": SCHEMA_REF.format(name="Deployment")},
+        "removed": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]},
+        "memory": {"type": "object"},
+        "queue": {"type": "object"},
+        "settings": {"type": "object"},
+    },
+    "deployment_logs": {"line": {"type": "string"}},
+}
 
 _QUERIES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
     "deployment_events": [
@@ -196,8 +227,16 @@ _QUERIES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
         ("to", "an alias of until", {"type": "string"}),
     ],
     "deployment_logs": [
-        ("tail", "the last N lines", {"type": "integer"}),
-        ("follow", "1: keep sending new lines (server-sent events)", {"type": "string"}),
+        (
+            "tail",
+            "the last N lines (default 200)",
+            {"type": "integer", "minimum": 0, "maximum": 10_000},
+        ),
+        (
+            "follow",
+            "1, true or yes: keep sending new lines (server-sent events); else the tail only",
+            {"anyOf": [{"enum": ["1", "true", "yes"]}, {"type": "string"}]},
+        ),
     ],
 }
 
@@ -238,6 +277,32 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"content": {JSON: {"schema": schema}}}
 
 
+def _events(events: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A stream of server-sent events: the schema of each event (OpenAPI 3.1 describes an
+    event stream event by event), its `data` one line of JSON of the schema its name says."""
+    data = {"type": "string", "contentMediaType": JSON}
+    return {
+        "schema": {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {"event": {"enum": list(events)}, "data": data},
+            "oneOf": [
+                {
+                    "properties": {
+                        "event": {"const": name},
+                        "data": {**data, "contentSchema": schema},
+                    }
+                }
+                for name, schema in events.items()
+            ],
+        }
+    }
+
+
+# An engine's stream, relayed as it comes (OpenAI's chunks are `data:` lines without a name).
+_ENGINE_EVENTS = {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}}
+
+
 def _admin_operation(route: Route) -> dict[str, Any]:
     summary, body, status, answer = _ADMIN[route.handler]
     op: dict[str, Any] = {
@@ -259,10 +324,11 @@ def _admin_operation(route: Route) -> dict[str, Any]:
     if body is not None:
         schema = {"type": "object"} if body == "object" else _ref(body)
         op["requestBody"] = {"required": True, **_json(schema)}
-    if answer == "sse":
-        ok: dict[str, Any] = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
-    else:
+    ok: dict[str, Any] = {"content": {}}
+    if answer != "stream only":
         ok = _json(_ref(answer) if answer is not None else {"type": "object"})
+    if route.handler in _STREAMS:
+        ok["content"]["text/event-stream"] = _events(_STREAMS[route.handler])
     op["responses"] = {
         str(status): {"description": "Done", **ok},
         "default": {"description": _ERRORS, **_json(_ref(Error))},
@@ -295,7 +361,7 @@ def _gateway_operation(method: str, path: str, summary: str) -> dict[str, Any]:
         ok: dict[str, Any] = {
             "content": {
                 JSON: {"schema": {"type": "object"}},
-                "text/event-stream": {"schema": {"type": "string"}},
+                "text/event-stream": _ENGINE_EVENTS,
             }
         }
     elif path == "/v1/models":
@@ -317,7 +383,7 @@ def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of both listeners."""
     types = [
         Error, LoginAnswer, SessionAnswer, LogoutAnswer, Deployment, DeploymentList, Removed,
-        ModelList, InferenceBody, EngineError,
+        ModelList, InferenceBody, EngineError, LogTail, Snapshot,
         *{b for _, b, _, _ in _ADMIN.values() if isinstance(b, type)},
     ]  # fmt: skip
     _, components = msgspec.json.schema_components(

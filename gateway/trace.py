@@ -134,7 +134,8 @@ class TrafficTrace:
         """Hand the rows so far to the writer as one batch (dropped when it is behind)."""
         self._flush_soon = False
         buf = self._buf
-        if not buf:
+        if not buf:  # nothing to write; the next rows count from now (float32 stays exact)
+            self._base = self._monotonic()
             return
         base_time = self._base + self._offset
         event = m.TrafficRecorded(

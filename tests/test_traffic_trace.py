@@ -322,3 +322,29 @@ def test_archive_keeps_the_newest_batch_with_each_deployments_last_use(tmp_path:
     kept, moved, before, after = run(main())
     assert kept == [100.0, 300.0] and moved == [200.0]
     assert after == before and before.keys() == {"a", "b"}
+
+
+def test_rows_after_a_quiet_day_keep_their_millisecond() -> None:
+    """An empty flush moves the batch's base to now: a row's float32 offset stays small, so
+    a request a day after the last one is not rounded to 8 ms."""
+
+    async def main() -> list[m.TrafficRecorded]:
+        written: list[m.TrafficRecorded] = []
+        now = [T0]
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            written.append(event)
+
+        trace = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: now[0])
+        for _ in range(24 * 360):  # a quiet day, a flush every 10 s
+            now[0] += 10.0
+            trace.flush()
+        arrived = now[0] + 0.0013
+        trace.record("a", 7, arrived, arrived, arrived + 0.0021, arrived + 0.0042, SERVED << 1)
+        await trace.close()
+        return written
+
+    (batch,) = run(main())
+    (record,) = decode_batch(batch)
+    assert abs(record.arrived - (T0 + 86400 + 0.0013 + OFFSET)) < 1e-4
+    assert abs(record.ttfb_s - 0.0021) < 1e-5 if record.ttfb_s is not None else False

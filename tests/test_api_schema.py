@@ -1,7 +1,7 @@
 """The OpenAPI document against both listeners of a real `dgxmm serve --demo`, with
 schemathesis (property-based, on hypothesis): every documented answer matches its schema
-(status, content type, body) and no input gets a 5xx.  Its counts are printed to the
-terminal, also when pytest captures output, so they show in CI's log.
+(status, content type, body) and no input gets a 5xx.  Its counts go to the run's
+summary of what was tried (tests/conftest.py), so they show in CI's log.
 
 The gateway is tested first, against the demo's always-on deployment once it is ready (the
 seed's 503s of a model that does not run, such as `ondemand_not_ready`, answer a state, not
@@ -23,10 +23,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from tests.serve_support import banner_auth, start_demo, stop_demo
 
@@ -108,7 +107,7 @@ def answers(har: Path) -> dict[str, collections.Counter[str]]:
 
 
 def test_both_listeners_answer_as_their_openapi_document_says(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tried: Callable[[str], None]
 ) -> None:
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
     (tmp_path / "demo").mkdir()
@@ -174,12 +173,11 @@ def test_both_listeners_answer_as_their_openapi_document_says(
         status_admin, out_admin = schemathesis(
             tmp_path / "admin.json", admin.group(1), "-H", f"Authorization: Bearer {token}", *skip
         )
-        with capsys.disabled():
-            print(f"\nschemathesis, gateway: {counts(out_gw)}")
-            print(f"schemathesis, admin API streams: {counts(out_streams)}")
-            for name, seen in sorted(streamed.items()):
-                print(f"  {name}: " + ", ".join(f"{n} x {a}" for a, n in sorted(seen.items())))
-            print(f"schemathesis, admin API: {counts(out_admin)}")
+        tried(f"schemathesis, gateway: {counts(out_gw)}")
+        tried(f"schemathesis, admin API streams: {counts(out_streams)}")
+        for name, seen in sorted(streamed.items()):
+            tried(f"  {name}: " + ", ".join(f"{n} x {a}" for a, n in sorted(seen.items())))
+        tried(f"schemathesis, admin API: {counts(out_admin)}")
         assert status_gw == 0, out_gw[-6000:]
         assert status_streams == 0, out_streams[-6000:]
         assert status_admin == 0, out_admin[-6000:]

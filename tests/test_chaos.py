@@ -81,16 +81,16 @@ class Report:
         else:
             self.violations.append(what)
 
-    def print(self, capsys: pytest.CaptureFixture[str]) -> None:
-        with capsys.disabled():
-            print(f"\n[chaos] {self.title} (seed {SEED})")
-            print("  tried   : " + ", ".join(f"{k} {v}" for k, v in sorted(self.tried.items())))
-            print("  clients : " + ", ".join(f"{k} {v}" for k, v in sorted(self.clients.items())))
-            print("  held    : " + ", ".join(f"{k} x{v}" for k, v in sorted(self.held.items())))
-            for note in self.notes:
-                print(f"  measured: {note}")
-            for v in self.violations[:20]:
-                print(f"  VIOLATED: {v}")
+    def print(self, tried: Callable[[str], None]) -> None:
+        """Its lines for the run's summary (tests/conftest.py)."""
+        tried(f"[chaos] {self.title} (seed {SEED})")
+        tried("  tried   : " + ", ".join(f"{k} {v}" for k, v in sorted(self.tried.items())))
+        tried("  clients : " + ", ".join(f"{k} {v}" for k, v in sorted(self.clients.items())))
+        tried("  held    : " + ", ".join(f"{k} x{v}" for k, v in sorted(self.held.items())))
+        for note in self.notes:
+            tried(f"  measured: {note}")
+        for v in self.violations[:20]:
+            tried(f"  VIOLATED: {v}")
 
 
 def run(coro: Awaitable[Any]) -> Any:
@@ -314,7 +314,7 @@ async def remember(serve: Serve, dep: str, acked: Acked) -> None:
 
 
 def test_sigkill_of_dgxmm_at_random_and_aimed_moments_under_load_leaves_it_correct(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tried: Callable[[str], None]
 ) -> None:
     rng = random.Random(SEED)
     token = f"ck{SEED}"
@@ -379,7 +379,7 @@ def test_sigkill_of_dgxmm_at_random_and_aimed_moments_under_load_leaves_it_corre
     try:
         run(main())
     finally:
-        report.print(capsys)
+        report.print(tried)
     assert report.violations == []
 
 
@@ -397,7 +397,7 @@ async def _check_stop_intents(serve: Serve, report: Report) -> None:
 
 
 def test_engines_killed_or_hung_under_streaming_load_end_every_answer_explicitly(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tried: Callable[[str], None]
 ) -> None:
     rng = random.Random(SEED + 1)
     token = f"ce{SEED}"
@@ -440,7 +440,7 @@ def test_engines_killed_or_hung_under_streaming_load_end_every_answer_explicitly
     try:
         run(main())
     finally:
-        report.print(capsys)
+        report.print(tried)
     assert report.violations == []
 
 
@@ -462,7 +462,7 @@ async def _until_ready(serve: Serve, dep: str, also: Callable[[], bool] = lambda
 
 
 def test_a_data_dir_that_fills_and_frees_loses_nothing_and_leaves_no_model_ready_but_dead(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tried: Callable[[str], None]
 ) -> None:
     rng = random.Random(SEED + 2)
     token = f"cd{SEED}"
@@ -518,7 +518,7 @@ def test_a_data_dir_that_fills_and_frees_loses_nothing_and_leaves_no_model_ready
         with small_disk(tmp_path / "disk", "48m") as disk:
             run(main(disk))
     finally:
-        report.print(capsys)
+        report.print(tried)
     assert report.violations == []
 
 
@@ -676,13 +676,13 @@ async def ready_on_demand(serve: Serve, token: str) -> tuple[str, str]:
 
 
 def checked(
-    main: Awaitable[None], report: Report, capsys: pytest.CaptureFixture[str], deadline_s: float
+    main: Awaitable[None], report: Report, tried: Callable[[str], None], deadline_s: float
 ) -> None:
     """Run a chaos case within its deadline; print its report; fail on any violation."""
     try:
         run(asyncio.wait_for(main, deadline_s))
     finally:
-        report.print(capsys)
+        report.print(tried)
     assert report.violations == []
 
 
@@ -700,7 +700,7 @@ def starts_and_losses(records: list[m.Recorded], dep: str) -> Counter[str]:
 
 
 def test_an_idle_engine_killed_then_a_request_is_answered_after_one_cold_start(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], runtime: str
+    tmp_path: Path, tried: Callable[[str], None], runtime: str
 ) -> None:
     """SIGKILL an idle on-demand engine (as the OOM killer would), then send a request at
     once, on a new client connection: it never reached the dead engine, so it waits for
@@ -736,11 +736,11 @@ def test_an_idle_engine_killed_then_a_request_is_answered_after_one_cold_start(
             # One cold start per round, for the request (plus the creation's).
             report.check(got["start:request"] == ROUNDS, f"one start per round: {got}")
 
-    checked(main(), report, capsys, 60 + ROUNDS * 30)
+    checked(main(), report, tried, 60 + ROUNDS * 30)
 
 
 def test_an_engine_killed_between_requests_on_a_keep_alive_connection(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], runtime: str
+    tmp_path: Path, tried: Callable[[str], None], runtime: str
 ) -> None:
     """One client connection, kept alive: answered, engine SIGKILLed, the next request on
     the same connection (whose engine connection in the pool the kill closed) answered too."""
@@ -771,11 +771,11 @@ def test_an_engine_killed_between_requests_on_a_keep_alive_connection(
             got = starts_and_losses(await serve.records(), dep)
             report.check(got["EngineLost"] == ROUNDS, f"a loss per round: {got}")
 
-    checked(main(), report, capsys, 60 + ROUNDS * 30)
+    checked(main(), report, tried, 60 + ROUNDS * 30)
 
 
 def test_an_always_on_engine_stopped_beyond_its_health_window_is_named_and_restarted(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], runtime: str
+    tmp_path: Path, tried: Callable[[str], None], runtime: str
 ) -> None:
     """SIGSTOP an always-on engine under a request, past its health window (6 s): the request
     in flight gets an error naming the hang and the restart (503 engine_lost, not "start it
@@ -835,4 +835,4 @@ def test_an_always_on_engine_stopped_beyond_its_health_window_is_named_and_resta
             got = starts_and_losses(await serve.records(), dep)
             report.check(got["EngineLost"] == 1 and got["start:restart"] == 1, f"log: {got}")
 
-    checked(main(), report, capsys, 180)
+    checked(main(), report, tried, 180)

@@ -66,6 +66,8 @@ DEPLOYMENT_TYPES = (
     "EngineAdopted",
 )
 WINDOW_TYPES = (*DEPLOYMENT_TYPES, *QUEUE_TYPES)
+# One of the queue's events as `storage` reads them apart from the records: (ts, event).
+QueueMove = tuple[float, m.AnyEvent]
 
 
 class Segment(msgspec.Struct, frozen=True, kw_only=True):
@@ -295,18 +297,17 @@ class _Folder:
             )
         )
 
-    def queue(self, rec: m.Recorded) -> None:
-        ev = rec.event
+    def queue(self, ts: float, ev: m.AnyEvent) -> None:
         if type(ev) is m.RequestQueued:
-            self.waits[ev.request_id] = (ev.deployment_id, rec.ts, ev.kind)
+            self.waits[ev.request_id] = (ev.deployment_id, ts, ev.kind)
         elif type(ev) is m.RequestLeftQueue:
             wait = self.waits.pop(ev.request_id, None)
             self.done_waits.append(
                 Wait(
                     request_id=ev.request_id,
                     deployment_id=ev.deployment_id,
-                    start=wait[1] if wait is not None else max(self.since, rec.ts - ev.waited_s),
-                    end=rec.ts,
+                    start=wait[1] if wait is not None else max(self.since, ts - ev.waited_s),
+                    end=ts,
                     outcome=ev.reason,
                     kind=wait[2] if wait is not None else "queued",
                 )
@@ -368,43 +369,44 @@ def project(
     since: float,
     until: float,
     usable_bytes: int,
+    queue: Iterable[QueueMove] = (),
 ) -> Timeline:
     """The timeline of the window (`since`, `until`]: `start` is the state at `since`.
 
     `records` are the window's records in order (any other types are skipped); records
-    after `until` are ignored.
+    after `until` are ignored.  The queue's events may come in `records` or apart, in
+    `queue` (in order): the lanes and the waits are folded independently of each other.
     """
     folder = _Folder(start, since, until)
     for rec in records:
         if rec.ts > until:
             break
         if rec.stream == m.STREAM_QUEUE:
-            folder.queue(rec)
+            folder.queue(rec.ts, rec.event)
         elif rec.stream.startswith("deployment:"):
             folder.deployment(rec)
+    for ts, ev in queue:
+        if ts > until:
+            break
+        folder.queue(ts, ev)
     return folder.finish(usable_bytes)
 
 
-def catch_up(state: SystemState, records: Iterable[m.Recorded]) -> SystemState:
-    """`state` moved on by `records` as far as the timeline reads it (the deployments, the
-    queue): what `events.state.fold` gives for those two, at a fraction of its cost on the
-    queue's bulk (one dict updated in place instead of a new state per event)."""
+def catch_up(
+    state: SystemState, records: Iterable[m.Recorded], queue: Iterable[QueueMove] = ()
+) -> SystemState:
+    """`state` moved on by `records` (and the queue's events apart from them, `queue`) as far
+    as the timeline reads it (the deployments, the queue): what `events.state.fold` gives for
+    those two, at a fraction of its cost on the queue's bulk (one dict updated in place
+    instead of a new state per event).  Its `last_seq` is that of the newest of `records`."""
     deployments = dict(state.deployments)
-    queue = dict(state.queue)
+    waiting = dict(state.queue)
     last = state.last_seq, state.last_ts
     for rec in records:
         ev = rec.event
         last = rec.seq, rec.ts
-        if type(ev) is m.RequestQueued:
-            queue[ev.request_id] = QueueEntry(
-                request_id=ev.request_id,
-                deployment_id=ev.deployment_id,
-                kind=ev.kind,
-                arrived_at=ev.arrived_at,
-                position=ev.position,
-            )
-        elif type(ev) is m.RequestLeftQueue:
-            queue.pop(ev.request_id, None)
+        if rec.stream == m.STREAM_QUEUE:
+            _enqueue(waiting, ev)
         elif type(ev) is m.DeploymentCreated:
             deployments[ev.deployment_id] = new_deployment(rec)
         elif rec.stream.startswith("deployment:"):
@@ -416,9 +418,25 @@ def catch_up(state: SystemState, records: Iterable[m.Recorded]) -> SystemState:
                 del deployments[dep_id]
             else:
                 deployments[dep_id] = evolve_deployment(dep, rec)
+    for _, ev in queue:
+        _enqueue(waiting, ev)
     return msgspec.structs.replace(
-        state, deployments=deployments, queue=queue, last_seq=last[0], last_ts=last[1]
+        state, deployments=deployments, queue=waiting, last_seq=last[0], last_ts=last[1]
     )
+
+
+def _enqueue(waiting: dict[str, QueueEntry], ev: m.AnyEvent) -> None:
+    """The waiting requests after one of the queue's events (in place)."""
+    if type(ev) is m.RequestQueued:
+        waiting[ev.request_id] = QueueEntry(
+            request_id=ev.request_id,
+            deployment_id=ev.deployment_id,
+            kind=ev.kind,
+            arrived_at=ev.arrived_at,
+            position=ev.position,
+        )
+    elif type(ev) is m.RequestLeftQueue:
+        waiting.pop(ev.request_id, None)
 
 
 def lane_at(timeline: Timeline, deployment_id: str, at: float) -> Segment | None:

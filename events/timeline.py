@@ -66,6 +66,8 @@ DEPLOYMENT_TYPES = (
     "EngineAdopted",
 )
 WINDOW_TYPES = (*DEPLOYMENT_TYPES, *QUEUE_TYPES)
+# The events that are marks of their own (cold starts are marked at their end).
+_MARKED = (m.PutToSleep, m.EngineStartFailed, m.EngineLost)
 # One of the queue's events as `storage` reads them apart from the records: (ts, event).
 QueueMove = tuple[float, m.AnyEvent]
 
@@ -200,7 +202,8 @@ class _Folder:
     def deployment(self, rec: m.Recorded) -> None:
         dep_id = rec.stream.partition(":")[2]
         ev = rec.event
-        if isinstance(ev, m.DeploymentCreated):
+        kind = type(ev)
+        if kind is m.DeploymentCreated:
             dep = new_deployment(rec)
             self.open[dep_id] = _Open(dep, rec.ts)
             self.names[dep_id] = dep.name
@@ -210,7 +213,7 @@ class _Folder:
         lane = self.open.get(dep_id)
         if lane is None:
             return
-        if isinstance(ev, m.DeploymentRemoved):
+        if kind is m.DeploymentRemoved:
             self._close(dep_id, lane, rec.ts)
             lane.held = 0
             lane.dep = msgspec.structs.replace(lane.dep, lifecycle=Lifecycle.STOPPED)
@@ -226,34 +229,33 @@ class _Folder:
             lane.held = held
             lane.since = rec.ts
         lane.dep = after_dep
-        self._mark(dep_id, lane, rec, before, after)
-
-    def _mark(
-        self, dep_id: str, lane: _Open, rec: m.Recorded, before: Lifecycle, after: Lifecycle
-    ) -> None:
-        ev = rec.event
         if isinstance(ev, m.StartRequested) and ev.request_id is not None:
             lane.start_request = ev.request_id
-        if after is Lifecycle.STARTING and before is not Lifecycle.STARTING:
-            lane.start_since, lane.start_seq = rec.ts, rec.seq
-        if before is Lifecycle.STARTING and after is not Lifecycle.STARTING:
-            if after is Lifecycle.READY and lane.start_since is not None:
-                self._cold_start(dep_id, lane, rec.ts)
-            lane.start_since, lane.start_request = None, None
+        if after is not before:
+            if after is Lifecycle.STARTING:
+                lane.start_since, lane.start_seq = rec.ts, rec.seq
+            elif before is Lifecycle.STARTING:
+                if after is Lifecycle.READY and lane.start_since is not None:
+                    self._cold_start(dep_id, lane, rec.ts)
+                lane.start_since, lane.start_request = None, None
+        if kind in _MARKED:
+            self._mark(dep_id, rec)
+
+    def _mark(self, dep_id: str, rec: m.Recorded) -> None:
         name = self.names.get(dep_id, dep_id)
-        match ev:
-            case m.PutToSleep(reason="make_room"):
+        match rec.event:
+            case m.PutToSleep(reason="make_room") as ev:
                 target = ev.for_name or ev.for_deployment or "?"
                 self._add(
                     "make_room", rec, dep_id, f"{name} put to sleep to make room for {target}",
                     for_deployment=ev.for_deployment, for_name=ev.for_name,
                 )  # fmt: skip
-            case m.PutToSleep(reason="idle"):
+            case m.PutToSleep(reason="idle") as ev:
                 title = f"{name} put to sleep after {ev.idle_timeout_s} s idle"
                 self._add("idle_sleep", rec, dep_id, title)
-            case m.PutToSleep():
+            case m.PutToSleep() as ev:
                 self._add("sleep", rec, dep_id, f"{name} put to sleep ({ev.reason})")
-            case m.EngineStartFailed() | m.EngineLost():
+            case m.EngineStartFailed() | m.EngineLost() as ev:
                 what = "start failed" if isinstance(ev, m.EngineStartFailed) else "engine lost"
                 self._add("failure", rec, dep_id, f"{name}: {what}: {ev.reason}")
 

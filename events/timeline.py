@@ -66,6 +66,10 @@ DEPLOYMENT_TYPES = (
     "EngineAdopted",
 )
 WINDOW_TYPES = (*DEPLOYMENT_TYPES, *QUEUE_TYPES)
+# The events that are marks of their own (cold starts are marked at their end).
+_MARKED = (m.PutToSleep, m.EngineStartFailed, m.EngineLost)
+# One of the queue's events as `storage` reads them apart from the records: (ts, event).
+QueueMove = tuple[float, m.AnyEvent]
 
 
 class Segment(msgspec.Struct, frozen=True, kw_only=True):
@@ -198,7 +202,8 @@ class _Folder:
     def deployment(self, rec: m.Recorded) -> None:
         dep_id = rec.stream.partition(":")[2]
         ev = rec.event
-        if isinstance(ev, m.DeploymentCreated):
+        kind = type(ev)
+        if kind is m.DeploymentCreated:
             dep = new_deployment(rec)
             self.open[dep_id] = _Open(dep, rec.ts)
             self.names[dep_id] = dep.name
@@ -208,7 +213,7 @@ class _Folder:
         lane = self.open.get(dep_id)
         if lane is None:
             return
-        if isinstance(ev, m.DeploymentRemoved):
+        if kind is m.DeploymentRemoved:
             self._close(dep_id, lane, rec.ts)
             lane.held = 0
             lane.dep = msgspec.structs.replace(lane.dep, lifecycle=Lifecycle.STOPPED)
@@ -224,34 +229,33 @@ class _Folder:
             lane.held = held
             lane.since = rec.ts
         lane.dep = after_dep
-        self._mark(dep_id, lane, rec, before, after)
-
-    def _mark(
-        self, dep_id: str, lane: _Open, rec: m.Recorded, before: Lifecycle, after: Lifecycle
-    ) -> None:
-        ev = rec.event
         if isinstance(ev, m.StartRequested) and ev.request_id is not None:
             lane.start_request = ev.request_id
-        if after is Lifecycle.STARTING and before is not Lifecycle.STARTING:
-            lane.start_since, lane.start_seq = rec.ts, rec.seq
-        if before is Lifecycle.STARTING and after is not Lifecycle.STARTING:
-            if after is Lifecycle.READY and lane.start_since is not None:
-                self._cold_start(dep_id, lane, rec.ts)
-            lane.start_since, lane.start_request = None, None
+        if after is not before:
+            if after is Lifecycle.STARTING:
+                lane.start_since, lane.start_seq = rec.ts, rec.seq
+            elif before is Lifecycle.STARTING:
+                if after is Lifecycle.READY and lane.start_since is not None:
+                    self._cold_start(dep_id, lane, rec.ts)
+                lane.start_since, lane.start_request = None, None
+        if kind in _MARKED:
+            self._mark(dep_id, rec)
+
+    def _mark(self, dep_id: str, rec: m.Recorded) -> None:
         name = self.names.get(dep_id, dep_id)
-        match ev:
-            case m.PutToSleep(reason="make_room"):
+        match rec.event:
+            case m.PutToSleep(reason="make_room") as ev:
                 target = ev.for_name or ev.for_deployment or "?"
                 self._add(
                     "make_room", rec, dep_id, f"{name} put to sleep to make room for {target}",
                     for_deployment=ev.for_deployment, for_name=ev.for_name,
                 )  # fmt: skip
-            case m.PutToSleep(reason="idle"):
+            case m.PutToSleep(reason="idle") as ev:
                 title = f"{name} put to sleep after {ev.idle_timeout_s} s idle"
                 self._add("idle_sleep", rec, dep_id, title)
-            case m.PutToSleep():
+            case m.PutToSleep() as ev:
                 self._add("sleep", rec, dep_id, f"{name} put to sleep ({ev.reason})")
-            case m.EngineStartFailed() | m.EngineLost():
+            case m.EngineStartFailed() | m.EngineLost() as ev:
                 what = "start failed" if isinstance(ev, m.EngineStartFailed) else "engine lost"
                 self._add("failure", rec, dep_id, f"{name}: {what}: {ev.reason}")
 
@@ -295,18 +299,17 @@ class _Folder:
             )
         )
 
-    def queue(self, rec: m.Recorded) -> None:
-        ev = rec.event
+    def queue(self, ts: float, ev: m.AnyEvent) -> None:
         if type(ev) is m.RequestQueued:
-            self.waits[ev.request_id] = (ev.deployment_id, rec.ts, ev.kind)
+            self.waits[ev.request_id] = (ev.deployment_id, ts, ev.kind)
         elif type(ev) is m.RequestLeftQueue:
             wait = self.waits.pop(ev.request_id, None)
             self.done_waits.append(
                 Wait(
                     request_id=ev.request_id,
                     deployment_id=ev.deployment_id,
-                    start=wait[1] if wait is not None else max(self.since, rec.ts - ev.waited_s),
-                    end=rec.ts,
+                    start=wait[1] if wait is not None else max(self.since, ts - ev.waited_s),
+                    end=ts,
                     outcome=ev.reason,
                     kind=wait[2] if wait is not None else "queued",
                 )
@@ -368,43 +371,44 @@ def project(
     since: float,
     until: float,
     usable_bytes: int,
+    queue: Iterable[QueueMove] = (),
 ) -> Timeline:
     """The timeline of the window (`since`, `until`]: `start` is the state at `since`.
 
     `records` are the window's records in order (any other types are skipped); records
-    after `until` are ignored.
+    after `until` are ignored.  The queue's events may come in `records` or apart, in
+    `queue` (in order): the lanes and the waits are folded independently of each other.
     """
     folder = _Folder(start, since, until)
     for rec in records:
         if rec.ts > until:
             break
         if rec.stream == m.STREAM_QUEUE:
-            folder.queue(rec)
+            folder.queue(rec.ts, rec.event)
         elif rec.stream.startswith("deployment:"):
             folder.deployment(rec)
+    for ts, ev in queue:
+        if ts > until:
+            break
+        folder.queue(ts, ev)
     return folder.finish(usable_bytes)
 
 
-def catch_up(state: SystemState, records: Iterable[m.Recorded]) -> SystemState:
-    """`state` moved on by `records` as far as the timeline reads it (the deployments, the
-    queue): what `events.state.fold` gives for those two, at a fraction of its cost on the
-    queue's bulk (one dict updated in place instead of a new state per event)."""
+def catch_up(
+    state: SystemState, records: Iterable[m.Recorded], queue: Iterable[QueueMove] = ()
+) -> SystemState:
+    """`state` moved on by `records` (and the queue's events apart from them, `queue`) as far
+    as the timeline reads it (the deployments, the queue): what `events.state.fold` gives for
+    those two, at a fraction of its cost on the queue's bulk (one dict updated in place
+    instead of a new state per event).  Its `last_seq` is that of the newest of `records`."""
     deployments = dict(state.deployments)
-    queue = dict(state.queue)
+    waiting = dict(state.queue)
     last = state.last_seq, state.last_ts
     for rec in records:
         ev = rec.event
         last = rec.seq, rec.ts
-        if type(ev) is m.RequestQueued:
-            queue[ev.request_id] = QueueEntry(
-                request_id=ev.request_id,
-                deployment_id=ev.deployment_id,
-                kind=ev.kind,
-                arrived_at=ev.arrived_at,
-                position=ev.position,
-            )
-        elif type(ev) is m.RequestLeftQueue:
-            queue.pop(ev.request_id, None)
+        if rec.stream == m.STREAM_QUEUE:
+            _enqueue(waiting, ev)
         elif type(ev) is m.DeploymentCreated:
             deployments[ev.deployment_id] = new_deployment(rec)
         elif rec.stream.startswith("deployment:"):
@@ -416,9 +420,25 @@ def catch_up(state: SystemState, records: Iterable[m.Recorded]) -> SystemState:
                 del deployments[dep_id]
             else:
                 deployments[dep_id] = evolve_deployment(dep, rec)
+    for _, ev in queue:
+        _enqueue(waiting, ev)
     return msgspec.structs.replace(
-        state, deployments=deployments, queue=queue, last_seq=last[0], last_ts=last[1]
+        state, deployments=deployments, queue=waiting, last_seq=last[0], last_ts=last[1]
     )
+
+
+def _enqueue(waiting: dict[str, QueueEntry], ev: m.AnyEvent) -> None:
+    """The waiting requests after one of the queue's events (in place)."""
+    if type(ev) is m.RequestQueued:
+        waiting[ev.request_id] = QueueEntry(
+            request_id=ev.request_id,
+            deployment_id=ev.deployment_id,
+            kind=ev.kind,
+            arrived_at=ev.arrived_at,
+            position=ev.position,
+        )
+    elif type(ev) is m.RequestLeftQueue:
+        waiting.pop(ev.request_id, None)
 
 
 def lane_at(timeline: Timeline, deployment_id: str, at: float) -> Segment | None:

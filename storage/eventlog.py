@@ -43,7 +43,7 @@ from storage.errors import (
     StoreClosed,
 )
 from storage.readmodels import ANY_AUDIT, AuditFilter
-from storage.snapshots import decode_snapshot, encode_snapshot
+from storage.snapshots import SNAPSHOT_PREFIX, decode_snapshot, encode_snapshot
 
 log = structlog.get_logger("dgxmm.storage")
 
@@ -616,6 +616,11 @@ class EventStore:
 
     # --- snapshots ----------------------------------------------------------------------
 
+    @property
+    def readonly(self) -> bool:
+        """Opened read-only (replay, what-if): no appends, no snapshots."""
+        return self._readonly
+
     async def save_snapshot(self, state: SystemState) -> None:
         """Store the folded state as of `state.last_seq` (through the writer, between appends)."""
         if self._readonly:
@@ -641,14 +646,27 @@ class EventStore:
         if not item.future.done():
             item.future.set_result(None)
 
+    async def foreign_snapshots(self) -> int:
+        """How many snapshots are of another format (another schema of the state): passed
+        over by `latest_snapshot`."""
+        sql = "SELECT COUNT(*) FROM snapshots WHERE substr(state, 1, ?) != ?"
+        try:
+            async with self._conn.execute(sql, (len(SNAPSHOT_PREFIX), SNAPSHOT_PREFIX)) as cur:
+                row = await cur.fetchone()
+        except sqlite3.Error as exc:
+            raise _map_error(exc, self.path) from exc
+        return int(row[0]) if row else 0
+
     async def latest_snapshot(self, *, until_ts: float | None = None) -> SystemState | None:
         """The newest usable snapshot (taken at or before `until_ts`), or None.
 
         A snapshot that does not decode (written by code with another state schema, or
         damaged) is skipped with a warning: snapshots are derived data, the log is the truth.
         """
-        sql = "SELECT seq, state FROM snapshots WHERE seq <= ?"
-        params: list[object] = [self._last_seq]
+        # Only this code's format: a snapshot of another (an older schema) is passed over,
+        # so that an older one of this format before it still serves.
+        sql = "SELECT seq, state FROM snapshots WHERE seq <= ? AND substr(state, 1, ?) = ?"
+        params: list[object] = [self._last_seq, len(SNAPSHOT_PREFIX), SNAPSHOT_PREFIX]
         if until_ts is not None:
             sql += " AND ts <= ?"
             params.append(until_ts)

@@ -32,22 +32,22 @@ SNAPSHOT_EVERY = 10_000  # events between two snapshots while serving
 
 _schema = msgspec.json.encode(msgspec.json.schema(SystemState), order="sorted")
 SNAPSHOT_FORMAT = f"dgxmm-state/{STATE_SEMANTICS}/{hashlib.sha256(_schema).hexdigest()[:16]}"
-_PREFIX = SNAPSHOT_FORMAT.encode() + b"\n"
+SNAPSHOT_PREFIX = SNAPSHOT_FORMAT.encode() + b"\n"  # a blob's first bytes
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(SystemState)
 
 
 def encode_snapshot(state: SystemState) -> bytes:
     """The blob stored for `state`: the format line, then the state's JSON."""
-    return _PREFIX + _encoder.encode(state)
+    return SNAPSHOT_PREFIX + _encoder.encode(state)
 
 
 def decode_snapshot(blob: bytes) -> SystemState | None:
     """The state in `blob`, or None when it is of another format or damaged."""
-    if not isinstance(blob, bytes) or not blob.startswith(_PREFIX):
+    if not isinstance(blob, bytes) or not blob.startswith(SNAPSHOT_PREFIX):
         return None
     try:
-        return _decoder.decode(blob[len(_PREFIX) :])
+        return _decoder.decode(blob[len(SNAPSHOT_PREFIX) :])
     except msgspec.DecodeError:
         return None
 
@@ -58,9 +58,22 @@ async def load_state(
 ) -> SystemState:
     """The state at the end of the log: the newest usable snapshot plus the events after it
     (each applied with `fold_one`; the controller's marks a deployment it cannot fold failed)."""
+    foreign = await store.foreign_snapshots()
+    if foreign:
+        log.warning("snapshot_ignored", path=store.path, count=foreign, reason="another format")
     state = await store.latest_snapshot() or EMPTY
+    saved = state.last_seq
     async for rec in store.iterate(since_seq=state.last_seq):
         state = fold_one(state, rec)
+        if state.last_seq - saved >= SNAPSHOT_EVERY and not store.readonly:
+            # A long fold (a first start after the state's schema changed, or snapshots
+            # lost): snapshots along the way again, so that a past window (the timeline,
+            # replay) starts near its time instead of at the log's beginning.
+            saved = state.last_seq
+            try:
+                await store.save_snapshot(state)
+            except Exception as exc:  # policy: a lost snapshot costs time, nothing else
+                log.warning("snapshot_failed", error=str(exc))
     return state
 
 

@@ -40,6 +40,11 @@ def _lane(item: pytest.Item) -> str:
     return "side"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Also known without xdist (`-p no:xdist`), where the groups do nothing.
+    config.addinivalue_line("markers", "xdist_group(name): the lane of a test (tests/conftest.py)")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_lane(item)))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from events import model as m
 from events.projections import AuditRow, EventRow, audit_rows, deployment_events
 from events.state import EMPTY, SystemState, fold
+from storage import snapshots
 from storage.eventlog import EventStore
 from storage.readmodels import AuditFilter
 from storage.snapshots import decode_snapshot, encode_snapshot, load_state
@@ -205,3 +206,38 @@ def test_a_page_of_the_audit_trail_goes_back_with_before(tmp_path: Path) -> None
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_long_fold_at_start_up_writes_snapshots_along_the_log_again(tmp_path: Path) -> None:
+    """After the state's schema changed, every snapshot is of another format: the first
+    start-up folds the whole log and snapshots it again every SNAPSHOT_EVERY events, so that
+    a past window (the timeline, replay) starts near its time, not at the log's beginning."""
+    path = tmp_path / "log.db"
+    every = snapshots.SNAPSHOT_EVERY
+    wall = ScriptedWall()
+
+    async def scenario() -> list[int | None]:
+        store = await EventStore.open(path, wall=wall)
+        for chunk in range(0, every * 2 + 500, 500):  # a second per 500 events
+            wall.now = T0 + chunk / 500
+            batch = [m.SettingsChanged(changes={"n": n}) for n in range(chunk, chunk + 500)]
+            await store.append("settings", batch, actor="admin:a")
+            if chunk + 500 == every:
+                await store.save_snapshot(fold(await store.read()))
+        await store.close()
+        with sqlite3.connect(path) as conn:  # written by code with another schema
+            conn.execute("UPDATE snapshots SET state = CAST('dgxmm-state/0/old\n{}' AS BLOB)")
+        store = await EventStore.open(path, wall=wall)
+        try:
+            assert await store.latest_snapshot() is None
+            with structlog.testing.capture_logs() as logs:
+                state = await load_state(store)
+            assert [e["event"] for e in logs] == ["snapshot_ignored"]
+            assert state == fold(await store.read())
+            assert await store.foreign_snapshots() == 0  # the old one was rewritten in place
+            found = [await store.latest_snapshot(until_ts=T0 + s) for s in (18, 19, 39, 99)]
+            return [None if f is None else f.last_seq for f in found]
+        finally:
+            await store.close()
+
+    assert asyncio.run(scenario()) == [None, every, every * 2, every * 2]

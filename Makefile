@@ -51,10 +51,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Two lanes (tests/conftest.py): the tests that mostly wait in real time run on a second
-# worker beside the rest, which run in file order on the first.
-# pytest exits 5 when it collected no test: that is a failure here, never a silent green.
+# Two lanes (tests/conftest.py, scripts/test-lanes): the tests that mostly wait in real time
+# run beside the rest, which run in file order.  A run that collects no test is a failure.
 test: bootstrap
-	@rc=0; $(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS) || rc=$$?; \
-	if [[ $$rc -eq 5 ]]; then echo "make test: FAILED: pytest ran no test" >&2; exit 1; fi; \
-	exit $$rc
+	@PY=$(PY) scripts/test-lanes $(PYTEST_ARGS)

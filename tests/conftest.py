@@ -1,18 +1,17 @@
 """Suite-wide hooks: the two lanes of `make test`, and the summary of what the chaos and fuzz
 suites tried.
 
-**Lanes.** `make test` runs pytest with two xdist workers and `--dist loadgroup`.  Every test
-is in the group `main`, which one worker runs in file order, as the suite runs alone, except
-the tests of `SIDE`: they spend their time waiting in real time (a real engine's 60-s idle
-timer, three minutes of recorded traffic, a browser watching a model go to sleep) and use
-neither Docker (DGXMM's reconcile stops containers it does not know, so every Docker test
-stays in one lane) nor vLLM (whose cold starts want both cores).  They run in the group
-`side`, on the other worker, beside the main lane: the suite takes the longer lane's time,
-not the sum.  Run alone (`pytest tests/test_x.py`, no `-n`), the groups do nothing.
+**Lanes.** `make test` (`scripts/test-lanes`) runs two pytest processes at once:
+`--lane side` runs the tests of `SIDE`, which spend their time waiting in real time (a real
+engine's 60-s idle timer, three minutes of recorded traffic, a browser watching a model go
+to sleep) and use neither Docker (DGXMM's reconcile stops containers it does not know, so
+every Docker test stays in one lane) nor vLLM (whose cold starts want both cores);
+`--lane main` runs all the others, in file order, as the suite runs alone.  The suite then
+takes the longer lane's time, not the sum.  Without `--lane`, pytest runs every test.
 
-**What was tried.** A worker's output does not reach the terminal, so a test reports the
-lines of what it tried through the `tried` fixture; they are printed together at the end of
-the run, under their test's name, also when every test passed.
+**What was tried.** A test reports the lines of what it tried through the `tried` fixture;
+they are printed together at the end of the run, under their test's name, also when every
+test passed (its own output is captured).
 """
 
 from __future__ import annotations
@@ -30,24 +29,34 @@ SIDE = (
     "tests/test_demo.py",
 )
 _PROPERTY = "dgxmm-tried"
-_TRIED: list[tuple[str, str]] = []  # (test, line), on the process that prints the summary
+_TRIED: list[tuple[str, str]] = []  # (test, line)
 
 
-def _lane(item: pytest.Item) -> str:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--lane",
+        choices=("all", "main", "side"),
+        default="all",
+        help="run one lane of `make test` (tests/conftest.py); default all",
+    )
+
+
+def lane_of(item: pytest.Item) -> str:
+    """`side` for a test of `SIDE` that uses neither Docker nor vLLM, else `main`."""
     path = item.nodeid.split("::", 1)[0]
     if path not in SIDE or item.get_closest_marker("docker") or item.get_closest_marker("vllm"):
         return "main"
     return "side"
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Also known without xdist (`-p no:xdist`), where the groups do nothing.
-    config.addinivalue_line("markers", "xdist_group(name): the lane of a test (tests/conftest.py)")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_lane(item)))
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    lane = config.getoption("lane")
+    if lane == "all":
+        return
+    keep = [item for item in items if lane_of(item) == lane]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if lane_of(item) != lane])
+        items[:] = keep
 
 
 @pytest.fixture

@@ -477,8 +477,18 @@ async def simulate(
         store = await EventStore.open(Path(tmp) / "sim.db", wall=clock.wall)
         clock.add_busy_check(store.busy)
 
+        # The simulated box names its deployments anew: a launch finds its model's own
+        # recorded starts through the recorded id (recorded id -> simulated id, filled as the
+        # deployments are created).
+        ids: dict[str, str] = {}
+        startup: dict[str, float] = {}
+
         def behaviour(spec: Any) -> EngineBehaviour:
-            return EngineBehaviour(startup_s=start_seconds(history, spec.deployment_id))
+            sim_id = spec.deployment_id
+            if sim_id not in startup:
+                recorded = next((r for r, s in ids.items() if s == sim_id), sim_id)
+                startup[sim_id] = start_seconds(history, recorded)
+            return EngineBehaviour(startup_s=startup[sim_id])
 
         runtime = SimRuntime(clock, behaviour)
         broker = MemoryBroker(
@@ -498,7 +508,7 @@ async def simulate(
         await controller.load()
         sim = _Sim(clock, store, controller, origin)
         try:
-            ids = await _seed(sim, history, per_dep)
+            await _seed(sim, history, per_dep, ids)
             await _run(sim, history, ids, per_dep, own, progress)
             records = await store.read()
         finally:
@@ -542,10 +552,11 @@ def _spec(dep: DeploymentState | m.DeploymentCreated, own: dict[str, Any]) -> De
     )
 
 
-async def _seed(sim: _Sim, history: History, per_dep: dict[str, dict[str, Any]]) -> dict[str, str]:
+async def _seed(
+    sim: _Sim, history: History, per_dep: dict[str, dict[str, Any]], ids: dict[str, str]
+) -> None:
     """The deployments of `since`, warmed up: those ready then are ready at the window's
-    start, the others stopped.  Returns recorded id -> simulated id."""
-    ids: dict[str, str] = {}
+    start, the others stopped.  Fills `ids`: recorded id -> simulated id."""
     for dep_id, dep in sorted(history.deployments.items(), key=lambda kv: kv[1].created_at):
         rec = await sim.controller.create(_spec(dep, per_dep.get(dep_id, {})), actor="admin:whatif")
         ids[dep_id] = rec.id
@@ -556,7 +567,6 @@ async def _seed(sim: _Sim, history: History, per_dep: dict[str, dict[str, Any]])
             if actor is not None and actor.state.lifecycle is not Lifecycle.STOPPED:
                 await sim.controller.stop(ids[dep_id], actor="admin:whatif")
     await sim.clock.advance_to(history.since - sim.origin)
-    return ids
 
 
 async def _run(

@@ -115,7 +115,7 @@ async def record(root: Path, arrivals: list[Arrival], make_room_after_s: int | N
             body = {
                 "name": model.name,
                 "engine": "sim",
-                "model": f"sim/{model.name}",
+                "model": served(model.name),
                 "memory_gib": model.gib,
                 "mode": "on_demand",
                 "args": ["--startup-delay", str(model.startup_s), "--token-delay",
@@ -132,11 +132,21 @@ async def record(root: Path, arrivals: list[Arrival], make_room_after_s: int | N
             tasks.append(
                 asyncio.create_task(_send(serve.gateway_port, serve.gateway_key, ids, arrival))
             )
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=900)
+        statuses = await asyncio.wait_for(asyncio.gather(*tasks), timeout=900)
+        # Anything but an answer or a queue timeout means the traffic did not do its work
+        # (a request naming a model the engine does not serve is answered 404 at once).
+        wrong = sorted(s for s in statuses if s not in (200, 503))
+        if wrong:
+            raise RuntimeError(f"{len(wrong)} of {len(statuses)} requests answered {wrong[:5]}")
     finally:
         await serve.terminate()
         serve.kill_engines()
     return serve.db
+
+
+def served(name: str) -> str:
+    """The model a deployment's engine serves, which a request's body must name."""
+    return f"sim/{name}"
 
 
 async def _send(port: int, key: str, ids: dict[str, str], arrival: Arrival) -> int:
@@ -145,7 +155,7 @@ async def _send(port: int, key: str, ids: dict[str, str], arrival: Arrival) -> i
         reply = await client.request(
             "POST",
             f"/d/{ids[arrival.model]}/v1/chat/completions",
-            chat_body(arrival.model, stream=arrival.stream, max_tokens=arrival.tokens),
+            chat_body(served(arrival.model), stream=arrival.stream, max_tokens=arrival.tokens),
             [("content-type", "application/json")],
         )
         return reply.status

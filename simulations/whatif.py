@@ -4,11 +4,12 @@
 configured defaults from `TraceStarted`, its deployments, modes and settings), the
 administrators' changes after it (deployments created and removed, mode and settings
 changes), every request of the traffic trace in the window (`events.traffic`), and each
-model's recorded cold starts.  `simulate` replays that history on the virtual clock through
-the real controller (deployment actors, queue, broker) with simulated engines: the same
-arrivals, each holding its model for its recorded service time (arrival to end less its
-wait), and a cold start of each model taking the median of its own recorded starts
-(`EngineStarting` to `EngineReady`; a model never started takes the median of all).
+model's recorded launches, starts and stops.  `simulate` replays that history on the virtual
+clock through the real controller (deployment actors, queue, broker) with simulated engines:
+the same arrivals, each holding its model for its recorded service time (arrival to end less
+its wait), and each model's swaps taking the medians of its own recorded launches, starts
+(`EngineStarting` to `EngineReady`) and stops (a model with none takes the median of all),
+its engine's metrics reporting the requests in flight, scraped as on the box.
 `overrides` change settings: global keys (`ondemand_make_room_after_s=30`) or a deployment's
 own (`coder.idle_timeout_s=600`, `chat.mode=always_on`, `chat.make_room_after_s=0`).
 `measure_recorded` and `simulate` both yield a `Report`, so the recorded column and the
@@ -37,7 +38,7 @@ import msgspec
 
 from actors.admission import Refused
 from actors.controller import DEFAULT_SETTINGS, Controller, DeploymentSpec, validate_settings
-from actors.deployment import Refusal
+from actors.deployment import DeploymentActor, Refusal
 from actors.memory_broker import GIB, MemoryBroker
 from actors.ports import EngineHandle, EngineLoad, LaunchSpec
 from actors.readiness import whole_seconds
@@ -541,7 +542,7 @@ class _FineProbe(SimProbe):
 
     def __init__(self, runtime: SimRuntime) -> None:
         super().__init__(runtime)
-        self.actors: dict[str, Any] = {}  # the controller's deployment actors, by id
+        self.actors: dict[str, DeploymentActor] = {}  # the controller's, by id
 
     async def load(self, engine: str, handle: EngineHandle) -> EngineLoad | None:
         """Running requests: the leases in flight on the deployment."""

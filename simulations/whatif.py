@@ -4,11 +4,12 @@
 configured defaults from `TraceStarted`, its deployments, modes and settings), the
 administrators' changes after it (deployments created and removed, mode and settings
 changes), every request of the traffic trace in the window (`events.traffic`), and each
-model's recorded cold starts.  `simulate` replays that history on the virtual clock through
-the real controller (deployment actors, queue, broker) with simulated engines: the same
-arrivals, each holding its model for its recorded service time (arrival to end less its
-wait), and a cold start of each model taking the median of its own recorded starts
-(`EngineStarting` to `EngineReady`; a model never started takes the median of all).
+model's recorded launches, starts and stops.  `simulate` replays that history on the virtual
+clock through the real controller (deployment actors, queue, broker) with simulated engines:
+the same arrivals, each holding its model for its recorded service time (arrival to end less
+its wait), and each model's swaps taking the medians of its own recorded launches, starts
+(`EngineStarting` to `EngineReady`) and stops (a model with none takes the median of all),
+its engine's metrics reporting the requests in flight, scraped as on the box.
 `overrides` change settings: global keys (`ondemand_make_room_after_s=30`) or a deployment's
 own (`coder.idle_timeout_s=600`, `chat.mode=always_on`, `chat.make_room_after_s=0`).
 `measure_recorded` and `simulate` both yield a `Report`, so the recorded column and the
@@ -37,8 +38,9 @@ import msgspec
 
 from actors.admission import Refused
 from actors.controller import DEFAULT_SETTINGS, Controller, DeploymentSpec, validate_settings
-from actors.deployment import Refusal
+from actors.deployment import DeploymentActor, Refusal
 from actors.memory_broker import GIB, MemoryBroker
+from actors.ports import EngineHandle, EngineLoad, LaunchSpec
 from actors.readiness import whole_seconds
 from actors.runtime import VirtualClock
 from events import model as m
@@ -88,6 +90,8 @@ class History:
     changes: list[Change]
     traffic: list[TrafficRecord]  # by arrival
     starts: dict[str, list[float]]  # recorded cold start durations per deployment
+    launches: dict[str, list[float]]  # recorded launches (process or container made)
+    stops: dict[str, list[float]]  # recorded stops (decision to memory free)
     names: dict[str, str]  # deployment id -> name (all, removed ones too)
     records: list[m.Recorded]  # the window's events (for the recorded column)
     dropped_requests: int = 0
@@ -146,6 +150,7 @@ async def load_history(
             changes.append(Change(rec.ts, ev, dep_id))
     window = [r for r in records if lo <= r.ts <= hi]
     starts = _recorded_starts(records)
+    launches, stops = _recorded_launches_and_stops(records)
     traffic = [r for r in traffic if lo <= r.arrived <= hi]
     if deployment is not None:
         wanted = {i for i, n in names.items() if deployment in (i, n)}
@@ -165,6 +170,8 @@ async def load_history(
         changes=changes,
         traffic=traffic,
         starts=starts,
+        launches=launches,
+        stops=stops,
         names=names,
         records=window,
         dropped_requests=dropped,
@@ -195,13 +202,56 @@ def _recorded_starts(records: Iterable[m.Recorded]) -> dict[str, list[float]]:
     return dict(starts)
 
 
-def start_seconds(history: History, deployment_id: str) -> float:
-    """A model's simulated cold start: the median of its recorded starts (else of all)."""
-    own = history.starts.get(deployment_id)
+def _recorded_launches_and_stops(
+    records: Iterable[m.Recorded],
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per deployment, the seconds each launch took (the runtime's launch call, which begins
+    once the memory is free, to `EngineStarting`: the process or container made) and each
+    stop (`PutToSleep` or `StopRequested` to `EngineStopped`: the memory free again; not the
+    box's own shutdown, which stops every engine at once)."""
+    launches: dict[str, list[float]] = defaultdict(list)
+    stops: dict[str, list[float]] = defaultdict(list)
+    asked: dict[str, float] = {}
+    for rec in records:
+        ev = rec.event
+        dep = rec.stream.partition(":")[2]
+        if isinstance(ev, m.EngineStarting) and ev.launch_began_at is not None:
+            launches[dep].append(max(0.0, rec.ts - ev.launch_began_at))
+        elif isinstance(ev, m.PutToSleep) or (
+            isinstance(ev, m.StopRequested) and ev.reason != "shutdown"
+        ):
+            asked.setdefault(dep, rec.ts)
+        elif isinstance(ev, m.StopRequested):
+            asked.pop(dep, None)
+        elif isinstance(ev, m.EngineStopped) and dep in asked:
+            stops[dep].append(rec.ts - asked.pop(dep))
+        elif isinstance(ev, m.EngineLost | m.EngineStartFailed):
+            asked.pop(dep, None)
+    return dict(launches), dict(stops)
+
+
+def _median(per_deployment: dict[str, list[float]], deployment_id: str, default: float) -> float:
+    """The median of the deployment's own figures, else of all, else `default`."""
+    own = per_deployment.get(deployment_id)
     if own:
         return statistics.median(own)
-    every = [s for v in history.starts.values() for s in v]
-    return statistics.median(every) if every else DEFAULT_START_S
+    every = [s for v in per_deployment.values() for s in v]
+    return statistics.median(every) if every else default
+
+
+def start_seconds(history: History, deployment_id: str) -> float:
+    """A model's simulated cold start: the median of its recorded starts (else of all)."""
+    return _median(history.starts, deployment_id, DEFAULT_START_S)
+
+
+def launch_seconds(history: History, deployment_id: str) -> float:
+    """A model's simulated launch: the median of its recorded launches (else of all, else 0)."""
+    return _median(history.launches, deployment_id, 0.0)
+
+
+def stop_seconds(history: History, deployment_id: str) -> float:
+    """A model's simulated stop: the median of its recorded stops (else of all, else 0)."""
+    return _median(history.stops, deployment_id, 0.0)
 
 
 # --- settings ------------------------------------------------------------------------------
@@ -417,6 +467,13 @@ def tenths_then_seconds(age_s: float) -> float:
     return whole_seconds(age_s)
 
 
+def on_probe_grid(seconds: float) -> float:
+    """The last age `tenths_then_seconds` probes at that is not after `seconds`."""
+    if seconds < 10.0:
+        return math.floor(seconds * 10 + 1e-6) / 10
+    return float(math.floor(seconds + 1e-9))
+
+
 class _QuickClock(VirtualClock):
     """The virtual clock, settling in one quiet round of the loop instead of three where the
     loop shows its ready queue (asyncio's own loop): a timer of an actor costs the week's
@@ -438,8 +495,60 @@ class _QuickClock(VirtualClock):
             await asyncio.sleep(0.0002)  # work runs in a thread: give it real time
 
 
+class _RecordedRuntime(SimRuntime):
+    """Simulated engines that take their model's recorded times (medians): a launch (the
+    process made, once the memory is free), a start (launch to ready) and a stop (decision
+    to memory free).  A swap on the box is the victim's stop, then the launch, then the
+    start; the next model waits for all three, and so does a request for a model being
+    stopped, which must stop before it can start again."""
+
+    def __init__(self, clock: VirtualClock, history: History, recorded: Callable[..., str]) -> None:
+        super().__init__(clock, self._behaviour)
+        self.history = history
+        self.recorded = recorded  # simulated id (and name) -> recorded id
+
+    def _behaviour(self, spec: LaunchSpec) -> EngineBehaviour:
+        dep = self.recorded(spec.deployment_id, spec.name)
+        return EngineBehaviour(startup_s=on_probe_grid(start_seconds(self.history, dep)))
+
+    async def launch(self, spec: LaunchSpec) -> EngineHandle:
+        """Make the engine after the model's recorded launch time.  The simulated probe asks
+        every 0.1 s (`tenths_then_seconds`), so the engine's start is put on its grid and
+        the rest of the recorded start is spent here: the engine is seen ready exactly the
+        recorded launch and start after the launch began, not up to a probe period later."""
+        dep = self.recorded(spec.deployment_id, spec.name)
+        start = start_seconds(self.history, dep)
+        took = launch_seconds(self.history, dep) + start - on_probe_grid(start)
+        if took > 0:
+            await self.clock.sleep(took)
+        return await super().launch(spec)
+
+    async def stop(self, handle: EngineHandle, timeout_s: float = 30.0) -> None:
+        """Stop it after the model's recorded stop time."""
+        engine = self.engines.get(handle.runtime_id)
+        took = stop_seconds(self.history, self.recorded(handle.deployment_id))
+        if took > 0 and engine is not None and engine.alive(self.clock.now()):
+            await self.clock.sleep(took)
+        await super().stop(handle, timeout_s)
+
+
 class _FineProbe(SimProbe):
+    """The simulated engines' probe.  An engine's metrics report the requests it is
+    answering, which are the replay's leases on its deployment: a model whose last scrape
+    saw one still in flight is busy, so not idle and no candidate to make room, until its
+    next scrape (every 5 s) sees it quiet, as on the real box."""
+
     probe_schedule = staticmethod(tenths_then_seconds)
+
+    def __init__(self, runtime: SimRuntime) -> None:
+        super().__init__(runtime)
+        self.actors: dict[str, DeploymentActor] = {}  # the controller's, by id
+
+    async def load(self, engine: str, handle: EngineHandle) -> EngineLoad | None:
+        """Running requests: the leases in flight on the deployment."""
+        self._engine(handle)  # an engine that is gone does not answer
+        actor = self.actors.get(handle.deployment_id)
+        return EngineLoad(running=actor.activity.in_flight if actor else 0, waiting=0)
 
 
 @dataclass
@@ -477,10 +586,19 @@ async def simulate(
         store = await EventStore.open(Path(tmp) / "sim.db", wall=clock.wall)
         clock.add_busy_check(store.busy)
 
-        def behaviour(spec: Any) -> EngineBehaviour:
-            return EngineBehaviour(startup_s=start_seconds(history, spec.deployment_id))
+        # The simulated box names its deployments anew: an engine finds its model's own
+        # recorded times through the recorded id (`ids`: recorded -> simulated, filled as
+        # the deployments are created), or through its name when its creation launched it
+        # before the id was known (the latest deployment of that name: the one created).
+        ids: dict[str, str] = {}
+        by_name = {name: dep_id for dep_id, name in history.names.items()}
 
-        runtime = SimRuntime(clock, behaviour)
+        def recorded(sim_id: str, name: str = "") -> str:
+            found = next((r for r, s in ids.items() if s == sim_id), None)
+            return found if found is not None else by_name.get(name, sim_id)
+
+        runtime = _RecordedRuntime(clock, history, recorded)
+        probe = _FineProbe(runtime)
         broker = MemoryBroker(
             history.usable_bytes,
             history.usable_bytes,
@@ -490,15 +608,16 @@ async def simulate(
             store=store,
             clock=clock,
             runtime=runtime,
-            probe=_FineProbe(runtime),
+            probe=probe,
             broker=broker,
             launch_spec=sim_launch_spec,
             defaults={**history.defaults, **history.settings, **own},
         )
+        probe.actors = controller.actors
         await controller.load()
         sim = _Sim(clock, store, controller, origin)
         try:
-            ids = await _seed(sim, history, per_dep)
+            await _seed(sim, history, per_dep, ids)
             await _run(sim, history, ids, per_dep, own, progress)
             records = await store.read()
         finally:
@@ -542,10 +661,11 @@ def _spec(dep: DeploymentState | m.DeploymentCreated, own: dict[str, Any]) -> De
     )
 
 
-async def _seed(sim: _Sim, history: History, per_dep: dict[str, dict[str, Any]]) -> dict[str, str]:
+async def _seed(
+    sim: _Sim, history: History, per_dep: dict[str, dict[str, Any]], ids: dict[str, str]
+) -> None:
     """The deployments of `since`, warmed up: those ready then are ready at the window's
-    start, the others stopped.  Returns recorded id -> simulated id."""
-    ids: dict[str, str] = {}
+    start, the others stopped.  Fills `ids`: recorded id -> simulated id."""
     for dep_id, dep in sorted(history.deployments.items(), key=lambda kv: kv[1].created_at):
         rec = await sim.controller.create(_spec(dep, per_dep.get(dep_id, {})), actor="admin:whatif")
         ids[dep_id] = rec.id
@@ -556,7 +676,6 @@ async def _seed(sim: _Sim, history: History, per_dep: dict[str, dict[str, Any]])
             if actor is not None and actor.state.lifecycle is not Lifecycle.STOPPED:
                 await sim.controller.stop(ids[dep_id], actor="admin:whatif")
     await sim.clock.advance_to(history.since - sim.origin)
-    return ids
 
 
 async def _run(

@@ -127,6 +127,27 @@ def test_an_always_on_model_never_cold_starts_again(log: Path) -> None:
     assert pinned.per_model["chat"].p99 == 0  # type: ignore[attr-defined]
 
 
+def test_each_model_cold_starts_in_the_median_of_its_own_recorded_starts(
+    tmp_path: Path,
+) -> None:
+    # Two models that do not fit together, asked in turn: each request makes room at once
+    # and waits for its own model's start, 2 s for one and 12 s for the other.
+    models = [
+        Model("quick", 60, 1 / 60, 0.1, start_s=2.0),
+        Model("slow", 60, 1 / 60, 0.1, start_s=12.0),
+    ]
+    path = tmp_path / "log.db"
+
+    async def main() -> object:
+        await write_log(path, models, hours=0.5, usable_gib=100, defaults={}, poisson=False)
+        history = await load_history(path)
+        return await simulate(history, {"ondemand_make_room_after_s": 0})
+
+    report = run(main(), timeout=120)
+    quick, slow = report.per_model["quick"], report.per_model["slow"]  # type: ignore[attr-defined]
+    assert 2.0 <= quick.max <= 2.2 and 12.0 <= slow.max <= 12.2, (quick, slow)
+
+
 # --- tune ------------------------------------------------------------------------------------
 
 

@@ -115,7 +115,7 @@ async def record(root: Path, arrivals: list[Arrival], make_room_after_s: int | N
             body = {
                 "name": model.name,
                 "engine": "sim",
-                "model": f"sim/{model.name}",
+                "model": served(model.name),
                 "memory_gib": model.gib,
                 "mode": "on_demand",
                 "args": ["--startup-delay", str(model.startup_s), "--token-delay",
@@ -132,11 +132,21 @@ async def record(root: Path, arrivals: list[Arrival], make_room_after_s: int | N
             tasks.append(
                 asyncio.create_task(_send(serve.gateway_port, serve.gateway_key, ids, arrival))
             )
-        await asyncio.wait_for(asyncio.gather(*tasks), timeout=900)
+        statuses = await asyncio.wait_for(asyncio.gather(*tasks), timeout=900)
+        # Anything but an answer or a queue timeout means the traffic did not do its work
+        # (a request naming a model the engine does not serve is answered 404 at once).
+        wrong = sorted(s for s in statuses if s not in (200, 503))
+        if wrong:
+            raise RuntimeError(f"{len(wrong)} of {len(statuses)} requests answered {wrong[:5]}")
     finally:
         await serve.terminate()
         serve.kill_engines()
     return serve.db
+
+
+def served(name: str) -> str:
+    """The model a deployment's engine serves, which a request's body must name."""
+    return f"sim/{name}"
 
 
 async def _send(port: int, key: str, ids: dict[str, str], arrival: Arrival) -> int:
@@ -145,7 +155,7 @@ async def _send(port: int, key: str, ids: dict[str, str], arrival: Arrival) -> i
         reply = await client.request(
             "POST",
             f"/d/{ids[arrival.model]}/v1/chat/completions",
-            chat_body(arrival.model, stream=arrival.stream, max_tokens=arrival.tokens),
+            chat_body(served(arrival.model), stream=arrival.stream, max_tokens=arrival.tokens),
             [("content-type", "application/json")],
         )
         return reply.status
@@ -208,10 +218,31 @@ async def calibrate(root: Path, seconds: float, seed: int = 1) -> list[Compariso
     predicted = await simulate(
         seed_log, {"ondemand_make_room_after_s": 0}, label="make room after 0 s"
     )
+    at_once = measure_recorded(at_once_log)
+    same = same_requests(at_once_log, seed_log)
+    at_once.waited_ids = sorted(same.get(i, -i) for i in at_once.waited_ids)
     return [
         Comparison("recorded settings", measure_recorded(seed_log), calibration),
-        Comparison("make room after 0 s", measure_recorded(at_once_log), predicted),
+        Comparison("make room after 0 s", at_once, predicted),
     ]
+
+
+def same_requests(box: History, other: History) -> dict[int, int]:
+    """Request ids of `box` -> the same scripted request's id in `other`.  Each box numbers
+    its requests from the second it started, so the boxes' ids differ; the n-th request to
+    a model in one box is the n-th to it in the other."""
+
+    def ranked(history: History) -> dict[tuple[str, int], int]:
+        seen: dict[str, int] = {}
+        out: dict[tuple[str, int], int] = {}
+        for r in history.traffic:  # by arrival
+            name = history.names[r.deployment_id]
+            seen[name] = rank = seen.get(name, 0) + 1
+            out[(name, rank)] = r.request_id
+        return out
+
+    theirs = ranked(other)
+    return {rid: theirs[key] for key, rid in ranked(box).items() if key in theirs}
 
 
 def main() -> None:

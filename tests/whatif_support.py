@@ -26,6 +26,7 @@ class Model:
     service_s: float  # mean (exponential)
     mode: m.Mode = "on_demand"
     idle_timeout_s: int | None = None
+    start_s: float | None = None  # its recorded cold start (None: the log times none)
 
 
 async def write_log(
@@ -38,9 +39,11 @@ async def write_log(
     start_s: float = 20.0,
     batch_s: float = 10.0,
     defaults: dict[str, object] | None = None,
+    poisson: bool = True,
 ) -> int:
     """A log with a trace of `hours` of traffic in which nothing ever waited (the recorded
-    column is not calibrated here: only the simulated ones are read); returns the requests."""
+    column is not calibrated here: only the simulated ones are read); returns the requests.
+    Not `poisson`: each model's requests come every 1 / rate seconds, the models' in turn."""
     rng = random.Random(seed)
     now = [T0]
     store = await EventStore.open(path, wall=lambda: now[0])
@@ -61,15 +64,19 @@ async def write_log(
         await store.append(
             m.deployment_stream(dep), [m.StartRequested(reason="admin")], actor="admin:test"
         )
-        now[0] += start_s
+        if model.start_s is not None:  # the engine launched at once: its start is timed
+            starting = m.EngineStarting(runtime_id=f"sim:{dep}", host="127.0.0.1", port=20000 + i)
+            await store.append(m.deployment_stream(dep), [starting], actor="ondemand")
+        now[0] += start_s if model.start_s is None else model.start_s
         await store.append(m.deployment_stream(dep), [m.EngineReady()], actor="ondemand")
     records: list[TrafficRecord] = []
     begin = now[0] + 1
     end = begin + hours * 3600
     for i, model in enumerate(models):
-        at = begin
+        every = 1 / model.rate_per_s
+        at = begin if poisson else begin + i * every / len(models)
         while True:
-            at += rng.expovariate(model.rate_per_s)
+            at += rng.expovariate(model.rate_per_s) if poisson else every
             if at >= end:
                 break
             records.append(

@@ -42,6 +42,7 @@ from storage.errors import (
     StorageError,
     StoreClosed,
 )
+from storage.inline import connect_inline
 from storage.readmodels import ANY_AUDIT, AuditFilter
 from storage.snapshots import decode_snapshot, encode_snapshot
 
@@ -161,8 +162,10 @@ class EventStore:
         create: bool = True,
         readonly: bool = False,
         wall: Callable[[], float] = time.time,
+        inline: bool = False,
     ) -> EventStore:
-        """Open (and with `create`, make) the log at `path`; raises StorageError subclasses."""
+        """Open (and with `create`, make) the log at `path`; raises StorageError subclasses.
+        `inline`: SQLite runs in the loop's thread (`storage.inline`: a simulation's scratch log)."""
         path = os.fspath(path)
         if not create and not await asyncio.to_thread(os.path.exists, path):
             raise LogNotFound(f"{path}: no such file")
@@ -171,6 +174,8 @@ class EventStore:
             if readonly:
                 uri = f"file:{urllib.parse.quote(path)}?mode=ro"
                 conn = await aiosqlite.connect(uri, uri=True, timeout=2.0)
+            elif inline:
+                conn = await connect_inline(path, timeout=5.0, isolation_level=None)
             else:
                 conn = await aiosqlite.connect(path, timeout=5.0, isolation_level=None)
             store = cls(conn, path, wall, readonly)

@@ -141,6 +141,7 @@ class Controller:
         defaults: dict[str, Any] | None = None,
         stop_timeout_s: float = 30.0,
         health_failure_window_s: float | None = None,
+        watch_engines: bool = True,
         log_lines: EngineLogLines | None = None,
     ) -> None:
         self.store = store
@@ -162,6 +163,7 @@ class Controller:
         self._hooks.stop_timeout_s = stop_timeout_s
         if health_failure_window_s is not None:
             self._hooks.health_failure_window_s = health_failure_window_s
+        self._hooks.watch_engines = watch_engines
         self._hooks.activity = self._on_activity
         self._hooks.log_lines = log_lines
         self.start_history = StartHistory()  # for the expected start time (an estimate)

@@ -282,6 +282,9 @@ class Hooks:
         self.health_failure_window_s = HEALTH_FAILURE_WINDOW_S
         self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
         self.log_lines: EngineLogLines | None = None  # engine logs, for start milestones
+        # False: no monitor of ready engines (a what-if's: they cannot exit, hang or report
+        # load, so the monitor's every five seconds would only cost time).
+        self.watch_engines = True
 
 
 class DeploymentActor(Actor):
@@ -848,6 +851,8 @@ class DeploymentActor(Actor):
         self._unhealthy_since = None
         if self._monitor is not None and not self._monitor.done():
             self._monitor.cancel()
+        if not self._hooks.watch_engines:
+            return
         self._monitor = asyncio.get_running_loop().create_task(
             self._monitor_loop(attempt), name=f"monitor:{self.deployment_id}"
         )

@@ -494,6 +494,7 @@ async def simulate(
             broker=broker,
             launch_spec=sim_launch_spec,
             defaults={**history.defaults, **history.settings, **own},
+            watch_engines=False,  # its engines cannot exit, hang or carry direct calls
         )
         await controller.load()
         sim = _Sim(clock, store, controller, origin)

@@ -82,18 +82,7 @@ def is_idle(
     dep: DeploymentState, act: Activity, now: float, default_idle_s: int
 ) -> tuple[bool, str]:
     """The seed's idle rules, with the reason when not idle; pure."""
-    if not dep.on_demand or dep.role == "decision":
-        return False, "not on demand"
-    if dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP):
-        return False, f"not running ({dep.lifecycle.value})"
-    if act.in_flight > 0:
-        return False, f"{act.in_flight} requests in flight"
-    timeout = dep.effective_idle_timeout_s(default_idle_s)
-    if now - act.last_used < timeout - IDLE_SLACK_S:
-        return False, "used recently"
-    if act.load is not None and act.load.busy and not act.engine_sleeping:
-        return False, "the engine reports requests"
-    return True, "idle"
+    return _idle_after(dep, act, now, dep.effective_idle_timeout_s(default_idle_s))
 
 
 def may_make_room(
@@ -106,9 +95,24 @@ def may_make_room(
     """Whether it may sleep to make room for the queue's head: the idle rules, with
     `ondemand_make_room_after_s` (or the deployment's own) in place of the idle timeout; pure."""
     after = dep.effective_make_room_after_s(default_idle_s, default_make_room_s)
-    if after == dep.effective_idle_timeout_s(default_idle_s):
-        return is_idle(dep, act, now, default_idle_s)
-    return is_idle(msgspec.structs.replace(dep, idle_timeout_s=after), act, now, default_idle_s)
+    return _idle_after(dep, act, now, after)
+
+
+def _idle_after(
+    dep: DeploymentState, act: Activity, now: float, timeout: float
+) -> tuple[bool, str]:
+    """The idle rules with `timeout` seconds without a request as the idle time."""
+    if not dep.on_demand or dep.role == "decision":
+        return False, "not on demand"
+    if dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP):
+        return False, f"not running ({dep.lifecycle.value})"
+    if act.in_flight > 0:
+        return False, f"{act.in_flight} requests in flight"
+    if now - act.last_used < timeout - IDLE_SLACK_S:
+        return False, "used recently"
+    if act.load is not None and act.load.busy and not act.engine_sleeping:
+        return False, "the engine reports requests"
+    return True, "idle"
 
 
 class LeaseImpl:

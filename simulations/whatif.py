@@ -364,9 +364,19 @@ def _covered(busy: list[tuple[float, float]], spans: list[tuple[float, float]]) 
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
+    # Both in time order: each busy stretch meets a run of the spans, and a span that ended
+    # before one stretch ends before all the later ones.  The overlaps add up in the order
+    # of a loop over every pair (the pairs that do not overlap add nothing).
+    spans = sorted(spans)
     total = 0.0
+    first = 0
     for a, b in merged:
-        for s, e in spans:
+        while first < len(spans) and spans[first][1] <= a:
+            first += 1
+        for k in range(first, len(spans)):
+            s, e = spans[k]
+            if s >= b:
+                break
             total += max(0.0, min(b, e) - max(a, s))
     return total
 

@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from simulations.tune import Goal, tune
 from simulations.whatif import _covered, load_history, parse_overrides, simulate
 from tests.gateway_support import run
 from tests.whatif_support import Model, write_log
@@ -145,6 +147,14 @@ def test_tune_recommends_a_point_that_meets_the_goal_and_shows_the_curve(log: Pa
     meeting = [p for p in out["points"] if p["p99"] <= 60]
     assert best["cold_starts"] == min(p["cold_starts"] for p in meeting)
     assert any(p["pareto"] for p in out["points"])
+
+
+def test_tune_in_two_processes_finds_what_it_finds_in_one(log: Path) -> None:
+    history = run(load_history(log))
+    goal = Goal(bound="p90", limit_s=30, minimise="cold_starts")
+    apart = run(tune(history, goal, workers=2), timeout=300)
+    together = run(tune(history, goal, workers=1), timeout=300)
+    assert msgspec.json.encode(apart) == msgspec.json.encode(together)
 
 
 @pytest.mark.parametrize("goal", ["p95<=30", "p90<=soon", "p90<=30,happiness", "p90"])

@@ -42,7 +42,7 @@ from storage.errors import (
     StorageError,
     StoreClosed,
 )
-from storage.inline import connect_inline
+from storage.inline import InlineConnection, connect_inline
 from storage.readmodels import ANY_AUDIT, AuditFilter
 from storage.snapshots import decode_snapshot, encode_snapshot
 
@@ -197,7 +197,12 @@ class EventStore:
                 await conn.close()
                 raise NotAnEventLog(f"{self.path}: an SQLite file, but not a DGXMM event log")
             await conn.execute("PRAGMA journal_mode=WAL")
-            await conn.execute("PRAGMA synchronous=FULL")
+            if isinstance(conn, InlineConnection):
+                # A simulation's scratch log: nobody else opens it, and a crash loses nothing.
+                await conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+                await conn.execute("PRAGMA synchronous=OFF")
+            else:
+                await conn.execute("PRAGMA synchronous=FULL")
             await conn.executescript(SCHEMA)
             await conn.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('application', ?)",

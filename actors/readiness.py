@@ -181,7 +181,11 @@ async def _race(exited: asyncio.Future[None], work: Coroutine[Any, Any, T]) -> T
     task = asyncio.ensure_future(work)
     if not exited.done():
         waits: set[asyncio.Future[Any]] = {exited, task}
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # the wait was given up (its start stopped): no orphan left pending
+            raise
         if not task.done() and _gone(exited):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

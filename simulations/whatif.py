@@ -484,7 +484,7 @@ async def simulate(
     with tempfile.TemporaryDirectory(prefix="dgxmm-whatif-", dir=folder) as tmp:
         origin = history.since - WARM_UP_S
         clock = _QuickClock(start=0.0, wall_start=origin)
-        store = await EventStore.open(Path(tmp) / "sim.db", wall=clock.wall, inline=True)
+        store = await EventStore.open(Path(tmp) / "sim.db", wall=clock.wall, scratch=True)
         clock.add_busy_check(store.busy)
 
         def behaviour(spec: Any) -> EngineBehaviour:

@@ -42,7 +42,7 @@ from storage.errors import (
     StorageError,
     StoreClosed,
 )
-from storage.inline import InlineConnection, connect_inline
+from storage.inline import connect_inline
 from storage.readmodels import ANY_AUDIT, AuditFilter
 from storage.snapshots import decode_snapshot, encode_snapshot
 
@@ -52,6 +52,9 @@ APPLICATION = "dgxmm"
 SCHEMA_VERSION = 1
 MAX_PENDING_APPENDS = 10_000  # the writer's inbox; appenders wait (backpressure) beyond it
 MAX_BATCH = 2_000  # appends per transaction
+_INSERT_EVENTS = (
+    "INSERT INTO events (seq, ts, stream, version, type, actor, data) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -136,9 +139,15 @@ class EventStore:
     """The event log of one DGXMM instance."""
 
     def __init__(
-        self, conn: aiosqlite.Connection, path: str, wall: Callable[[], float], readonly: bool
+        self,
+        conn: aiosqlite.Connection,
+        path: str,
+        wall: Callable[[], float],
+        readonly: bool,
+        scratch: bool = False,
     ) -> None:
         self._conn = conn
+        self._scratch = scratch
         self.path = path
         self._wall = wall
         self._readonly = readonly
@@ -162,10 +171,14 @@ class EventStore:
         create: bool = True,
         readonly: bool = False,
         wall: Callable[[], float] = time.time,
-        inline: bool = False,
+        scratch: bool = False,
     ) -> EventStore:
         """Open (and with `create`, make) the log at `path`; raises StorageError subclasses.
-        `inline`: SQLite runs in the loop's thread (`storage.inline`: a simulation's scratch log)."""
+
+        `scratch`: a simulation's own log, which nobody else opens and nobody asks for its
+        audit trail: SQLite runs in the loop's thread (`storage.inline`), holds its lock for
+        the file's whole life, does not sync, and no read models are kept.
+        """
         path = os.fspath(path)
         if not create and not await asyncio.to_thread(os.path.exists, path):
             raise LogNotFound(f"{path}: no such file")
@@ -174,11 +187,11 @@ class EventStore:
             if readonly:
                 uri = f"file:{urllib.parse.quote(path)}?mode=ro"
                 conn = await aiosqlite.connect(uri, uri=True, timeout=2.0)
-            elif inline:
+            elif scratch:
                 conn = await connect_inline(path, timeout=5.0, isolation_level=None)
             else:
                 conn = await aiosqlite.connect(path, timeout=5.0, isolation_level=None)
-            store = cls(conn, path, wall, readonly)
+            store = cls(conn, path, wall, readonly, scratch)
             await store._prepare(create and not readonly)
         except sqlite3.Error as exc:
             # An unclosed connection keeps aiosqlite's (non-daemon) thread, and the process, alive.
@@ -197,8 +210,7 @@ class EventStore:
                 await conn.close()
                 raise NotAnEventLog(f"{self.path}: an SQLite file, but not a DGXMM event log")
             await conn.execute("PRAGMA journal_mode=WAL")
-            if isinstance(conn, InlineConnection):
-                # A simulation's scratch log: nobody else opens it, and a crash loses nothing.
+            if self._scratch:
                 await conn.execute("PRAGMA locking_mode=EXCLUSIVE")
                 await conn.execute("PRAGMA synchronous=OFF")
             else:
@@ -218,7 +230,7 @@ class EventStore:
         self._last_seq = int(row[0]) if row else 0
         if self._readonly:
             self._readmodel_seq = await readmodels.applied_seq(conn)
-        else:
+        elif not self._scratch:
             self._readmodel_seq = await readmodels.prepare(conn)
             self._projector = await readmodels.load_projector(conn)
             await self._catch_up_readmodels()
@@ -432,24 +444,23 @@ class EventStore:
     ) -> None:
         """Event rows and the read-model rows of `recs` in one transaction: both or neither."""
         conn = self._conn
-        saved = self._projector.copy()
-        audit, timeline = readmodels.sql_rows(self._projector, recs)
+        project = not self._scratch  # a scratch log keeps no read models
+        saved = self._projector.copy() if project else self._projector
+        audit, timeline = readmodels.sql_rows(self._projector, recs) if project else ([], [])
         await conn.execute("BEGIN IMMEDIATE")
         try:
             if rows:
-                await conn.executemany(
-                    "INSERT INTO events (seq, ts, stream, version, type, actor, data)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    rows,
-                )
-            await readmodels.write_rows(conn, audit, timeline, seq)
+                await conn.executemany(_INSERT_EVENTS, rows)
+            if project:
+                await readmodels.write_rows(conn, audit, timeline, seq)
             await conn.execute("COMMIT")
         except BaseException:
             self._projector = saved
             with contextlib.suppress(sqlite3.Error):
                 await conn.execute("ROLLBACK")
             raise
-        self._readmodel_seq = seq
+        if project:
+            self._readmodel_seq = seq
 
     def _publish(self, items: list[_Append]) -> None:
         published: list[m.Recorded] = []

@@ -54,6 +54,9 @@ BACKOFF_S = (60, 120, 240, 480, 900)
 METRICS_EVERY_S = 5.0
 IDLE_CHECK_EVERY_S = 15.0
 IDLE_SLACK_S = 1e-6  # the idle timer fires at last use + timeout; float rounding must not miss it
+_AWAKE = (Lifecycle.READY, Lifecycle.ASLEEP)  # the lifecycles in which a model may be idle
+# Made once: the idle rules run for every deployment at each make-room check.
+_NOT_RUNNING = {lc: f"not running ({lc.value})" for lc in Lifecycle}
 WRITE_RETRY_S = 2.0  # an engine's report whose event could not be written is tried again
 HEALTH_FAILURE_WINDOW_S = 30.0  # a ready engine failing its health probe this long is lost
 HEALTH_RETRY_S = 1.0  # how soon a failed health probe is tried again
@@ -104,8 +107,8 @@ def _idle_after(
     """The idle rules with `timeout` seconds without a request as the idle time."""
     if not dep.on_demand or dep.role == "decision":
         return False, "not on demand"
-    if dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP):
-        return False, f"not running ({dep.lifecycle.value})"
+    if dep.lifecycle not in _AWAKE:
+        return False, _NOT_RUNNING[dep.lifecycle]
     if act.in_flight > 0:
         return False, f"{act.in_flight} requests in flight"
     if now - act.last_used < timeout - IDLE_SLACK_S:

@@ -52,6 +52,7 @@ APPLICATION = "dgxmm"
 SCHEMA_VERSION = 1
 MAX_PENDING_APPENDS = 10_000  # the writer's inbox; appenders wait (backpressure) beyond it
 MAX_BATCH = 2_000  # appends per transaction
+SCRATCH_BEHIND = 4_096  # a scratch log's rows held back at most (`EventStore._write_behind`)
 _INSERT_EVENTS = (
     "INSERT INTO events (seq, ts, stream, version, type, actor, data) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
@@ -447,9 +448,12 @@ class EventStore:
     ) -> None:
         """Event rows and the read-model rows of `recs` in one transaction: both or neither."""
         if self._scratch:
-            # Its rows reach the file when it is read (`_write_behind`): nobody else reads it,
-            # and a transaction per append was a fifth of a what-if's time.
+            # Its rows reach the file when it is read (`_write_behind`), or a few thousand at
+            # a time: nobody else reads it, and a transaction per append was a fifth of a
+            # what-if's time.
             self._behind.extend(rows)
+            if len(self._behind) >= SCRATCH_BEHIND:
+                await self._write_behind()
             return
         conn = self._conn
         saved = self._projector.copy()

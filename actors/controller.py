@@ -141,6 +141,7 @@ class Controller:
         defaults: dict[str, Any] | None = None,
         stop_timeout_s: float = 30.0,
         health_failure_window_s: float | None = None,
+        watch_engines: bool = True,
         log_lines: EngineLogLines | None = None,
     ) -> None:
         self.store = store
@@ -151,17 +152,19 @@ class Controller:
         self._launch_spec = launch_spec
         self._defaults = {**DEFAULT_SETTINGS, **(defaults or {})}
         self.system: SystemState = EMPTY
+        self._in_force()
         self.actors: dict[str, DeploymentActor] = {}
         self._hooks = Hooks()
         self._hooks.changed = self._on_changed
         self._hooks.candidates = self.candidates
         self._hooks.sleep_victims = self.sleep_victims
-        self._hooks.default_idle_s = lambda: int(self.setting("ondemand_idle_timeout_s"))
+        self._hooks.default_idle_s = lambda: self._idle_s
         self._hooks.default_make_room_s = self.default_make_room_s
         self._hooks.launch_spec = launch_spec
         self._hooks.stop_timeout_s = stop_timeout_s
         if health_failure_window_s is not None:
             self._hooks.health_failure_window_s = health_failure_window_s
+        self._hooks.watch_engines = watch_engines
         self._hooks.activity = self._on_activity
         self._hooks.log_lines = log_lines
         self.start_history = StartHistory()  # for the expected start time (an estimate)
@@ -189,8 +192,14 @@ class Controller:
 
     def default_make_room_s(self) -> int | None:
         """`ondemand_make_room_after_s` in force (None: the seed's rule)."""
+        return self._make_room_s
+
+    def _in_force(self) -> None:
+        # The two defaults every idle and make-room check reads (hundreds of thousands of
+        # times in a what-if): kept as numbers, read again whenever the settings change.
+        self._idle_s = int(self.setting("ondemand_idle_timeout_s"))
         value = self.setting("ondemand_make_room_after_s")
-        return None if value is None else int(value)
+        self._make_room_s: int | None = None if value is None else int(value)
 
     def settings(self) -> dict[str, Any]:
         """All settings in force."""
@@ -221,6 +230,7 @@ class Controller:
         # The newest snapshot plus the tail; a deployment whose event cannot happen is failed.
         state = await load_state(self.store, _evolve_or_fail)
         self.system = state
+        self._in_force()
         self.store.add_listener(self._fold)
         await self.start_history.seed(self.store, state.deployments)
         self.store.add_listener(self.start_history.recorded)
@@ -234,7 +244,9 @@ class Controller:
         for rec in recs:
             if rec.seq > state.last_seq:
                 state = _evolve_or_fail(state, rec)
-        self.system = state
+        settings, self.system = self.system.settings, state
+        if state.settings is not settings:
+            self._in_force()
 
     def _spawn(self, dep: DeploymentState) -> DeploymentActor:
         actor = DeploymentActor(

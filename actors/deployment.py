@@ -54,6 +54,9 @@ BACKOFF_S = (60, 120, 240, 480, 900)
 METRICS_EVERY_S = 5.0
 IDLE_CHECK_EVERY_S = 15.0
 IDLE_SLACK_S = 1e-6  # the idle timer fires at last use + timeout; float rounding must not miss it
+_AWAKE = (Lifecycle.READY, Lifecycle.ASLEEP)  # the lifecycles in which a model may be idle
+# Made once: the idle rules run for every deployment at each make-room check.
+_NOT_RUNNING = {lc: f"not running ({lc.value})" for lc in Lifecycle}
 WRITE_RETRY_S = 2.0  # an engine's report whose event could not be written is tried again
 HEALTH_FAILURE_WINDOW_S = 30.0  # a ready engine failing its health probe this long is lost
 HEALTH_RETRY_S = 1.0  # how soon a failed health probe is tried again
@@ -82,18 +85,7 @@ def is_idle(
     dep: DeploymentState, act: Activity, now: float, default_idle_s: int
 ) -> tuple[bool, str]:
     """The seed's idle rules, with the reason when not idle; pure."""
-    if not dep.on_demand or dep.role == "decision":
-        return False, "not on demand"
-    if dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP):
-        return False, f"not running ({dep.lifecycle.value})"
-    if act.in_flight > 0:
-        return False, f"{act.in_flight} requests in flight"
-    timeout = dep.effective_idle_timeout_s(default_idle_s)
-    if now - act.last_used < timeout - IDLE_SLACK_S:
-        return False, "used recently"
-    if act.load is not None and act.load.busy and not act.engine_sleeping:
-        return False, "the engine reports requests"
-    return True, "idle"
+    return _idle_after(dep, act, now, dep.effective_idle_timeout_s(default_idle_s))
 
 
 def may_make_room(
@@ -106,9 +98,24 @@ def may_make_room(
     """Whether it may sleep to make room for the queue's head: the idle rules, with
     `ondemand_make_room_after_s` (or the deployment's own) in place of the idle timeout; pure."""
     after = dep.effective_make_room_after_s(default_idle_s, default_make_room_s)
-    if after == dep.effective_idle_timeout_s(default_idle_s):
-        return is_idle(dep, act, now, default_idle_s)
-    return is_idle(msgspec.structs.replace(dep, idle_timeout_s=after), act, now, default_idle_s)
+    return _idle_after(dep, act, now, after)
+
+
+def _idle_after(
+    dep: DeploymentState, act: Activity, now: float, timeout: float
+) -> tuple[bool, str]:
+    """The idle rules with `timeout` seconds without a request as the idle time."""
+    if not dep.on_demand or dep.role == "decision":
+        return False, "not on demand"
+    if dep.lifecycle not in _AWAKE:
+        return False, _NOT_RUNNING[dep.lifecycle]
+    if act.in_flight > 0:
+        return False, f"{act.in_flight} requests in flight"
+    if now - act.last_used < timeout - IDLE_SLACK_S:
+        return False, "used recently"
+    if act.load is not None and act.load.busy and not act.engine_sleeping:
+        return False, "the engine reports requests"
+    return True, "idle"
 
 
 class LeaseImpl:
@@ -282,6 +289,9 @@ class Hooks:
         self.health_failure_window_s = HEALTH_FAILURE_WINDOW_S
         self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
         self.log_lines: EngineLogLines | None = None  # engine logs, for start milestones
+        # False: no monitor of ready engines (a what-if's: they cannot exit, hang or report
+        # load, so the monitor's every five seconds would only cost time).
+        self.watch_engines = True
 
 
 class DeploymentActor(Actor):
@@ -848,6 +858,8 @@ class DeploymentActor(Actor):
         self._unhealthy_since = None
         if self._monitor is not None and not self._monitor.done():
             self._monitor.cancel()
+        if not self._hooks.watch_engines:
+            return
         self._monitor = asyncio.get_running_loop().create_task(
             self._monitor_loop(attempt), name=f"monitor:{self.deployment_id}"
         )

@@ -392,16 +392,12 @@ class QueueActor(Actor):
         for dep_id in [d for d in self._made_room if d in self._starting]:
             self._replan(dep_id)  # a victim refused and no candidate was left then
         head_seen = False
-        done: set[str] = set()
-        for w in list(self._waiting.values()):
-            if w.deployment_id in done or w.request_id not in self._waiting:
-                continue
-            done.add(w.deployment_id)
-            actor = self._lookup(w.deployment_id)
+        # A deployment's turn is its oldest waiting request's; serving one deployment's
+        # requests leaves the others' as they are, so the walk can take them grouped.
+        for dep_id, group in self._by_deployment().items():
+            actor = self._lookup(dep_id)
             if actor is None:
-                self._fail_all(
-                    w.deployment_id, "removed", self._stopped_error(w.deployment_id, None)
-                )
+                self._fail_all(dep_id, "removed", self._stopped_error(dep_id, None))
                 continue
             dep = actor.state
             if dep.lifecycle is Lifecycle.READY and actor.activity.accepting:
@@ -409,38 +405,44 @@ class QueueActor(Actor):
                 continue
             if actor.recovering:
                 continue  # its check or restart reports its outcome (`deployment_changed`)
-            waiting_for_memory = any(
-                x.kind == "queued"
-                for x in self._waiting.values()
-                if x.deployment_id == dep.deployment_id
-            )
-            starting = dep.lifecycle is Lifecycle.STARTING or dep.deployment_id in self._starting
+            waiting_for_memory = any(x.kind == "queued" for x in group)
+            starting = dep.lifecycle is Lifecycle.STARTING or dep_id in self._starting
             lost = False
             if not starting and not waiting_for_memory:
                 # Its start went away without an outcome for these requests (the watchdog
                 # stopped it): they wait for memory again.  After its engine was lost they
                 # first try to start it, and are queued (the line) only if that fails.
-                lost = dep.deployment_id in self._lost
-                for x in self._waiting.values():
-                    if x.deployment_id == dep.deployment_id:
-                        x.kind = "queued"
-                        if not lost:
-                            x.queued.set()
+                lost = dep_id in self._lost
+                for x in group:
+                    x.kind = "queued"
+                    if not lost:
+                        x.queued.set()
                 waiting_for_memory = True
-            self._lost.discard(dep.deployment_id)
+            self._lost.discard(dep_id)
             if not waiting_for_memory:
                 continue
             is_head = not head_seen
             admitted = self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
             if lost and not admitted:
-                for x in self._waiting.values():
-                    if x.deployment_id == dep.deployment_id:
+                for x in group:
+                    if x.request_id in self._waiting:
                         x.queued.set()
-                self.on_change(dep.deployment_id)
+                self.on_change(dep_id)
             if is_head and not admitted:
-                self._arm_due(dep.deployment_id)
+                self._arm_due(dep_id)
             # Once the head is admitted it no longer waits for memory: the next one is the head.
             head_seen = head_seen or not admitted
+
+    def _by_deployment(self) -> dict[str, list[WaiterImpl]]:
+        """The waiting requests per deployment, the deployments in their oldest's order."""
+        groups: dict[str, list[WaiterImpl]] = {}
+        for w in self._waiting.values():
+            group = groups.get(w.deployment_id)
+            if group is None:
+                groups[w.deployment_id] = [w]
+            else:
+                group.append(w)
+        return groups
 
     def _arm_due(self, head_id: str) -> None:
         """Look again when the next model becomes a make-room candidate for the head."""

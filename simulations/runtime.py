@@ -193,6 +193,17 @@ class SimProbe:
             raise EngineUnreachable(f"{handle.base_url}: connection refused")
         return engine
 
+    def ready_at(self, handle: EngineHandle) -> float | None:
+        """When the engine will first answer its probe (`actors.readiness`), None when it
+        will not as things stand (gone, hung, failing at start, dying as it becomes ready)."""
+        sim = self.runtime.engines.get(handle.runtime_id)
+        if sim is None or sim.hung or not sim.alive(self.runtime.clock.now()):
+            return None
+        b = sim.behaviour
+        if b.fail_at_start is not None or (b.die_after_s is not None and b.die_after_s <= 0):
+            return None
+        return sim.started + b.startup_s
+
     async def readiness(self, engine: str, handle: EngineHandle) -> Readiness:
         """READY once started; LOADING (llama.cpp) or DOWN before."""
         try:

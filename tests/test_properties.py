@@ -402,16 +402,16 @@ def test_the_checker_catches_a_model_put_to_sleep_with_a_request_in_flight(
 ) -> None:
     import actors.deployment
 
-    real = actors.deployment.is_idle
+    real = actors.deployment._idle_after  # the idle rules, for idling and making room alike
 
-    def ignores_requests(dep: Any, act: Any, now: float, default_s: int) -> tuple[bool, str]:
+    def ignores_requests(dep: Any, act: Any, now: float, timeout: float) -> tuple[bool, str]:
         busy, act.in_flight = act.in_flight, 0  # the planted bug: requests do not count
         try:
-            return real(dep, act, now, default_s)
+            return real(dep, act, now, timeout)
         finally:
             act.in_flight = busy
 
-    monkeypatch.setattr(actors.deployment, "is_idle", ignores_requests)
+    monkeypatch.setattr(actors.deployment, "_idle_after", ignores_requests)
 
     async def main() -> None:
         h = await Harness.create(

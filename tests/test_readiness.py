@@ -34,6 +34,7 @@ from dgxmm.engines.adapters import HttpEngineProbe
 from dgxmm.engines.runtimes.docker import SIM_IMAGE, DockerRuntime
 from dgxmm.engines.runtimes.process import ProcessRuntime
 from simulations.runtime import EngineBehaviour, SimProbe, SimRuntime
+from simulations.whatif import tenths_then_seconds
 from tests.e2e_support import require_docker
 from tests.runtime_support import run
 
@@ -230,6 +231,56 @@ def test_an_engine_that_never_gets_ready_times_out_at_the_deadline() -> None:
         assert not waiting.done()
         await clock.advance(0.2)
         assert waiting.done() and waiting.result() is BootOutcome.TIMED_OUT
+
+    run(scenario())
+
+
+class _CountingSimProbe(SimProbe):
+    """The simulated probe, counting its probes; `knows` False hides `ready_at`."""
+
+    def __init__(self, runtime: SimRuntime, *, knows: bool) -> None:
+        super().__init__(runtime)
+        self.probes = 0
+        if not knows:
+            self.ready_at = None  # type: ignore[assignment]
+
+    async def readiness(self, engine: str, handle: EngineHandle) -> Readiness:
+        self.probes += 1
+        return await super().readiness(engine, handle)
+
+
+async def _ends_at(
+    startup_s: float, deadline_s: float, knows: bool
+) -> tuple[BootOutcome, float, int]:
+    clock, runtime, handle = await _started(EngineBehaviour(startup_s=startup_s))
+    await clock.advance(0.37)  # launched at an instant off the probes' grid
+    probe = _CountingSimProbe(runtime, knows=knows)
+    launched = clock.now()
+
+    async def wait() -> tuple[BootOutcome, float]:
+        outcome = await wait_until_ready(
+            runtime=runtime, probe=probe, clock=clock, engine="llamacpp", handle=handle,
+            launched_at=launched, deadline=launched + deadline_s, schedule=tenths_then_seconds,
+        )  # fmt: skip
+        return outcome, clock.now()
+
+    waiting = asyncio.ensure_future(wait())
+    await clock.advance(deadline_s + 5.0)
+    outcome, at = waiting.result()
+    return outcome, at, probe.probes
+
+
+@pytest.mark.parametrize(
+    ("startup_s", "deadline_s"), [(0.05, 60), (3.33, 60), (20.0, 60), (47.1, 30)]
+)
+def test_a_probe_that_knows_when_its_engine_is_ready_skips_the_probes_before_it(
+    startup_s: float, deadline_s: float
+) -> None:
+    async def scenario() -> None:
+        probed = await _ends_at(startup_s, deadline_s, knows=False)
+        skipped = await _ends_at(startup_s, deadline_s, knows=True)
+        assert skipped[:2] == probed[:2]  # the same outcome at the very same instant
+        assert skipped[2] <= 2 < probed[2] or probed[2] <= 2
 
     run(scenario())
 

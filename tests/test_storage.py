@@ -56,19 +56,26 @@ def created(dep_id: str) -> m.DeploymentCreated:
     )
 
 
-async def open_store(path: Path, wall: Callable[[], float] | None = None) -> EventStore:
-    """Open (creating) a log at `path`."""
+async def open_store(
+    path: Path, wall: Callable[[], float] | None = None, *, scratch: bool = False
+) -> EventStore:
+    """Open (creating) a log at `path` (`scratch`: a simulation's, `EventStore.open`)."""
     if wall is None:
-        return await EventStore.open(path)
-    return await EventStore.open(path, wall=wall)
+        return await EventStore.open(path, scratch=scratch)
+    return await EventStore.open(path, wall=wall, scratch=scratch)
 
 
+# The behaviours a simulation's scratch log keeps: the tests below marked with it run on both.
+BOTH = pytest.mark.parametrize("scratch", [False, True], ids=["log", "scratch"])
+
+
+@BOTH
 def test_appended_events_are_read_back_in_order_with_seq_ts_stream_version_and_actor(
-    tmp_path: Path,
+    tmp_path: Path, scratch: bool
 ) -> None:
     async def scenario() -> None:
         wall = FakeWall()
-        store = await open_store(tmp_path / "log.db", wall)
+        store = await open_store(tmp_path / "log.db", wall, scratch=scratch)
         first = await store.append("settings", [settings(1), settings(2)], actor="admin:alice")
         wall.now += 5
         second = await store.append(m.deployment_stream("d1"), [created("d1")], actor="admin:bob")
@@ -98,9 +105,10 @@ def test_records_survive_closing_and_reopening_the_file(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_stream_versions_count_per_stream_and_start_at_zero(tmp_path: Path) -> None:
+@BOTH
+def test_stream_versions_count_per_stream_and_start_at_zero(tmp_path: Path, scratch: bool) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path / "log.db")
+        store = await open_store(tmp_path / "log.db", scratch=scratch)
         assert await store.version("deployment:d1") == 0
         await store.append("deployment:d1", [created("d1")], actor="admin:a")
         await store.append("settings", [settings(1)], actor="admin:a")
@@ -112,11 +120,12 @@ def test_stream_versions_count_per_stream_and_start_at_zero(tmp_path: Path) -> N
     run(scenario())
 
 
+@BOTH
 def test_append_with_a_stale_expected_version_raises_our_concurrency_error(
-    tmp_path: Path,
+    tmp_path: Path, scratch: bool
 ) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path / "log.db")
+        store = await open_store(tmp_path / "log.db", scratch=scratch)
         await store.append("settings", [settings(1), settings(2)], actor="system")
         with pytest.raises(ConcurrencyError) as caught:
             await store.append("settings", [settings(3)], actor="system", expected_version=1)
@@ -130,9 +139,12 @@ def test_append_with_a_stale_expected_version_raises_our_concurrency_error(
     run(scenario())
 
 
-def test_a_conflict_fails_only_its_own_append_in_a_shared_batch(tmp_path: Path) -> None:
+@BOTH
+def test_a_conflict_fails_only_its_own_append_in_a_shared_batch(
+    tmp_path: Path, scratch: bool
+) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path / "log.db")
+        store = await open_store(tmp_path / "log.db", scratch=scratch)
         await store.append("settings", [settings(0)], actor="system")
         results = await asyncio.gather(
             store.append("a", [settings(1)], actor="system"),
@@ -295,9 +307,10 @@ def test_a_reader_in_read_only_mode_sees_appends_of_the_writer(tmp_path: Path) -
     run(scenario())
 
 
-def test_listeners_get_each_durable_batch(tmp_path: Path) -> None:
+@BOTH
+def test_listeners_get_each_durable_batch(tmp_path: Path, scratch: bool) -> None:
     async def scenario() -> None:
-        store = await open_store(tmp_path / "log.db")
+        store = await open_store(tmp_path / "log.db", scratch=scratch)
         batches: list[list[int]] = []
         store.add_listener(lambda recs: batches.append([r.seq for r in recs]))
 
@@ -345,10 +358,11 @@ def test_appending_after_close_raises_store_closed(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_close_finishes_the_appends_already_queued(tmp_path: Path) -> None:
+@BOTH
+def test_close_finishes_the_appends_already_queued(tmp_path: Path, scratch: bool) -> None:
     async def scenario() -> None:
         path = tmp_path / "log.db"
-        store = await open_store(path)
+        store = await open_store(path, scratch=scratch)
         pending = [
             asyncio.create_task(store.append("settings", [settings(i)], actor="system"))
             for i in range(20)
@@ -488,5 +502,18 @@ def test_undecodable_event_data_raises_log_corrupt_not_a_msgspec_error(tmp_path:
         with pytest.raises(LogCorrupt):
             await store.read()
         await store.close()
+
+    run(scenario())
+
+
+def test_a_scratch_log_keeps_no_read_models(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = await open_store(tmp_path / "log.db", scratch=True)
+        await store.append(m.deployment_stream("d1"), [created("d1")], actor="admin:a")
+        assert not store.readmodels_current()
+        await store.close()
+        with sqlite3.connect(tmp_path / "log.db") as db:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master")}
+        assert "events" in tables and "audit" not in tables
 
     run(scenario())

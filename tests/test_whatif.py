@@ -4,14 +4,17 @@ simulated alternatives move the figures the way their settings say."""
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from simulations.whatif import load_history, parse_overrides, simulate
+from simulations.tune import Goal, tune
+from simulations.whatif import _covered, load_history, parse_overrides, simulate
 from tests.gateway_support import run
 from tests.whatif_support import Model, write_log
 
@@ -167,6 +170,14 @@ def test_tune_recommends_a_point_that_meets_the_goal_and_shows_the_curve(log: Pa
     assert any(p["pareto"] for p in out["points"])
 
 
+def test_tune_in_two_processes_finds_what_it_finds_in_one(log: Path) -> None:
+    history = run(load_history(log))
+    goal = Goal(bound="p90", limit_s=30, minimise="cold_starts")
+    apart = run(tune(history, goal, workers=2), timeout=300)
+    together = run(tune(history, goal, workers=1), timeout=300)
+    assert msgspec.json.encode(apart) == msgspec.json.encode(together)
+
+
 @pytest.mark.parametrize("goal", ["p95<=30", "p90<=soon", "p90<=30,happiness", "p90"])
 def test_a_bad_goal_gets_one_line_and_status_2(log: Path, goal: str) -> None:
     done = subprocess.run(
@@ -175,3 +186,25 @@ def test_a_bad_goal_gets_one_line_and_status_2(log: Path, goal: str) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and "--goal" in done.stderr
+
+
+def test_the_busy_time_within_held_spans_is_the_sum_over_every_pair_to_the_last_bit() -> None:
+    rng = random.Random(36)
+    for _ in range(200):
+        at, spans = 0.0, []
+        for _ in range(rng.randrange(0, 8)):
+            start = at + rng.expovariate(0.1)
+            at = start + rng.expovariate(0.05)
+            spans.append((start, at))
+        busy = [(a, a + rng.expovariate(0.5)) for a in (rng.uniform(0, at + 10) for _ in range(60))]
+        merged: list[list[float]] = []
+        for a, b in sorted(busy):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        every_pair = 0.0
+        for a, b in merged:
+            for s, e in spans:
+                every_pair += max(0.0, min(b, e) - max(a, s))
+        assert _covered(busy, spans) == every_pair

@@ -12,7 +12,7 @@
   stopped idle candidates only, least recently used first and only as many as needed, and
   that a re-plan after a refused victim does the same for the memory still missing;
 - every put-to-sleep: no simulated client holds a request on the model, the actor counts
-  none in flight, no direct call has kept the engine busy for a full metrics interval, and
+  none in flight, no direct call has kept the ready engine busy for a full metrics interval, and
   the deployment is on demand and not the decision model;
 - every 5 s of virtual time: the queue holds at most `ondemand_max_queued`, and the head
   of the queue is not left waiting for more than `STARVATION_LIMIT_S` while its model could
@@ -298,6 +298,8 @@ class Checker:
         self._starved: set[str] = set()
         self.samples = 0
         self.max_waiting = 0
+        # deployment -> when its engine last became ready: its metrics are scraped from then
+        self._ready_at: dict[str, float] = {}
         queue = h.controller.queue
         if not hasattr(QueueActor, "_try_admit"):
             raise RuntimeError("QueueActor._try_admit is gone: teach the Checker the new name")
@@ -363,6 +365,8 @@ class Checker:
         self.max_waiting = max(self.max_waiting, len(queue))
         if len(queue) > cap:
             self._problem(f"{len(queue)} requests wait, more than {cap}")
+        if what == "ready":
+            self._ready_at[deployment_id] = self.h.clock.now()
         if what in ("idle", "make_room"):
             self._put_to_sleep(deployment_id, what)
 
@@ -383,7 +387,8 @@ class Checker:
         now = self.h.clock.now()
         engine = None if actor is None else actor.state.runtime_id
         for call in self.h.direct_calls:
-            if call.runtime_id == engine and call.start <= now - SCRAPE_WINDOW_S and call.end > now:
+            seen_from = max(call.start, self._ready_at.get(deployment_id, math.inf))
+            if call.runtime_id == engine and seen_from <= now - SCRAPE_WINDOW_S and call.end > now:
                 self._problem(
                     f"{name} put to sleep ({why}) while its engine answered a direct call "
                     f"since t={call.start:.1f}"
@@ -619,6 +624,18 @@ def check_sleeps(facts: RunFacts) -> list[str]:
     problems: list[str] = []
     state = fold([])
     activity: dict[str, float] = {}  # deployment -> last ready/awake/adopted/mode change
+    ready_at: dict[str, float] = {}  # deployment -> when its engine last became ready
+    # A model put to sleep and started again within the same instant (a request for it came
+    # right after it made room): a request admitted at that instant may be the new engine's,
+    # which times alone cannot tell; the live `Checker` saw the actor's own count at the sleep.
+    ready_again: dict[int, float] = {}  # a PutToSleep's seq -> when its model was next ready
+    slept: dict[str, int] = {}
+    for rec in facts.records:
+        dep = rec.stream.partition(":")[2]
+        if isinstance(rec.event, m.PutToSleep):
+            slept[dep] = rec.seq
+        elif isinstance(rec.event, m.EngineReady | m.EngineAwake) and dep in slept:
+            ready_again[slept.pop(dep)] = rec.ts - facts.wall_offset
     for rec in facts.records:
         ev = rec.event
         t = rec.ts - facts.wall_offset
@@ -629,6 +646,8 @@ def check_sleeps(facts: RunFacts) -> list[str]:
             continue
         if isinstance(ev, m.EngineReady | m.EngineAwake | m.EngineAdopted | m.ModeChanged):
             activity[dep_id] = t
+        if isinstance(ev, m.EngineReady | m.EngineAdopted):
+            ready_at[dep_id] = t
         if not isinstance(ev, m.PutToSleep) or ev.reason == "watchdog" or before is None:
             continue
         name = facts.names.get(dep_id, dep_id)
@@ -646,6 +665,8 @@ def check_sleeps(facts: RunFacts) -> list[str]:
         for r in facts.results:
             if r.deployment_id != dep_id or r.admitted_at is None or r.admitted_at > t + EPS:
                 continue
+            if r.admitted_at >= t - EPS and ready_again.get(rec.seq, math.inf) <= t + EPS:
+                continue
             end = r.finished_at if r.finished_at is not None else math.inf
             if end > t + EPS:
                 problems.append(f"t={t:.1f}: {name} put to sleep with {r.request_id} in flight")
@@ -656,7 +677,8 @@ def check_sleeps(facts: RunFacts) -> list[str]:
                 f"use; it must be quiet for {timeout} s"
             )
         for engine, start, end in facts.direct_calls:
-            if engine == before.runtime_id and start <= t - SCRAPE_WINDOW_S and end > t + EPS:
+            seen_from = max(start, ready_at.get(dep_id, math.inf))  # a starting engine: no scrape
+            if engine == before.runtime_id and seen_from <= t - SCRAPE_WINDOW_S and end > t + EPS:
                 problems.append(
                     f"t={t:.1f}: {name} put to sleep while a direct call ran since t={start:.1f}"
                 )

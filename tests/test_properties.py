@@ -19,6 +19,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
@@ -601,6 +602,34 @@ def _check_program(program: Program, policy: str) -> None:
     target(float(checked.go_aheads), label="go-aheads")
     target(float(sum(r.queued for r in checked.outcome.results)), label="queued requests")
     assert checked.problems == [], f"{summary(checked)}\n{first_problems(checked.problems)}"
+
+
+def test_a_request_for_the_model_just_put_to_sleep_at_the_same_instant_was_not_in_flight() -> None:
+    """Found by Hypothesis: at one instant r1 makes room with m1 (quiet for 5 s, room after 0
+    s), then r2 comes for m1, which starts again at once, and r3 takes a lease on it: both
+    carry the sleep's time, neither was in flight when m1 slept."""
+    quick = ModelSpec(name="m", gib=16, startup_s=(0.0, 0.0))
+    program = Program(
+        usable_gib=64,
+        models=[*(msgspec.structs.replace(quick, name=f"m{i}") for i in range(3)),
+                msgspec.structs.replace(quick, name="m3", gib=24)],
+        settings={
+            "ondemand_max_queued": 2,
+            "ondemand_queue_timeout_s": 60,
+            "ondemand_idle_timeout_s": 60,
+            "ondemand_make_room_after_s": 0,
+        },
+        steps=[Advance(seconds=0.5), Request(model=0, hold_s=30.0),
+               Request(model=1, hold_s=30.0), Request(model=1, hold_s=30.0)],
+        cold=False,
+        stop_s=0.0,
+        max_concurrent_starts=1,
+    )  # fmt: skip
+    with scratch() as tmp:
+        checked = run(run_program(program, Path(tmp) / "log.db"))
+    sleeps = [r for r in checked.outcome.records if isinstance(r.event, m.PutToSleep)]
+    assert len(sleeps) >= 3  # m0 for m3, m1 for m0, m2 for m1: the case itself
+    assert checked.problems == [], first_problems(checked.problems)
 
 
 POLICY = st.sampled_from(("fifo-go-ahead", "fifo"))

@@ -70,12 +70,23 @@ def backoff_s(failures: int) -> int:
 class Activity:
     """Volatile facts about traffic; never recorded (the hot path writes nothing)."""
 
-    __slots__ = ("accepting", "engine_sleeping", "in_flight", "last_used", "load", "served")
+    __slots__ = (
+        "accepting",
+        "direct",
+        "engine_sleeping",
+        "in_flight",
+        "last_used",
+        "load",
+        "served",
+    )
 
     def __init__(self, now: float) -> None:
         self.in_flight = 0
         self.last_used = now  # end of the last request, or ready / restart / switch time
-        self.load: EngineLoad | None = None
+        self.load: EngineLoad | None = None  # the engine's last metrics reading
+        # Of that reading's requests, those beyond the gateway's own (`_on_scraped`): the
+        # direct calls to the engine's port that the idle rules see.
+        self.direct = 0
         self.engine_sleeping = False
         self.accepting = False  # ready and not being stopped: new requests may start
         self.served = 0
@@ -113,9 +124,26 @@ def _idle_after(
         return False, f"{act.in_flight} requests in flight"
     if now - act.last_used < timeout - IDLE_SLACK_S:
         return False, "used recently"
-    if act.load is not None and act.load.busy and not act.engine_sleeping:
+    if act.direct > 0 and not act.engine_sleeping:
         return False, "the engine reports requests"
     return True, "idle"
+
+
+def direct_calls(load: EngineLoad | None, in_flight: int, ended: int) -> int:
+    """Of a metrics reading's requests, how many are not the gateway's own; pure.
+
+    The engine counted its requests at some instant between the scrape's request and its
+    handling here.  The gateway's own then were at most those in flight now plus those that
+    ended since the scrape was sent (`ended`; every one that started meanwhile is still in
+    flight or has ended).  The rest are direct calls to the engine's port, which keep it
+    awake (the seed's idle rules).  A reading that counted a gateway request which has ended
+    since is no longer a reason to stay awake: the decision does not depend on where the
+    request fell in the 5 s between scrapes.  A direct call that overlaps a scrape together
+    with a gateway request's start can hide from one reading; the next one sees it.
+    """
+    if load is None:
+        return 0
+    return max(0, load.running + load.waiting - in_flight - ended)
 
 
 class LeaseImpl:
@@ -239,6 +267,7 @@ class _Scraped(Command, frozen=True, kw_only=True):
     load: EngineLoad | None
     sleeping: bool
     attempt: int
+    served_before: int  # the gateway's requests ended before the scrape was sent
 
 
 class _RetryStart(Command, frozen=True, kw_only=True):
@@ -657,6 +686,7 @@ class DeploymentActor(Actor):
         self.activity.last_used = self.clock.now()
         self.activity.accepting = True
         self.activity.load = None
+        self.activity.direct = 0
         self._arm_idle_timer()
         self._start_monitor()
         self._changed("ready")
@@ -832,6 +862,7 @@ class DeploymentActor(Actor):
             await self._record("system", m.EngineStopped())
         self._broker.release(self.deployment_id)
         self.activity.load = None
+        self.activity.direct = 0
         self.activity.engine_sleeping = False
         self._changed("removed" if self._removed else "stopped", "stopped")
 
@@ -889,12 +920,13 @@ class DeploymentActor(Actor):
                 continue  # no scrape of an engine that does not answer: look again soon
             load: EngineLoad | None = None
             sleeping = False
+            served = self.activity.served
             with contextlib.suppress(ActorError):
                 load = await self._probe.load(engine, handle)
             if engine == "vllm":
                 with contextlib.suppress(ActorError):
                     sleeping = await self._probe.is_sleeping(engine, handle)
-            self.tell(_Scraped(load=load, sleeping=sleeping, attempt=attempt))
+            self.tell(_Scraped(load=load, sleeping=sleeping, attempt=attempt, served_before=served))
 
     # --- liveness after ready: the engine's own answers -----------------------------------
 
@@ -969,8 +1001,10 @@ class DeploymentActor(Actor):
         if msg.attempt != self._attempt:
             return
         default_idle = self._hooks.default_idle_s()
-        was_idle, _ = is_idle(self.state, self.activity, self.clock.now(), default_idle)
-        self.activity.load = msg.load
+        act = self.activity
+        was_idle, _ = is_idle(self.state, act, self.clock.now(), default_idle)
+        act.load = msg.load
+        act.direct = direct_calls(msg.load, act.in_flight, act.served - msg.served_before)
         now_idle, _ = is_idle(self.state, self.activity, self.clock.now(), default_idle)
         if now_idle and not was_idle:
             # The engine went quiet after the timeout ran out: it just became idle, so the

@@ -267,10 +267,16 @@ class Harness:
         result.admitted_at = self.clock.now()
         dep_id = result.deployment_id
         self.in_flight[dep_id] = self.in_flight.get(dep_id, 0) + 1
+        # The engine answers it, and its metrics count it, as a real engine's do.
+        engine = self.runtime.engines.get(lease.handle.runtime_id)
+        if engine is not None:
+            engine.running_requests += 1
         try:
             await self.clock.sleep(hold_s)
         finally:
             self.in_flight[dep_id] -= 1
+            if engine is not None:
+                engine.running_requests = max(0, engine.running_requests - 1)
             lease.release()
         result.outcome = "served"
         result.finished_at = self.clock.now()

@@ -38,7 +38,7 @@ class SimEngine:
         self.behaviour = b
         self.stopped = False
         self.killed = False
-        self.running_requests = 0  # direct calls the engine is answering
+        self.running_requests = 0  # requests it answers: the gateway's and direct calls
         self.waiting_requests = 0
         self.sleeping = False
         self.hung = False  # alive but answering nothing (SIGSTOP, a deadlock)

@@ -38,9 +38,9 @@ import msgspec
 
 from actors.admission import Refused
 from actors.controller import DEFAULT_SETTINGS, Controller, DeploymentSpec, validate_settings
-from actors.deployment import DeploymentActor, Refusal
+from actors.deployment import Refusal
 from actors.memory_broker import GIB, MemoryBroker
-from actors.ports import EngineHandle, EngineLoad, LaunchSpec
+from actors.ports import EngineHandle, LaunchSpec
 from actors.readiness import whole_seconds
 from actors.runtime import VirtualClock
 from events import model as m
@@ -544,22 +544,13 @@ class _RecordedRuntime(SimRuntime):
 
 
 class _FineProbe(SimProbe):
-    """The simulated engines' probe.  An engine's metrics report the requests it is
-    answering, which are the replay's leases on its deployment: a model whose last scrape
-    saw one still in flight is busy, so not idle and no candidate to make room, until its
-    next scrape (every 5 s) sees it quiet, as on the real box."""
+    """The simulated engines' probe, on the box's schedule of readiness probes.  It has no
+    metrics to tell: the replay's engines answer only the replay's requests, and the idle
+    rules count only the requests an engine reports beyond the gateway's own
+    (`actors.deployment.direct_calls`), so the box's scrapes of the same traffic decide
+    nothing either (and the simulation runs no monitor: `watch_engines=False`)."""
 
     probe_schedule = staticmethod(tenths_then_seconds)
-
-    def __init__(self, runtime: SimRuntime) -> None:
-        super().__init__(runtime)
-        self.actors: dict[str, DeploymentActor] = {}  # the controller's, by id
-
-    async def load(self, engine: str, handle: EngineHandle) -> EngineLoad | None:
-        """Running requests: the leases in flight on the deployment."""
-        self._engine(handle)  # an engine that is gone does not answer
-        actor = self.actors.get(handle.deployment_id)
-        return EngineLoad(running=actor.activity.in_flight if actor else 0, waiting=0)
 
 
 @dataclass
@@ -625,7 +616,6 @@ async def simulate(
             defaults={**history.defaults, **history.settings, **own},
             watch_engines=False,  # its engines cannot exit, hang or carry direct calls
         )
-        probe.actors = controller.actors
         await controller.load()
         sim = _Sim(clock, store, controller, origin)
         try:

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from actors.deployment import IdleCheck, Refusal
+from actors.deployment import IdleCheck, Refusal, direct_calls, may_make_room
 from actors.errors import MailboxFull
+from actors.ports import EngineLoad
 from events import model as m
 from events.projections import audit_rows, deployment_events
 from simulations.harness import Harness
@@ -222,6 +223,57 @@ def test_engine_metrics_showing_work_keep_it_awake_but_do_not_restart_the_timer(
         assert h.state(a) == "stopped"
 
     box(tmp_path, t)
+
+
+def test_a_reading_that_counted_the_gateways_own_request_does_not_outlive_it(
+    tmp_path: Path,
+) -> None:
+    """The engine's metrics count the gateway's requests too: once they have ended, only the
+    reading's requests beyond them (direct calls) keep the model from making room, wherever
+    the request fell between two scrapes."""
+
+    async def t(h: Harness) -> None:
+        a = await h.deploy("alpha", 10)
+        await settle_ready(h, a)
+        actor = h.controller.actors[a]
+        engine = h.runtime.engine_of(a)
+        assert engine is not None
+
+        def make_room_now() -> tuple[bool, str]:
+            return may_make_room(actor.state, actor.activity, h.clock.now(), 300, 0)
+
+        lease = h.controller.try_acquire(a)
+        assert lease is not None
+        engine.running_requests = 1  # the engine answers the gateway's request
+        await h.advance(6)  # a scrape sees it
+        assert actor.activity.load is not None and actor.activity.load.running == 1
+        assert actor.activity.direct == 0
+        engine.running_requests = 0
+        lease.release()
+        assert make_room_now() == (True, "idle")  # before the next scrape
+
+        lease = h.controller.try_acquire(a)
+        assert lease is not None
+        engine.running_requests = 2  # the gateway's request and a direct call
+        await h.advance(6)
+        assert actor.activity.direct == 1
+        engine.running_requests = 1
+        lease.release()
+        assert make_room_now() == (False, "the engine reports requests")
+        engine.running_requests = 0
+        await h.advance(6)  # the next scrape sees the direct call ended
+        assert make_room_now() == (True, "idle")
+
+    box(tmp_path, t)
+
+
+def test_direct_calls_are_the_readings_requests_beyond_the_gateways_own() -> None:
+    assert direct_calls(None, 0, 0) == 0
+    assert direct_calls(EngineLoad(running=1, waiting=0), 0, 0) == 1  # a direct call
+    assert direct_calls(EngineLoad(running=1, waiting=0), 1, 0) == 0  # the gateway's own
+    assert direct_calls(EngineLoad(running=1, waiting=0), 0, 1) == 0  # ... ended since
+    assert direct_calls(EngineLoad(running=2, waiting=1), 1, 1) == 1
+    assert direct_calls(EngineLoad(running=0, waiting=0), 2, 0) == 0  # not there yet
 
 
 def test_a_vllm_engine_put_into_sleep_mode_by_hand_counts_as_idle(tmp_path: Path) -> None:

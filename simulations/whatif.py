@@ -407,14 +407,20 @@ def _clip(spans: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[
     return [(max(a, lo), min(b, hi)) for a, b in spans if min(b, hi) > max(a, lo)]
 
 
-def _covered(busy: list[tuple[float, float]], spans: list[tuple[float, float]]) -> float:
-    """Seconds of `spans` during which at least one request was in flight."""
+def _merged(busy: list[tuple[float, float]]) -> list[list[float]]:
+    """The stretches of time covered by `busy`, overlapping ones joined, in time order."""
     merged: list[list[float]] = []
     for a, b in sorted(busy):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
+    return merged
+
+
+def _covered(busy: list[tuple[float, float]], spans: list[tuple[float, float]]) -> float:
+    """Seconds of `spans` during which at least one request was in flight."""
+    merged = _merged(busy)
     # Both in time order: each busy stretch meets a run of the spans, and a span that ended
     # before one stretch ends before all the later ones.  The overlaps add up in the order
     # of a loop over every pair (the pairs that do not overlap add nothing).

@@ -21,15 +21,14 @@ the log, and copying is idempotent, so an interrupted archive loses nothing: run
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import aiosqlite
 
 from storage.errors import StorageError
-from storage.eventlog import EventStore, _map_error
+from storage.eventlog import EventStore, _in_transaction, _map_error
 
 SLICE = 10_000
 _MOVABLE = (
@@ -106,22 +105,3 @@ async def archive_queue_events(
                 moved += len(rows)
     except sqlite3.Error as exc:
         raise _map_error(exc, path) from exc
-
-
-async def _in_transaction(
-    conn: aiosqlite.Connection,
-    sql: str,
-    rows: Sequence[Iterable[object]],
-    then: str | None = None,
-    then_params: tuple[object, ...] = (),
-) -> None:
-    await conn.execute("BEGIN IMMEDIATE")
-    try:
-        await conn.executemany(sql, rows)
-        if then is not None:
-            await conn.execute(then, then_params)
-        await conn.execute("COMMIT")
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):
-            await conn.execute("ROLLBACK")
-        raise

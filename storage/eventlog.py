@@ -22,7 +22,7 @@ import os
 import sqlite3
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import aiosqlite
@@ -477,15 +477,7 @@ class EventStore:
         if not self._behind:
             return
         rows, self._behind = self._behind, []
-        conn = self._conn
-        await conn.execute("BEGIN IMMEDIATE")
-        try:
-            await conn.executemany(_INSERT_EVENTS, rows)
-            await conn.execute("COMMIT")
-        except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                await conn.execute("ROLLBACK")
-            raise
+        await _in_transaction(self._conn, _INSERT_EVENTS, rows)
 
     def _publish(self, items: list[_Append]) -> None:
         published: list[m.Recorded] = []
@@ -794,3 +786,23 @@ class EventStore:
             await self._write_behind()
         with contextlib.suppress(sqlite3.Error):
             await self._conn.close()
+
+
+async def _in_transaction(
+    conn: aiosqlite.Connection,
+    sql: str,
+    rows: Sequence[Iterable[object]],
+    then: str | None = None,
+    then_params: tuple[object, ...] = (),
+) -> None:
+    """`sql` for each of `rows` (then `then`) in one transaction, rolled back on failure."""
+    await conn.execute("BEGIN IMMEDIATE")
+    try:
+        await conn.executemany(sql, rows)
+        if then is not None:
+            await conn.execute(then, then_params)
+        await conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            await conn.execute("ROLLBACK")
+        raise

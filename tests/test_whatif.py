@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from simulations.tune import Goal, tune
-from simulations.whatif import _covered, load_history, parse_overrides, simulate
+from simulations.whatif import _covered, _merged, load_history, parse_overrides, simulate
 from tests.gateway_support import run
 from tests.whatif_support import Model, write_log
 
@@ -197,14 +197,8 @@ def test_the_busy_time_within_held_spans_is_the_sum_over_every_pair_to_the_last_
             at = start + rng.expovariate(0.05)
             spans.append((start, at))
         busy = [(a, a + rng.expovariate(0.5)) for a in (rng.uniform(0, at + 10) for _ in range(60))]
-        merged: list[list[float]] = []
-        for a, b in sorted(busy):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
         every_pair = 0.0
-        for a, b in merged:
+        for a, b in _merged(busy):
             for s, e in spans:
                 every_pair += max(0.0, min(b, e) - max(a, s))
         assert _covered(busy, spans) == every_pair

@@ -4,8 +4,6 @@ the second (`tests/whatif_calibration.py`; docs/what-if.md has the 20-minute tab
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.gateway_support import run
@@ -28,13 +26,6 @@ def test_whatif_with_the_recorded_settings_reproduces_the_real_box(
     assert calibration.problems() == []
 
 
-@pytest.mark.skipif(
-    os.environ.get("DGXMM_WHATIF_COUNTERFACTUAL") != "1",
-    reason="open criterion of issue 36 (docs/what-if.md): held in 8 of 10 3-minute runs; the"
-    " misses (90.9 % and 92.1 % of requests alike against 95 %) come from a request ending"
-    " within tens of ms of a metrics scrape, where two real boxes given the same traffic"
-    " differ too; DGXMM_WHATIF_COUNTERFACTUAL=1 runs it",
-)
 def test_whatif_predicts_the_box_that_made_room_at_once(
     compared: tuple[Comparison, Comparison],
 ) -> None:

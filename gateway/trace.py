@@ -2,32 +2,46 @@
 
 A what-if (`simulations.whatif`) needs all of the traffic, also the requests that never
 waited, which the event log otherwise does not know: a request to a ready model writes
-nothing *of its own*.  So the gateway keeps one row of small integers per request in memory
-(`record`: one row packed by one C call onto a bytearray, no object kept, no I/O) and every
-`flush_every_s` hands them as one `TrafficRecorded` event to the log's group commit
-(`sink`).  The row is `events.traffic`'s.  The batch also says when each of its deployments
-was last used (`last_used_at`, read off the rows at the flush, never per request), which
-the folded state keeps across restarts.
+nothing *of its own*.  So the gateway keeps one row of eight numbers per request in memory
+(`record`: one tuple appended to a flat list, no I/O) and every `flush_every_s` packs them
+(`events.traffic.pack_rows`, 64 rows a C call) into one `TrafficRecorded` event for the
+log's group commit (`sink`).  The row is `events.traffic`'s.  The batch also says when
+each of its deployments was last used (`last_used_at`, read off the packed rows at the
+flush, never per request), which the folded state keeps across restarts.
+
+A request pays what `record` does (the express lane appends the same numbers itself,
+`Exchange._traced`) and a share of the flush's packing and deflate;
+`tests.perf.micro_gateway --instructions` counts both (`MICRO_GATEWAY_TRACE`).  The list
+holds the numbers as the row stores them, so that the flush computes nothing per row:
+times already seconds from the batch's base (`base`; float32 keeps them exact to the
+microsecond), the deployment an index into the batch's names (`index`).
 
 Bounded, and never blocking a request: at most `max_in_flight` batches wait for the writer
 (a batch beyond that is dropped whole); at most `4 * batch_size` rows wait for their flush,
-and 255 deployments fit a batch (rows beyond are dropped); a write that fails drops its
-batch.  Whatever was dropped is counted (`statistics()`) and carried by the next batch
-that is written (`dropped_batches`, `dropped_requests`), so a trace with holes says where
-they are.
+and 255 deployments fit a batch (rows beyond are dropped); a write that fails, or a batch
+whose numbers do not fit its row, is dropped.  Whatever was dropped is counted
+(`statistics()`) and carried by the next batch that is written (`dropped_batches`,
+`dropped_requests`), so a trace with holes says where they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
-import zlib
 from collections.abc import Awaitable, Callable
 
 import structlog
 
 from events import model as m
-from events.traffic import MAX_DEPLOYMENTS, ROW, last_uses
+from events.traffic import (
+    FIELDS,
+    LAYOUT,
+    MAX_DEPLOYMENTS,
+    deflate_rows,
+    last_uses,
+    pack_rows,
+)
 
 log = structlog.get_logger("gateway.trace")
 
@@ -50,17 +64,16 @@ class TrafficTrace:
         self._sink = sink
         self.flush_every_s = flush_every_s
         self.max_in_flight = max_in_flight
-        self._soft_bytes = batch_size * ROW.size  # a batch this full is flushed at once
-        self._max_bytes = 4 * self._soft_bytes  # beyond: rows are dropped
-        self._pack = ROW.pack
+        self.soft = batch_size * FIELDS  # a batch this full is flushed at once
+        self._max = 4 * self.soft  # beyond: rows are dropped
         self._monotonic = monotonic
         self._offset = wall() - monotonic()  # monotonic seconds + offset = epoch seconds
-        self._buf = bytearray()
-        self._index: dict[str, int] = {}
+        # The batch: `FIELDS` numbers a row (`events.traffic.ROW`'s), the deployments' indexes
+        # (read and appended to by the express lane, `Exchange._traced`, too).
+        self.rows: list[float] = []
+        self.index: dict[str, int] = {}
         self._names: list[str] = []
-        self._base = monotonic()  # the batch's arrivals count from here ...
-        self._base_id = 0  # ... its first id from here
-        self._last_id = 0
+        self.base = monotonic()  # the batch's arrivals count from here
         self._flush_soon = False
         self._timer: asyncio.TimerHandle | None = None
         self._writes: set[asyncio.Task[None]] = set()
@@ -81,41 +94,39 @@ class TrafficTrace:
         admitted: float,
         first: float,
         end: float,
-        flags: int,
+        outcome: int,
+        streamed: bool,
     ) -> None:
         """One request ended (times are monotonic seconds; `first` 0: no answer came;
-        `flags`: `outcome << 1 | streamed`): one packed row (`events.traffic.ROW`)."""
-        index = self._index.get(deployment_id)
-        buf = self._buf
-        if index is None or len(buf) >= self._soft_bytes:
-            index = self._slow(deployment_id, request_id)
+        `outcome`: its code, `events.traffic.OUTCOMES`): its row's numbers onto the list."""
+        rows = self.rows
+        index = self.index.get(deployment_id)
+        if index is None or len(rows) >= self.soft:  # new to the batch, or a full batch
+            index = self._slow(deployment_id)
             if index < 0:
                 return
-        buf += self._pack(
-            index, flags, request_id - self._last_id, arrived - self._base, admitted - arrived,
+        rows += (
+            index, outcome, streamed, request_id, arrived - self.base, admitted - arrived,
             first - arrived if first else -1.0, end - arrived,
         )  # fmt: skip
-        self._last_id = request_id
 
-    def _slow(self, deployment_id: str, request_id: int) -> int:
-        """A deployment new to the batch (the batch's first row among them), or a full batch:
-        the row's index, -1 to drop it."""
-        if not self._buf:  # the batch's ids count from its first
-            self._base_id = self._last_id = request_id
-        if len(self._buf) >= self._max_bytes:  # the loop has not flushed for a while
+    def _slow(self, deployment_id: str) -> int:
+        """A deployment new to the batch, or a full batch: the row's index, -1 to drop it."""
+        rows = self.rows
+        if len(rows) >= self._max:  # the loop has not flushed for a while
             self.requests_dropped += 1
             self._unreported_requests += 1
             return -1
-        if len(self._buf) >= self._soft_bytes and not self._flush_soon:
+        if len(rows) >= self.soft and not self._flush_soon:
             self._flush_soon = True  # full before its time: flushed in the loop's next round
             asyncio.get_running_loop().call_soon(self.flush)
-        index = self._index.get(deployment_id)
+        index = self.index.get(deployment_id)
         if index is None:
             if len(self._names) >= MAX_DEPLOYMENTS:
                 self.requests_dropped += 1
                 self._unreported_requests += 1
                 return -1
-            index = self._index[deployment_id] = len(self._names)
+            index = self.index[deployment_id] = len(self._names)
             self._names.append(deployment_id)
         return index
 
@@ -133,23 +144,36 @@ class TrafficTrace:
     def flush(self) -> None:
         """Hand the rows so far to the writer as one batch (dropped when it is behind)."""
         self._flush_soon = False
-        buf = self._buf
-        if not buf:  # nothing to write; the next rows count from now (float32 stays exact)
-            self._base = self._monotonic()
+        values = self.rows
+        if not values:  # nothing to write; the next rows count from now (float32 stays exact)
+            self.base = self._monotonic()
             return
-        base_time = self._base + self._offset
+        base_time = self.base + self._offset
+        names = self._names
+        self.rows, self.index, self._names = [], {}, []
+        self.base = self._monotonic()
+        count = len(values) // FIELDS
+        try:
+            rows = pack_rows(values)
+        except struct.error as exc:  # policy: a number out of its field's range (a clock
+            # gone wrong) loses its batch, counted, rather than the rest of the trace
+            log.warning("trace_batch_unpacked", requests=count, error=repr(exc))
+            self.batches_dropped += 1
+            self.requests_dropped += count
+            self._unreported_batches += 1
+            self._unreported_requests += count
+            return
         event = m.TrafficRecorded(
-            deployments=self._names,
+            deployments=names,
             base_time=base_time,
-            base_id=self._base_id,
-            count=len(buf) // ROW.size,
-            data=zlib.compress(buf, 1),
+            base_id=int(values[3]),  # the first row's id
+            count=count,
+            data=deflate_rows(rows),
+            layout=LAYOUT,
             dropped_batches=self._unreported_batches,
             dropped_requests=self._unreported_requests,
-            last_used_at=last_uses(buf, self._names, base_time),
+            last_used_at=last_uses(rows, names, base_time),
         )
-        self._buf, self._index, self._names = bytearray(), {}, []
-        self._base = self._monotonic()
         if len(self._writes) >= self.max_in_flight:
             self._dropped(event)
             return
@@ -191,7 +215,7 @@ class TrafficTrace:
         """Counters: requests recorded (written), batches written and dropped."""
         return {
             "recorded": self.recorded,
-            "pending": len(self._buf) // ROW.size,
+            "pending": len(self.rows) // FIELDS,
             "batches_written": self.batches_written,
             "batches_dropped": self.batches_dropped,
             "requests_dropped": self.requests_dropped,

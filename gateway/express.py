@@ -503,11 +503,14 @@ class Exchange:
         trace = self._gateway.trace
         if trace is not None:
             arrived = self._arrived
-            first = self._first
-            ttfb = first - arrived if first else -1.0
-            end = self._last_byte or time.monotonic()
-            # Ended in the write that began it: its duration is its time to the first byte.
-            duration = ttfb if self._last_byte else end - arrived
+            first = end = self._last_byte
+            if end:  # ended in the write that began it: its duration is its time to first byte
+                ttfb = duration = end - arrived
+            else:
+                first = self._first
+                ttfb = first - arrived if first else -1.0
+                end = time.monotonic()
+                duration = end - arrived
             rows = trace.rows
             index = trace.index.get(self._view.deployment_id)
             if index is None or len(rows) >= trace.soft:  # see `TrafficTrace.record`

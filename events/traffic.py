@@ -61,7 +61,7 @@ def deflate_rows(rows: bytes) -> bytes:
     """Layout 1's `data`: the rows' bytes by their place in the row, raw-deflated (level 1,
     no header, no checksum)."""
     size = ROW.size
-    deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 9)
+    deflate = zlib.compressobj(1, zlib.DEFLATED, -15)
     return deflate.compress(b"".join([rows[j::size] for j in range(size)])) + deflate.flush()
 
 

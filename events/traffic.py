@@ -1,29 +1,30 @@
 """The traffic trace's rows and their encoding (`TrafficRecorded.data`).
 
-One request is one packed row of 27 bytes (`ROW`, little-endian): the deployment's index in
-the batch's list, the outcome's code (`OUTCOMES`), whether the answer was streamed, the
-request id, and four float32 seconds: the arrival from the batch's base time, the wait
-(arrival to lease), the time to the first byte of the answer (negative: none came) and the
-whole duration (arrival to end).
+A request's row: the deployment (its index in the batch's list), the outcome's code
+(`OUTCOMES`), whether the answer was streamed, the request id, and four float32 seconds:
+the arrival from the batch's base time, the wait (arrival to lease), the time to the first
+byte of the answer (negative: none came) and the whole duration (arrival to end).
 
-The gateway does not pack a row per request: it keeps the row's eight numbers on a flat
-list (`gateway.trace`: a tuple appended, nothing computed that the request already has)
-and packs the whole batch at the flush, 64 rows a C call (`pack_rows`), a fraction of what
-one `struct` call per request cost.  The batch's bytes then go by their place in the row
-(every row's first byte, then every second ...) and are raw-deflated (`deflate_rows`): the
-places that barely change from row to row (the index, the outcome, the id's high bytes, a
-float's exponent) become long runs, which deflate takes at a fraction of the cost of the
-rows as they are and keeps smaller.  That is layout 1 (`LAYOUT`, what is written now).
+Layout 1 (`LAYOUT`, what is written now) stores a batch by column, little-endian: every
+row's deployment index (a byte), then every outcome (a byte), every stream flag (a byte),
+every id as its difference from the row before's (int64; the first row's from `base_id`),
+then the four float32 columns one after the other; the whole raw-deflated (`pack_columns`).
+A column barely changes from row to row (one deployment, "served", ids one apart, the wait
+0, the floats' exponents), so deflate takes it fast and keeps it small, and the gateway
+builds each column in one C loop at the flush (`gateway.trace`), none per request.
 
-Layout 0, what the trace wrote first, still reads (`rows_of`, `decode_batch`): 22-byte
-rows (`ROW_LAYOUT0`: the outcome and the stream in one byte, `outcome << 1 | streamed`,
-and the id a 32-bit delta from the previous row's), as they are, zlib-deflated.
+Layout 0, what the trace wrote first, still reads (`decode_batch`): 22-byte rows one after
+the other (`ROW_LAYOUT0`: the outcome and the stream in one byte, `outcome << 1 | streamed`,
+and the id a 32-bit delta from the previous row's), zlib-deflated.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import accumulate, chain
+from operator import sub
 
 import msgspec
 
@@ -33,48 +34,29 @@ from events.model import TrafficRecorded
 OUTCOMES = ("served", "engine_error", "client_gone", "queue_full", "queue_timeout", "refused")
 SERVED, ENGINE_ERROR, CLIENT_GONE, QUEUE_FULL, QUEUE_TIMEOUT, REFUSED = range(len(OUTCOMES))
 
-ROW = struct.Struct("<BB?qffff")
-FIELDS = 8  # a row's numbers, as the gateway keeps them on a flat list
 MAX_DEPLOYMENTS = 255  # per batch: the index is one byte
-LAYOUT = 1  # what `encode_batch` and the gateway write (`TrafficRecorded.layout`)
+LAYOUT = 1  # what `pack_columns` writes (`TrafficRecorded.layout`)
 ROW_LAYOUT0 = struct.Struct("<BBiffff")
-
-_CHUNK = 64  # rows packed by one call: its format parsed once
-_PACK_CHUNK = struct.Struct("<" + ROW.format[1:] * _CHUNK).pack
+_F32 = struct.Struct("<f")
 
 
-def pack_rows(values: list[float]) -> bytes:
-    """The rows of a batch from their numbers one after the other (`FIELDS` a row, in
-    `ROW`'s order), a few C calls for the whole batch (`struct.error` when a number does
-    not fit its field)."""
-    count = len(values) // FIELDS
-    short = -count % _CHUNK  # the last chunk is filled with zeros, cut off after
-    if short:
-        zeros: list[float] = [0] * (short * FIELDS)
-        values = values + zeros
-    step = _CHUNK * FIELDS
-    rows = b"".join([_PACK_CHUNK(*values[i : i + step]) for i in range(0, len(values), step)])
-    return rows[: count * ROW.size] if short else rows
+def float32s(values: Iterable[float], count: int) -> bytes:
+    """A float32 column (`struct.error`, `OverflowError`: a value out of its range)."""
+    return struct.pack(f"<{count}f", *values)
 
 
-def deflate_rows(rows: bytes) -> bytes:
-    """Layout 1's `data`: the rows' bytes by their place in the row, raw-deflated (level 1,
-    no header, no checksum)."""
-    size = ROW.size
-    deflate = zlib.compressobj(1, zlib.DEFLATED, -15)
-    return deflate.compress(b"".join([rows[j::size] for j in range(size)])) + deflate.flush()
-
-
-def rows_of(event: TrafficRecorded) -> bytes:
-    """A batch's rows as packed: `ROW`s one after the other (layout 0: `ROW_LAYOUT0`s)."""
-    if event.layout == 0:
-        return zlib.decompress(event.data)
-    data = zlib.decompress(event.data, -15)
-    size, count = ROW.size, len(data) // ROW.size
-    rows = bytearray(len(data))
-    for j in range(size):
-        rows[j::size] = data[j * count : (j + 1) * count]
-    return bytes(rows)
+def pack_columns(
+    index: bytes, outcomes: bytes, streamed: bytes, base_id: int, ids: Sequence[int],
+    wait: bytes, arrived: bytes, ttfb: bytes, duration: bytes,
+) -> bytes:  # fmt: skip
+    """Layout 1's `data`: the columns of a batch (the times `float32s`: the waits, the
+    arrivals from the base, the times to first byte and the durations); the ones that
+    barely change raw-deflated, the three times after them as they are (`struct.error`: an
+    id out of int64's range)."""
+    deltas = struct.pack(f"<{len(ids)}q", *map(sub, ids, chain((base_id,), ids)))
+    deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 1)  # a small hash table: cleared each batch
+    head = deflate.compress(b"".join((index, outcomes, streamed, deltas, wait)))
+    return b"".join((head, deflate.flush(), arrived, ttfb, duration))
 
 
 class TrafficRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,18 +85,35 @@ def _layout0(event: TrafficRecorded) -> list[Row]:
     rows: list[Row] = []
     rid = event.base_id
     for index, flags, delta, arrived, wait, first, duration in ROW_LAYOUT0.iter_unpack(
-        rows_of(event)
+        zlib.decompress(event.data)
     ):
         rid += delta
         rows.append((index, flags >> 1, bool(flags & 1), rid, arrived, wait, first, duration))
     return rows
 
 
+def _layout1(event: TrafficRecorded) -> Iterator[Row]:
+    """Layout 1's columns, row by row."""
+    n = event.count
+    inflate = zlib.decompressobj(-15)
+    data = inflate.decompress(event.data) + inflate.unused_data
+    if len(data) != 27 * n:
+        raise ValueError(f"a trace batch of {n} rows holds {len(data)} bytes")
+    deltas = struct.unpack_from(f"<{n}q", data, 3 * n)
+    times = struct.unpack_from(f"<{4 * n}f", data, 11 * n)
+    ids = accumulate(deltas, initial=event.base_id)
+    next(ids)
+    return zip(
+        data[:n], data[n : 2 * n], map(bool, data[2 * n : 3 * n]), ids,
+        times[n : 2 * n], times[:n], times[2 * n : 3 * n], times[3 * n :], strict=True,
+    )  # fmt: skip
+
+
 def decode_batch(event: TrafficRecorded) -> list[TrafficRecord]:
     """The records of one batch, in the order they ended."""
     names, base = event.deployments, event.base_time
     last = len(OUTCOMES)
-    rows = _layout0(event) if event.layout == 0 else ROW.iter_unpack(rows_of(event))
+    rows = _layout0(event) if event.layout == 0 else _layout1(event)
     return [
         TrafficRecord(
             request_id=rid,
@@ -136,17 +135,20 @@ def counts_as_use(outcome: int, first: float) -> bool:
     return outcome in (SERVED, ENGINE_ERROR) or first >= 0
 
 
-def last_uses(rows: bytes, names: list[str], base_time: float) -> dict[str, float]:
-    """Per deployment of a batch (`names`), when its newest request that used it ended, in
-    epoch seconds, from the rows as packed (`pack_rows`).  Rows come in the order requests
-    ended, so the scan runs from the last row back and stops once every name is found."""
+def last_uses(
+    names: Sequence[str], deployments: Sequence[str], outcomes: Sequence[int],
+    ttfb: bytes, arrived: bytes, duration: bytes, base: float,
+) -> dict[str, float]:  # fmt: skip
+    """Per deployment of a batch (`names`), when its newest request that used it ended
+    (`base` + arrival + duration, as stored: `float32s`), from the columns of its rows.
+    Rows come in the order requests ended, so the scan runs from the last row back and
+    stops once every name is found: one row, mostly."""
     found: dict[str, float] = {}
-    unpack, size = ROW.unpack_from, ROW.size
-    for offset in range(len(rows) - size, -1, -size):
-        index, outcome, _, _, arrived, _, first, duration = unpack(rows, offset)
-        name = names[index]
-        if name not in found and counts_as_use(outcome, first):
-            found[name] = base_time + arrived + duration
+    f32 = _F32.unpack_from
+    for i in range(len(deployments) - 1, -1, -1):
+        name = deployments[i]
+        if name not in found and counts_as_use(outcomes[i], f32(ttfb, 4 * i)[0]):
+            found[name] = base + f32(arrived, 4 * i)[0] + f32(duration, 4 * i)[0]
             if len(found) == len(names):
                 break
     return found
@@ -154,24 +156,28 @@ def last_uses(rows: bytes, names: list[str], base_time: float) -> dict[str, floa
 
 def encode_batch(records: list[TrafficRecord]) -> TrafficRecorded:
     """A batch made of whole records (synthesised traces, tests), as the gateway writes its
-    own (`gateway.trace`): the same `ROW`s, `LAYOUT`."""
-    names = list(dict.fromkeys(r.deployment_id for r in records))
+    own (`gateway.trace`): the same columns, `LAYOUT`."""
+    deployments = [r.deployment_id for r in records]
+    names = list(dict.fromkeys(deployments))
     index = {n: i for i, n in enumerate(names)}
     base = records[0].arrived if records else 0.0
-    values: list[float] = []
-    for r in records:
-        code = OUTCOMES.index(r.outcome) if r.outcome in OUTCOMES else REFUSED
-        values += (
-            index[r.deployment_id], code, r.streamed, r.request_id, r.arrived - base, r.wait_s,
-            -1.0 if r.ttfb_s is None else r.ttfb_s, r.duration_s,
-        )  # fmt: skip
-    rows = pack_rows(values)
+    base_id = records[0].request_id if records else 0
+    outcomes = [OUTCOMES.index(r.outcome) if r.outcome in OUTCOMES else REFUSED for r in records]
+    n = len(records)
+    arrived = float32s([r.arrived - base for r in records], n)
+    duration = float32s([r.duration_s for r in records], n)
+    ttfb = float32s([-1.0 if r.ttfb_s is None else r.ttfb_s for r in records], n)
+    data = pack_columns(
+        bytes([index[d] for d in deployments]), bytes(outcomes),
+        bytes([r.streamed for r in records]), base_id, [r.request_id for r in records],
+        float32s([r.wait_s for r in records], n), arrived, ttfb, duration,
+    )  # fmt: skip
     return TrafficRecorded(
         deployments=names,
         base_time=base,
-        base_id=records[0].request_id if records else 0,
+        base_id=base_id,
         count=len(records),
-        data=deflate_rows(rows),
+        data=data,
         layout=LAYOUT,
-        last_used_at=last_uses(rows, names, base),
+        last_used_at=last_uses(names, deployments, outcomes, ttfb, arrived, duration, base),
     )

@@ -493,35 +493,30 @@ class Exchange:
         gateway = self._gateway
         gateway.relayed += 1
         gateway.relayed_express += 1
-        self._traced()
+        trace = gateway.trace
+        if trace is not None:  # its row, as `_traced` has `record` append it, one call less
+            rows = trace.rows
+            if len(rows) < trace.soft:
+                arrived = self._arrived
+                rows.append((
+                    self._view.deployment_id, self.request_id, arrived, arrived, self._first,
+                    self._last_byte or time.monotonic(), self._outcome, self._chunks_through,
+                ))  # fmt: skip
+            else:
+                self._traced()
         self._conn.express_done(keep)
 
     def _traced(self) -> None:
-        """The exchange's row in the traffic trace (`gateway.trace`), when there is one: the
-        numbers `TrafficTrace.record` would append, appended here (one call less on every
-        exchange's path; `tests/test_traffic_trace.py` holds both to the same rows)."""
+        """The exchange's row in the traffic trace (`gateway.trace`), when there is one (its
+        end is the last byte's time, when the answer went out whole in one write, else now;
+        `_end` appends the same row itself, `tests/test_traffic_trace.py` holds both to
+        `record`'s)."""
         trace = self._gateway.trace
         if trace is not None:
             arrived = self._arrived
-            first = end = self._last_byte
-            if end:  # ended in the write that began it: its duration is its time to first byte
-                ttfb = duration = end - arrived
-            else:
-                first = self._first
-                ttfb = first - arrived if first else -1.0
-                end = time.monotonic()
-                duration = end - arrived
-            rows = trace.rows
-            index = trace.index.get(self._view.deployment_id)
-            if index is None or len(rows) >= trace.soft:  # see `TrafficTrace.record`
-                trace.record(
-                    self._view.deployment_id, self.request_id, arrived, arrived, first, end,
-                    self._outcome, self._chunks_through,
-                )  # fmt: skip
-                return
-            rows += (
-                index, self._outcome, self._chunks_through, self.request_id,
-                arrived - trace.base, 0.0, ttfb, duration,
+            trace.record(
+                self._view.deployment_id, self.request_id, arrived, arrived, self._first,
+                self._last_byte or time.monotonic(), self._outcome, self._chunks_through,
             )  # fmt: skip
 
     def _release(self, *, reuse: bool) -> None:

@@ -30,22 +30,20 @@ import asyncio
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from itertools import repeat
+from operator import sub
 
 import structlog
 
 from events import model as m
-from events.traffic import (
-    FIELDS,
-    LAYOUT,
-    MAX_DEPLOYMENTS,
-    deflate_rows,
-    last_uses,
-    pack_rows,
-)
+from events.traffic import LAYOUT, MAX_DEPLOYMENTS, float32s, last_uses, pack_columns
 
 log = structlog.get_logger("gateway.trace")
 
 Sink = Callable[[m.TrafficRecorded], Awaitable[object]]
+# A request as it ended: deployment id, request id, and monotonic seconds when it arrived,
+# got its lease, sent its first byte (0: none) and ended; its outcome's code; streamed.
+Row = tuple[str, int, float, float, float, float, int, bool]
 
 
 class TrafficTrace:
@@ -64,15 +62,12 @@ class TrafficTrace:
         self._sink = sink
         self.flush_every_s = flush_every_s
         self.max_in_flight = max_in_flight
-        self.soft = batch_size * FIELDS  # a batch this full is flushed at once
-        self._max = 4 * self.soft  # beyond: rows are dropped
+        self.soft = batch_size  # a batch this full is flushed at once
+        self._max = 4 * batch_size  # beyond: rows are dropped
         self._monotonic = monotonic
         self._offset = wall() - monotonic()  # monotonic seconds + offset = epoch seconds
-        # The batch: `FIELDS` numbers a row (`events.traffic.ROW`'s), the deployments' indexes
-        # (read and appended to by the express lane, `Exchange._traced`, too).
-        self.rows: list[float] = []
-        self.index: dict[str, int] = {}
-        self._names: list[str] = []
+        # The batch: a `Row` a request (appended by the express lane, `Exchange._end`, too).
+        self.rows: list[Row] = []
         self.base = monotonic()  # the batch's arrivals count from here
         self._flush_soon = False
         self._timer: asyncio.TimerHandle | None = None
@@ -98,37 +93,23 @@ class TrafficTrace:
         streamed: bool,
     ) -> None:
         """One request ended (times are monotonic seconds; `first` 0: no answer came;
-        `outcome`: its code, `events.traffic.OUTCOMES`): its row's numbers onto the list."""
+        `outcome`: its code, `events.traffic.OUTCOMES`): its row onto the batch."""
         rows = self.rows
-        index = self.index.get(deployment_id)
-        if index is None or len(rows) >= self.soft:  # new to the batch, or a full batch
-            index = self._slow(deployment_id)
-            if index < 0:
-                return
-        rows += (
-            index, outcome, streamed, request_id, arrived - self.base, admitted - arrived,
-            first - arrived if first else -1.0, end - arrived,
-        )  # fmt: skip
+        if len(rows) < self.soft or self._room():
+            rows.append(
+                (deployment_id, request_id, arrived, admitted, first, end, outcome, streamed)
+            )
 
-    def _slow(self, deployment_id: str) -> int:
-        """A deployment new to the batch, or a full batch: the row's index, -1 to drop it."""
-        rows = self.rows
-        if len(rows) >= self._max:  # the loop has not flushed for a while
+    def _room(self) -> bool:
+        """A full batch: flush it soon; False (the row dropped, counted) beyond the bound."""
+        if len(self.rows) >= self._max:  # the loop has not flushed for a while
             self.requests_dropped += 1
             self._unreported_requests += 1
-            return -1
-        if len(rows) >= self.soft and not self._flush_soon:
+            return False
+        if not self._flush_soon:
             self._flush_soon = True  # full before its time: flushed in the loop's next round
             asyncio.get_running_loop().call_soon(self.flush)
-        index = self.index.get(deployment_id)
-        if index is None:
-            if len(self._names) >= MAX_DEPLOYMENTS:
-                self.requests_dropped += 1
-                self._unreported_requests += 1
-                return -1
-            index = self.index[deployment_id] = len(self._names)
-            self._names.append(deployment_id)
-        return index
+        return True
 
     # --- batches -----------------------------------------------------------------------------
 
@@ -144,35 +125,59 @@ class TrafficTrace:
     def flush(self) -> None:
         """Hand the rows so far to the writer as one batch (dropped when it is behind)."""
         self._flush_soon = False
-        values = self.rows
-        if not values:  # nothing to write; the next rows count from now (float32 stays exact)
-            self.base = self._monotonic()
+        rows, base = self.rows, self.base
+        self.base = self._monotonic()  # the next rows count from now (float32 stays exact)
+        if not rows:
             return
-        base_time = self.base + self._offset
-        names = self._names
-        self.rows, self.index, self._names = [], {}, []
-        self.base = self._monotonic()
-        count = len(values) // FIELDS
+        self.rows = []
+        columns = tuple(zip(*rows, strict=True))
+        names = list(dict.fromkeys(columns[0]))
+        if len(names) > MAX_DEPLOYMENTS:
+            rows = self._beyond_deployments(rows, names)
+            columns = tuple(zip(*rows, strict=True))
+            names = names[:MAX_DEPLOYMENTS]
+        deployments, ids, arrived, admitted, first, end, outcomes, streamed = columns
+        count = len(rows)
+        index = {name: i for i, name in enumerate(names)}
+        # Every column in C loops: the times relative to the arrival (and it to the base).
+        firsts = list(map(sub, first, arrived))
+        if 0.0 in first:  # no answer came to some: their time to first byte says so
+            for i, at in enumerate(first):
+                if not at:
+                    firsts[i] = -1.0
         try:
-            rows = pack_rows(values)
-        except struct.error as exc:  # policy: a number out of its field's range (a clock
-            # gone wrong) loses its batch, counted, rather than the rest of the trace
+            since = float32s(map(sub, arrived, repeat(base)), count)
+            duration = float32s(map(sub, end, arrived), count)
+            ttfb = float32s(firsts, count)
+            # (the express lane's rows waited for nothing: their admission is their arrival)
+            wait = (
+                bytes(4 * count)
+                if admitted == arrived
+                else (float32s(map(sub, admitted, arrived), count))
+            )
+            data = pack_columns(
+                bytes(map(index.__getitem__, deployments)), bytes(outcomes), bytes(streamed),
+                ids[0], ids, wait, since, ttfb, duration,
+            )  # fmt: skip
+        except (struct.error, OverflowError) as exc:  # policy: a number out of its column's
+            # range (a clock gone wrong) loses its batch, counted, rather than the rest
             log.warning("trace_batch_unpacked", requests=count, error=repr(exc))
             self.batches_dropped += 1
             self.requests_dropped += count
             self._unreported_batches += 1
             self._unreported_requests += count
             return
+        base_time = base + self._offset
         event = m.TrafficRecorded(
             deployments=names,
             base_time=base_time,
-            base_id=int(values[3]),  # the first row's id
+            base_id=ids[0],
             count=count,
-            data=deflate_rows(rows),
+            data=data,
             layout=LAYOUT,
             dropped_batches=self._unreported_batches,
             dropped_requests=self._unreported_requests,
-            last_used_at=last_uses(rows, names, base_time),
+            last_used_at=last_uses(names, deployments, outcomes, ttfb, since, duration, base_time),
         )
         if len(self._writes) >= self.max_in_flight:
             self._dropped(event)
@@ -181,6 +186,15 @@ class TrafficTrace:
         task = asyncio.get_running_loop().create_task(self._write(event))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+
+    def _beyond_deployments(self, rows: list[Row], names: list[str]) -> list[Row]:
+        """The rows of a batch's first `MAX_DEPLOYMENTS` deployments; the others' are
+        dropped, counted."""
+        keep = set(names[:MAX_DEPLOYMENTS])
+        kept = [row for row in rows if row[0] in keep]
+        self.requests_dropped += len(rows) - len(kept)
+        self._unreported_requests += len(rows) - len(kept)
+        return kept
 
     async def _write(self, event: m.TrafficRecorded) -> None:
         try:
@@ -215,7 +229,7 @@ class TrafficTrace:
         """Counters: requests recorded (written), batches written and dropped."""
         return {
             "recorded": self.recorded,
-            "pending": len(self.rows) // FIELDS,
+            "pending": len(self.rows),
             "batches_written": self.batches_written,
             "batches_dropped": self.batches_dropped,
             "requests_dropped": self.requests_dropped,

@@ -137,14 +137,23 @@ class _View:
 class _Gateway:
     def __init__(self, trace: TrafficTrace) -> None:
         self.trace = trace
+        self.relayed = self.relayed_express = 0
+        self.exchanges: set[Exchange] = set()
 
 
-def _express_row(trace: TrafficTrace, row: Row, *, one_write: bool) -> None:
-    """`row` as the express lane appends it (`Exchange._traced`), on an exchange that ended
-    with it; `one_write`: its answer went out whole in the write that began it."""
+class _Connection:
+    def express_done(self, keep: bool) -> None:
+        pass
+
+
+def _express_row(trace: TrafficTrace, row: Row, *, one_write: bool, aborted: bool) -> None:
+    """`row` as the express lane appends it, on an exchange that ended with it (`_end`), or
+    that its client's connection cut (`abort`); `one_write`: its answer went out whole in
+    the write that began it."""
     dep, rid, arrived, _, first, _, outcome, streamed = row
     exchange = Exchange.__new__(Exchange)
     exchange._gateway = _Gateway(trace)  # type: ignore[assignment]
+    exchange._conn = _Connection()  # type: ignore[assignment]
     exchange._view = _View()  # type: ignore[assignment]
     exchange.request_id = rid
     exchange._arrived = arrived
@@ -152,28 +161,55 @@ def _express_row(trace: TrafficTrace, row: Row, *, one_write: bool) -> None:
     exchange._last_byte = first if one_write else 0.0
     exchange._outcome = outcome
     exchange._chunks_through = streamed
+    exchange._ended = exchange._paused = False
+    exchange._upstream = exchange._lease = exchange._connecting = None
     assert dep == "a"
-    exchange._traced()
+    if aborted:
+        assert outcome == CLIENT_GONE
+        exchange.abort()
+    else:
+        exchange._end(keep=True)
 
 
 def test_the_express_lane_appends_the_rows_record_would(monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
+        written: list[m.TrafficRecorded] = []
+
         async def sink(event: m.TrafficRecorded) -> None:
-            return None
+            written.append(event)
 
         by_record = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
         inline = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
         whole = _row(0, "a")
         whole = (*whole[:5], whole[4], *whole[6:])  # ended in the write that began it
-        rows = [whole, _row(1, "a", streamed=True), _no_answer(_row(2, "a", outcome=CLIENT_GONE))]
+        gone = _no_answer(_row(2, "a", outcome=CLIENT_GONE))
+        rows = [whole, _row(1, "a", streamed=True), gone, _row(3, "a", outcome=CLIENT_GONE)]
         for i, row in enumerate(rows):
             by_record.record(*row)
             with monkeypatch.context() as patch:  # the exchange's end, when it reads the clock
                 patch.setattr(time, "monotonic", lambda end=row[5]: end)
-                _express_row(inline, row, one_write=row is whole)
+                _express_row(inline, row, one_write=row is whole, aborted=i == 3)
             assert inline.rows == by_record.rows, i
         await by_record.close()
         await inline.close()
+        assert len(written) == 2 and written[0] == written[1]
+
+    run(main())
+
+
+def test_the_express_lane_keeps_the_bound_drops_beyond_it_and_counts() -> None:
+    async def main() -> None:
+        written: list[m.TrafficRecorded] = []
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            written.append(event)
+
+        trace = TrafficTrace(sink, batch_size=2)
+        for i in range(10):  # no await: the flush scheduled when the batch filled runs later
+            _express_row(trace, _row(i, "a"), one_write=False, aborted=False)
+        assert len(trace.rows) == 8 and trace.statistics()["requests_dropped"] == 2
+        await poll(lambda: trace.statistics()["recorded"] == 8)
+        assert [e.count for e in written] == [8]
 
     run(main())
 

@@ -248,7 +248,7 @@ class TrafficRecorded(Event, frozen=True, kw_only=True):
     count: int
     data: bytes
     # How `data` holds the rows (`events.traffic`): 0, the first, 22-byte rows, zlib, ids
-    # as deltas; 1, 27-byte rows, by byte place, raw deflate, whole ids.
+    # as deltas; 1, by column, the bytes, id deltas and waits raw-deflated, the times not.
     layout: int = 0
     dropped_batches: int = 0
     dropped_requests: int = 0

@@ -8,10 +8,12 @@ byte of the answer (negative: none came) and the whole duration (arrival to end)
 Layout 1 (`LAYOUT`, what is written now) stores a batch by column, little-endian: every
 row's deployment index (a byte), then every outcome (a byte), every stream flag (a byte),
 every id as its difference from the row before's (int64; the first row's from `base_id`),
-then the four float32 columns one after the other; the whole raw-deflated (`pack_columns`).
-A column barely changes from row to row (one deployment, "served", ids one apart, the wait
-0, the floats' exponents), so deflate takes it fast and keeps it small, and the gateway
-builds each column in one C loop at the flush (`gateway.trace`), none per request.
+every wait (float32), all of it raw-deflated; then, as they are, the float32 arrivals, times
+to first byte and durations (`pack_columns`).  The deflated columns barely change from row
+to row (one deployment, "served", ids one apart, the wait 0), so deflate takes them fast
+and keeps them to a fraction of a byte a row; it would gain little on the three times and
+cost as much again.  The gateway builds each column in one C loop at the flush
+(`gateway.trace`), none per request.
 
 Layout 0, what the trace wrote first, still reads (`decode_batch`): 22-byte rows one after
 the other (`ROW_LAYOUT0`: the outcome and the stream in one byte, `outcome << 1 | streamed`,

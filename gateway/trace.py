@@ -2,26 +2,26 @@
 
 A what-if (`simulations.whatif`) needs all of the traffic, also the requests that never
 waited, which the event log otherwise does not know: a request to a ready model writes
-nothing *of its own*.  So the gateway keeps one row of eight numbers per request in memory
-(`record`: one tuple appended to a flat list, no I/O) and every `flush_every_s` packs them
-(`events.traffic.pack_rows`, 64 rows a C call) into one `TrafficRecorded` event for the
-log's group commit (`sink`).  The row is `events.traffic`'s.  The batch also says when
-each of its deployments was last used (`last_used_at`, read off the packed rows at the
-flush, never per request), which the folded state keeps across restarts.
+nothing *of its own*.  So the gateway keeps one row per request in memory (`record`: a
+tuple of what the request already holds, appended to a list, no I/O, no arithmetic) and
+every `flush_every_s` turns them into one `TrafficRecorded` event for the log's group
+commit (`sink`).  The row is `events.traffic`'s.  The batch also says when each of its
+deployments was last used (`last_used_at`, read off the last rows at the flush, never per
+request), which the folded state keeps across restarts.
 
-A request pays what `record` does (the express lane appends the same numbers itself,
-`Exchange._traced`) and a share of the flush's packing and deflate;
-`tests.perf.micro_gateway --instructions` counts both (`MICRO_GATEWAY_TRACE`).  The list
-holds the numbers as the row stores them, so that the flush computes nothing per row:
-times already seconds from the batch's base (`base`; float32 keeps them exact to the
-microsecond), the deployment an index into the batch's names (`index`).
+A request pays the tuple and its append (the express lane appends it itself, in
+`Exchange._end`) and a share of the flush, which builds the batch's columns in C loops,
+none in Python per row: the list transposed (`zip`), the times made relative (`map` with
+`operator.sub`) and packed (`struct`), the deployments' indexes through a dict's
+`__getitem__`, then `events.traffic.pack_columns`.  `tests.perf.micro_gateway
+--instructions` counts both (`MICRO_GATEWAY_TRACE`).
 
 Bounded, and never blocking a request: at most `max_in_flight` batches wait for the writer
 (a batch beyond that is dropped whole); at most `4 * batch_size` rows wait for their flush,
-and 255 deployments fit a batch (rows beyond are dropped); a write that fails, or a batch
-whose numbers do not fit its row, is dropped.  Whatever was dropped is counted
-(`statistics()`) and carried by the next batch that is written (`dropped_batches`,
-`dropped_requests`), so a trace with holes says where they are.
+and 255 deployments fit a batch (the rows of any beyond are dropped at the flush); a write
+that fails, or a batch whose numbers do not fit their columns, is dropped.  Whatever was
+dropped is counted (`statistics()`) and carried by the next batch that is written
+(`dropped_batches`, `dropped_requests`), so a trace with holes says where they are.
 """
 
 from __future__ import annotations

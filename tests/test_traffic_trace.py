@@ -294,6 +294,31 @@ def test_rows_beyond_the_bound_are_dropped_when_the_loop_never_flushes() -> None
     run(main())
 
 
+def test_a_batch_keeps_255_deployments_and_drops_the_rows_of_any_beyond_counted() -> None:
+    rows = [_row(i, f"dep{i}") for i in range(256)] + [_row(256, "dep0"), _row(257, "dep255")]
+
+    async def main() -> tuple[list[m.TrafficRecorded], dict[str, int]]:
+        written: list[m.TrafficRecorded] = []
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            written.append(event)
+
+        trace = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
+        for row in rows:
+            trace.record(*row)
+        trace.flush()
+        trace.record(*_row(300, "dep255"))  # a new batch has room for it
+        await trace.close()
+        return written, trace.statistics()
+
+    (first, second), stats = run(main())
+    assert len(first.deployments) == 255 and "dep255" not in first.deployments
+    assert [r.request_id for r in decode_batch(first)][-1] == 1_000_256
+    assert first.count == 256 and stats["requests_dropped"] == 2
+    assert first.dropped_requests == 2  # the batch says what it lost itself
+    assert second.dropped_requests == 0 and decode_batch(second)[0].deployment_id == "dep255"
+
+
 def test_a_request_takes_at_most_40_bytes_of_the_log_on_disk(tmp_path: Path) -> None:
     """Ten minutes of batches as `dgxmm serve` writes them (one each 10 s), 8 requests a
     second (Poisson) over 8 models."""

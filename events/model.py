@@ -244,9 +244,12 @@ class TrafficRecorded(Event, frozen=True, kw_only=True):
 
     deployments: list[str]  # the batch's deployment ids; rows name them by index
     base_time: float  # epoch seconds the rows' arrivals count from
-    base_id: int  # the request id the first row's delta counts from
+    base_id: int  # the first row's request id (layout 0: the rows' ids count from it)
     count: int
     data: bytes
+    # How `data` holds the rows (`events.traffic`): 0, the first, 22-byte rows, zlib, ids
+    # as deltas; 1, by column, the bytes, id deltas and waits raw-deflated, the times not.
+    layout: int = 0
     dropped_batches: int = 0
     dropped_requests: int = 0
     # Per deployment of the batch that was used (a request reached its engine), when its

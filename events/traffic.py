@@ -1,19 +1,32 @@
 """The traffic trace's rows and their encoding (`TrafficRecorded.data`).
 
-One request is one packed row of 22 bytes (`ROW`, little-endian): the deployment's index in
-the batch's list, `outcome << 1 | streamed`, the request id's delta from the previous row's
-(rows come in the order requests ended), and four float32 seconds: the arrival from the
-batch's base time, the wait (arrival to lease), the time to the first byte of the answer
-(-1: none came) and the whole duration (arrival to end).  The gateway packs a row with one C
-call and appends it to a bytearray (`gateway.trace`): no object per request lives on, which
-keeps the garbage collector out of it; a batch is those bytes deflated (level 1: ids that
-count by one and times near each other shrink), base64 in the log's JSON.
+A request's row: the deployment (its index in the batch's list), the outcome's code
+(`OUTCOMES`), whether the answer was streamed, the request id, and four float32 seconds:
+the arrival from the batch's base time, the wait (arrival to lease), the time to the first
+byte of the answer (negative: none came) and the whole duration (arrival to end).
+
+Layout 1 (`LAYOUT`, what is written now) stores a batch by column, little-endian: every
+row's deployment index (a byte), then every outcome (a byte), every stream flag (a byte),
+every id as its difference from the row before's (int64; the first row's from `base_id`),
+every wait (float32), all of it raw-deflated; then, as they are, the float32 arrivals, times
+to first byte and durations (`pack_columns`).  The deflated columns barely change from row
+to row (one deployment, "served", ids one apart, the wait 0), so deflate takes them fast
+and keeps them to a fraction of a byte a row; it would gain little on the three times and
+cost as much again.  The gateway builds each column in one C loop at the flush
+(`gateway.trace`), none per request.
+
+Layout 0, what the trace wrote first, still reads (`decode_batch`): 22-byte rows one after
+the other (`ROW_LAYOUT0`: the outcome and the stream in one byte, `outcome << 1 | streamed`,
+and the id a 32-bit delta from the previous row's), zlib-deflated.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import accumulate, chain
+from operator import sub
 
 import msgspec
 
@@ -23,8 +36,29 @@ from events.model import TrafficRecorded
 OUTCOMES = ("served", "engine_error", "client_gone", "queue_full", "queue_timeout", "refused")
 SERVED, ENGINE_ERROR, CLIENT_GONE, QUEUE_FULL, QUEUE_TIMEOUT, REFUSED = range(len(OUTCOMES))
 
-ROW = struct.Struct("<BBiffff")
 MAX_DEPLOYMENTS = 255  # per batch: the index is one byte
+LAYOUT = 1  # what `pack_columns` writes (`TrafficRecorded.layout`)
+ROW_LAYOUT0 = struct.Struct("<BBiffff")
+_F32 = struct.Struct("<f")
+
+
+def float32s(values: Iterable[float], count: int) -> bytes:
+    """A float32 column (`struct.error`, `OverflowError`: a value out of its range)."""
+    return struct.pack(f"<{count}f", *values)
+
+
+def pack_columns(
+    index: bytes, outcomes: bytes, streamed: bytes, base_id: int, ids: Sequence[int],
+    wait: bytes, arrived: bytes, ttfb: bytes, duration: bytes,
+) -> bytes:  # fmt: skip
+    """Layout 1's `data`: the columns of a batch (the times `float32s`: the waits, the
+    arrivals from the base, the times to first byte and the durations); the ones that
+    barely change raw-deflated, the three times after them as they are (`struct.error`: an
+    id out of int64's range)."""
+    deltas = struct.pack(f"<{len(ids)}q", *map(sub, ids, chain((base_id,), ids)))
+    deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 1)  # a small hash table: cleared each batch
+    head = deflate.compress(b"".join((index, outcomes, streamed, deltas, wait)))
+    return b"".join((head, deflate.flush(), arrived, ttfb, duration))
 
 
 class TrafficRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,28 +79,56 @@ class TrafficRecord(msgspec.Struct, frozen=True, kw_only=True):
         return max(0.0, self.duration_s - self.wait_s)
 
 
+Row = tuple[int, int, bool, int, float, float, float, float]
+
+
+def _layout0(event: TrafficRecorded) -> list[Row]:
+    """The first layout's rows in the current one's order, with their ids."""
+    rows: list[Row] = []
+    rid = event.base_id
+    for index, flags, delta, arrived, wait, first, duration in ROW_LAYOUT0.iter_unpack(
+        zlib.decompress(event.data)
+    ):
+        rid += delta
+        rows.append((index, flags >> 1, bool(flags & 1), rid, arrived, wait, first, duration))
+    return rows
+
+
+def _layout1(event: TrafficRecorded) -> Iterator[Row]:
+    """Layout 1's columns, row by row."""
+    n = event.count
+    inflate = zlib.decompressobj(-15)
+    data = inflate.decompress(event.data) + inflate.unused_data
+    if len(data) != 27 * n:
+        raise ValueError(f"a trace batch of {n} rows holds {len(data)} bytes")
+    deltas = struct.unpack_from(f"<{n}q", data, 3 * n)
+    times = struct.unpack_from(f"<{4 * n}f", data, 11 * n)
+    ids = accumulate(deltas, initial=event.base_id)
+    next(ids)
+    return zip(
+        data[:n], data[n : 2 * n], map(bool, data[2 * n : 3 * n]), ids,
+        times[n : 2 * n], times[:n], times[2 * n : 3 * n], times[3 * n :], strict=True,
+    )  # fmt: skip
+
+
 def decode_batch(event: TrafficRecorded) -> list[TrafficRecord]:
     """The records of one batch, in the order they ended."""
-    names, base, rid = event.deployments, event.base_time, event.base_id
+    names, base = event.deployments, event.base_time
     last = len(OUTCOMES)
-    records: list[TrafficRecord] = []
-    rows = ROW.iter_unpack(zlib.decompress(event.data))
-    for index, flags, delta, arrived, wait, first, duration in rows:
-        rid += delta
-        code = flags >> 1
-        records.append(
-            TrafficRecord(
-                request_id=rid,
-                deployment_id=names[index],
-                arrived=base + arrived,
-                wait_s=max(0.0, wait),
-                ttfb_s=None if first < 0 else first,
-                duration_s=max(0.0, duration),
-                outcome=OUTCOMES[code] if code < last else "refused",
-                streamed=bool(flags & 1),
-            )
+    rows = _layout0(event) if event.layout == 0 else _layout1(event)
+    return [
+        TrafficRecord(
+            request_id=rid,
+            deployment_id=names[index],
+            arrived=base + arrived,
+            wait_s=max(0.0, wait),
+            ttfb_s=None if first < 0 else first,
+            duration_s=max(0.0, duration),
+            outcome=OUTCOMES[code] if code < last else "refused",
+            streamed=streamed,
         )
-    return records
+        for index, code, streamed, rid, arrived, wait, first, duration in rows
+    ]
 
 
 def counts_as_use(outcome: int, first: float) -> bool:
@@ -75,43 +137,49 @@ def counts_as_use(outcome: int, first: float) -> bool:
     return outcome in (SERVED, ENGINE_ERROR) or first >= 0
 
 
-def last_uses(rows: bytes | bytearray, names: list[str], base_time: float) -> dict[str, float]:
-    """Per deployment of a batch (`names`), when its newest request that used it ended, in
-    epoch seconds, from the rows as packed (undeflated).  Rows come in the order requests
-    ended, so the scan runs from the last row back and stops once every name is found."""
+def last_uses(
+    names: Sequence[str], deployments: Sequence[str], outcomes: Sequence[int],
+    ttfb: bytes, arrived: bytes, duration: bytes, base: float,
+) -> dict[str, float]:  # fmt: skip
+    """Per deployment of a batch (`names`), when its newest request that used it ended
+    (`base` + arrival + duration, as stored: `float32s`), from the columns of its rows.
+    Rows come in the order requests ended, so the scan runs from the last row back and
+    stops once every name is found: one row, mostly."""
     found: dict[str, float] = {}
-    unpack, size = ROW.unpack_from, ROW.size
-    for offset in range(len(rows) - size, -1, -size):
-        index, flags, _, arrived, _, first, duration = unpack(rows, offset)
-        name = names[index]
-        if name not in found and counts_as_use(flags >> 1, first):
-            found[name] = base_time + arrived + duration
+    f32 = _F32.unpack_from
+    for i in range(len(deployments) - 1, -1, -1):
+        name = deployments[i]
+        if name not in found and counts_as_use(outcomes[i], f32(ttfb, 4 * i)[0]):
+            found[name] = base + f32(arrived, 4 * i)[0] + f32(duration, 4 * i)[0]
             if len(found) == len(names):
                 break
     return found
 
 
 def encode_batch(records: list[TrafficRecord]) -> TrafficRecorded:
-    """A batch made of whole records (synthesised traces, tests); the gateway packs its rows
-    itself (`gateway.trace`), the same `ROW`s."""
-    names = list(dict.fromkeys(r.deployment_id for r in records))
+    """A batch made of whole records (synthesised traces, tests), as the gateway writes its
+    own (`gateway.trace`): the same columns, `LAYOUT`."""
+    deployments = [r.deployment_id for r in records]
+    names = list(dict.fromkeys(deployments))
     index = {n: i for i, n in enumerate(names)}
     base = records[0].arrived if records else 0.0
     base_id = records[0].request_id if records else 0
-    out = bytearray()
-    last = base_id
-    for r in records:
-        code = OUTCOMES.index(r.outcome) if r.outcome in OUTCOMES else REFUSED
-        out += ROW.pack(
-            index[r.deployment_id], code << 1 | r.streamed, r.request_id - last, r.arrived - base,
-            r.wait_s, -1.0 if r.ttfb_s is None else r.ttfb_s, r.duration_s,
-        )  # fmt: skip
-        last = r.request_id
+    outcomes = [OUTCOMES.index(r.outcome) if r.outcome in OUTCOMES else REFUSED for r in records]
+    n = len(records)
+    arrived = float32s([r.arrived - base for r in records], n)
+    duration = float32s([r.duration_s for r in records], n)
+    ttfb = float32s([-1.0 if r.ttfb_s is None else r.ttfb_s for r in records], n)
+    data = pack_columns(
+        bytes([index[d] for d in deployments]), bytes(outcomes),
+        bytes([r.streamed for r in records]), base_id, [r.request_id for r in records],
+        float32s([r.wait_s for r in records], n), arrived, ttfb, duration,
+    )  # fmt: skip
     return TrafficRecorded(
         deployments=names,
         base_time=base,
         base_id=base_id,
         count=len(records),
-        data=zlib.compress(out, 1),
-        last_used_at=last_uses(out, names, base),
+        data=data,
+        layout=LAYOUT,
+        last_used_at=last_uses(names, deployments, outcomes, ttfb, arrived, duration, base),
     )

@@ -340,7 +340,7 @@ class Gateway:
             if self.trace is not None:
                 self.trace.record(
                     view.deployment_id, request.request_id, arrived, row.admitted or arrived,
-                    row.first, time.monotonic(), row.outcome << 1 | row.streamed,
+                    row.first, time.monotonic(), row.outcome, row.streamed,
                 )  # fmt: skip
 
     async def _lease_then_relay(

@@ -2,36 +2,48 @@
 
 A what-if (`simulations.whatif`) needs all of the traffic, also the requests that never
 waited, which the event log otherwise does not know: a request to a ready model writes
-nothing *of its own*.  So the gateway keeps one row of small integers per request in memory
-(`record`: one row packed by one C call onto a bytearray, no object kept, no I/O) and every
-`flush_every_s` hands them as one `TrafficRecorded` event to the log's group commit
-(`sink`).  The row is `events.traffic`'s.  The batch also says when each of its deployments
-was last used (`last_used_at`, read off the rows at the flush, never per request), which
-the folded state keeps across restarts.
+nothing *of its own*.  So the gateway keeps one row per request in memory (`record`: a
+tuple of what the request already holds, appended to a list, no I/O, no arithmetic) and
+every `flush_every_s` turns them into one `TrafficRecorded` event for the log's group
+commit (`sink`).  The row is `events.traffic`'s.  The batch also says when each of its
+deployments was last used (`last_used_at`, read off the last rows at the flush, never per
+request), which the folded state keeps across restarts.
+
+A request pays the tuple and its append (the express lane appends it itself, in
+`Exchange._end`) and a share of the flush, which builds the batch's columns in C loops,
+none in Python per row: the list transposed (`zip`), the times made relative (`map` with
+`operator.sub`) and packed (`struct`), the deployments' indexes through a dict's
+`__getitem__`, then `events.traffic.pack_columns`.  `tests.perf.micro_gateway
+--instructions` counts both (`MICRO_GATEWAY_TRACE`).
 
 Bounded, and never blocking a request: at most `max_in_flight` batches wait for the writer
 (a batch beyond that is dropped whole); at most `4 * batch_size` rows wait for their flush,
-and 255 deployments fit a batch (rows beyond are dropped); a write that fails drops its
-batch.  Whatever was dropped is counted (`statistics()`) and carried by the next batch
-that is written (`dropped_batches`, `dropped_requests`), so a trace with holes says where
-they are.
+and 255 deployments fit a batch (the rows of any beyond are dropped at the flush); a write
+that fails, or a batch whose numbers do not fit their columns, is dropped.  Whatever was
+dropped is counted (`statistics()`) and carried by the next batch that is written
+(`dropped_batches`, `dropped_requests`), so a trace with holes says where they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
-import zlib
 from collections.abc import Awaitable, Callable
+from itertools import repeat
+from operator import sub
 
 import structlog
 
 from events import model as m
-from events.traffic import MAX_DEPLOYMENTS, ROW, last_uses
+from events.traffic import LAYOUT, MAX_DEPLOYMENTS, float32s, last_uses, pack_columns
 
 log = structlog.get_logger("gateway.trace")
 
 Sink = Callable[[m.TrafficRecorded], Awaitable[object]]
+# A request as it ended: deployment id, request id, and monotonic seconds when it arrived,
+# got its lease, sent its first byte (0: none) and ended; its outcome's code; streamed.
+Row = tuple[str, int, float, float, float, float, int, bool]
 
 
 class TrafficTrace:
@@ -50,17 +62,13 @@ class TrafficTrace:
         self._sink = sink
         self.flush_every_s = flush_every_s
         self.max_in_flight = max_in_flight
-        self._soft_bytes = batch_size * ROW.size  # a batch this full is flushed at once
-        self._max_bytes = 4 * self._soft_bytes  # beyond: rows are dropped
-        self._pack = ROW.pack
+        self.soft = batch_size  # a batch this full is flushed at once
+        self._max = 4 * batch_size  # beyond: rows are dropped
         self._monotonic = monotonic
         self._offset = wall() - monotonic()  # monotonic seconds + offset = epoch seconds
-        self._buf = bytearray()
-        self._index: dict[str, int] = {}
-        self._names: list[str] = []
-        self._base = monotonic()  # the batch's arrivals count from here ...
-        self._base_id = 0  # ... its first id from here
-        self._last_id = 0
+        # The batch: a `Row` a request (appended by the express lane, `Exchange._end`, too).
+        self.rows: list[Row] = []
+        self.base = monotonic()  # the batch's arrivals count from here
         self._flush_soon = False
         self._timer: asyncio.TimerHandle | None = None
         self._writes: set[asyncio.Task[None]] = set()
@@ -81,43 +89,27 @@ class TrafficTrace:
         admitted: float,
         first: float,
         end: float,
-        flags: int,
+        outcome: int,
+        streamed: bool,
     ) -> None:
         """One request ended (times are monotonic seconds; `first` 0: no answer came;
-        `flags`: `outcome << 1 | streamed`): one packed row (`events.traffic.ROW`)."""
-        index = self._index.get(deployment_id)
-        buf = self._buf
-        if index is None or len(buf) >= self._soft_bytes:
-            index = self._slow(deployment_id, request_id)
-            if index < 0:
-                return
-        buf += self._pack(
-            index, flags, request_id - self._last_id, arrived - self._base, admitted - arrived,
-            first - arrived if first else -1.0, end - arrived,
-        )  # fmt: skip
-        self._last_id = request_id
+        `outcome`: its code, `events.traffic.OUTCOMES`): its row onto the batch."""
+        rows = self.rows
+        if len(rows) < self.soft or self._room():
+            rows.append(
+                (deployment_id, request_id, arrived, admitted, first, end, outcome, streamed)
+            )
 
-    def _slow(self, deployment_id: str, request_id: int) -> int:
-        """A deployment new to the batch (the batch's first row among them), or a full batch:
-        the row's index, -1 to drop it."""
-        if not self._buf:  # the batch's ids count from its first
-            self._base_id = self._last_id = request_id
-        if len(self._buf) >= self._max_bytes:  # the loop has not flushed for a while
+    def _room(self) -> bool:
+        """A full batch: flush it soon; False (the row dropped, counted) beyond the bound."""
+        if len(self.rows) >= self._max:  # the loop has not flushed for a while
             self.requests_dropped += 1
             self._unreported_requests += 1
-            return -1
-        if len(self._buf) >= self._soft_bytes and not self._flush_soon:
+            return False
+        if not self._flush_soon:
             self._flush_soon = True  # full before its time: flushed in the loop's next round
             asyncio.get_running_loop().call_soon(self.flush)
-        index = self._index.get(deployment_id)
-        if index is None:
-            if len(self._names) >= MAX_DEPLOYMENTS:
-                self.requests_dropped += 1
-                self._unreported_requests += 1
-                return -1
-            index = self._index[deployment_id] = len(self._names)
-            self._names.append(deployment_id)
-        return index
+        return True
 
     # --- batches -----------------------------------------------------------------------------
 
@@ -133,23 +125,60 @@ class TrafficTrace:
     def flush(self) -> None:
         """Hand the rows so far to the writer as one batch (dropped when it is behind)."""
         self._flush_soon = False
-        buf = self._buf
-        if not buf:  # nothing to write; the next rows count from now (float32 stays exact)
-            self._base = self._monotonic()
+        rows, base = self.rows, self.base
+        self.base = self._monotonic()  # the next rows count from now (float32 stays exact)
+        if not rows:
             return
-        base_time = self._base + self._offset
+        self.rows = []
+        columns = tuple(zip(*rows, strict=True))
+        names = list(dict.fromkeys(columns[0]))
+        if len(names) > MAX_DEPLOYMENTS:
+            rows = self._beyond_deployments(rows, names)
+            columns = tuple(zip(*rows, strict=True))
+            names = names[:MAX_DEPLOYMENTS]
+        deployments, ids, arrived, admitted, first, end, outcomes, streamed = columns
+        count = len(rows)
+        index = {name: i for i, name in enumerate(names)}
+        # Every column in C loops: the times relative to the arrival (and it to the base).
+        firsts = list(map(sub, first, arrived))
+        if 0.0 in first:  # no answer came to some: their time to first byte says so
+            for i, at in enumerate(first):
+                if not at:
+                    firsts[i] = -1.0
+        try:
+            since = float32s(map(sub, arrived, repeat(base)), count)
+            duration = float32s(map(sub, end, arrived), count)
+            ttfb = float32s(firsts, count)
+            # (the express lane's rows waited for nothing: their admission is their arrival)
+            wait = (
+                bytes(4 * count)
+                if admitted == arrived
+                else (float32s(map(sub, admitted, arrived), count))
+            )
+            data = pack_columns(
+                bytes(map(index.__getitem__, deployments)), bytes(outcomes), bytes(streamed),
+                ids[0], ids, wait, since, ttfb, duration,
+            )  # fmt: skip
+        except (struct.error, OverflowError) as exc:  # policy: a number out of its column's
+            # range (a clock gone wrong) loses its batch, counted, rather than the rest
+            log.warning("trace_batch_unpacked", requests=count, error=repr(exc))
+            self.batches_dropped += 1
+            self.requests_dropped += count
+            self._unreported_batches += 1
+            self._unreported_requests += count
+            return
+        base_time = base + self._offset
         event = m.TrafficRecorded(
-            deployments=self._names,
+            deployments=names,
             base_time=base_time,
-            base_id=self._base_id,
-            count=len(buf) // ROW.size,
-            data=zlib.compress(buf, 1),
+            base_id=ids[0],
+            count=count,
+            data=data,
+            layout=LAYOUT,
             dropped_batches=self._unreported_batches,
             dropped_requests=self._unreported_requests,
-            last_used_at=last_uses(buf, self._names, base_time),
+            last_used_at=last_uses(names, deployments, outcomes, ttfb, since, duration, base_time),
         )
-        self._buf, self._index, self._names = bytearray(), {}, []
-        self._base = self._monotonic()
         if len(self._writes) >= self.max_in_flight:
             self._dropped(event)
             return
@@ -157,6 +186,15 @@ class TrafficTrace:
         task = asyncio.get_running_loop().create_task(self._write(event))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+
+    def _beyond_deployments(self, rows: list[Row], names: list[str]) -> list[Row]:
+        """The rows of a batch's first `MAX_DEPLOYMENTS` deployments; the others' are
+        dropped, counted."""
+        keep = set(names[:MAX_DEPLOYMENTS])
+        kept = [row for row in rows if row[0] in keep]
+        self.requests_dropped += len(rows) - len(kept)
+        self._unreported_requests += len(rows) - len(kept)
+        return kept
 
     async def _write(self, event: m.TrafficRecorded) -> None:
         try:
@@ -191,7 +229,7 @@ class TrafficTrace:
         """Counters: requests recorded (written), batches written and dropped."""
         return {
             "recorded": self.recorded,
-            "pending": len(self._buf) // ROW.size,
+            "pending": len(self.rows),
             "batches_written": self.batches_written,
             "batches_dropped": self.batches_dropped,
             "requests_dropped": self.requests_dropped,

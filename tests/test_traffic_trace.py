@@ -5,12 +5,24 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 from pathlib import Path
+
+import pytest
 
 from actors.admission import Refused
 from events import model as m
 from events.state import fold
-from events.traffic import CLIENT_GONE, QUEUE_FULL, SERVED, decode_batch, encode_batch
+from events.traffic import (
+    CLIENT_GONE,
+    LAYOUT,
+    QUEUE_FULL,
+    SERVED,
+    TrafficRecord,
+    decode_batch,
+    encode_batch,
+)
+from gateway.express import Exchange
 from gateway.trace import TrafficTrace
 from storage.eventlog import EventStore
 from tests.gateway_support import (
@@ -24,7 +36,7 @@ from tests.gateway_support import (
 
 T0 = 1000.0  # monotonic seconds in the rows below
 OFFSET = 1_767_225_600.0 - T0
-Row = tuple[str, int, float, float, float, float, int]
+Row = tuple[str, int, float, float, float, float, int, bool]
 
 
 def encode_rows(rows: list[Row]) -> m.TrafficRecorded:
@@ -46,7 +58,15 @@ def encode_rows(rows: list[Row]) -> m.TrafficRecorded:
     return run(main())
 
 
-def _row(i: int, dep: str, *, wait: float = 0.0, first: float = 0.05, flags: int = 0) -> Row:
+def _row(
+    i: int,
+    dep: str,
+    *,
+    wait: float = 0.0,
+    first: float = 0.05,
+    outcome: int = SERVED,
+    streamed: bool = False,
+) -> Row:
     arrived = T0 + i * 0.25
     return (
         dep,
@@ -55,15 +75,16 @@ def _row(i: int, dep: str, *, wait: float = 0.0, first: float = 0.05, flags: int
         arrived + wait,
         arrived + wait + first,
         arrived + 2.0,
-        flags,
+        outcome,
+        streamed,
     )
 
 
 def test_a_batch_decodes_to_the_requests_it_was_made_of() -> None:
     rows = [
         _row(0, "a"),
-        _row(1, "b", wait=12.5, flags=SERVED << 1 | 1),
-        _row(2, "a", first=0.0, flags=CLIENT_GONE << 1),
+        _row(1, "b", wait=12.5, streamed=True),
+        _row(2, "a", first=0.0, outcome=CLIENT_GONE),
     ]
     rows[2] = (*rows[2][:4], 0.0, *rows[2][5:])  # no answer came
     records = decode_batch(encode_rows(rows))
@@ -77,6 +98,122 @@ def test_a_batch_decodes_to_the_requests_it_was_made_of() -> None:
     assert records[0].ttfb_s is not None and abs(records[0].ttfb_s - 0.05) < 1e-4
 
 
+# A batch as the first layout (0) wrote it, before `TrafficRecorded.layout` existed (made by
+# the trace of commit f997ba5): 22-byte rows, ids as deltas, zlib.
+LAYOUT0_BATCH = (
+    b'{"type":"TrafficRecorded","deployments":["a","b"],"base_time":1767225600.5,'
+    b'"base_id":1767225600000007,"count":3,'
+    b'"data":"eAFjYEADdgwMB+wZGZkgwvYMDB6ODAwNQNEFjgws/4GAgcEBKOrgABTdD6IB2jMKZw==",'
+    b'"dropped_batches":0,"dropped_requests":0,"last_used_at":{"b":1767225621.0,"a":1767225602.0}}'
+)
+
+
+def test_a_batch_of_the_first_layout_still_decodes() -> None:
+    event = m.decode_event(LAYOUT0_BATCH)
+    assert isinstance(event, m.TrafficRecorded) and event.layout == 0
+    assert decode_batch(event) == [
+        TrafficRecord(
+            request_id=1_767_225_600_000_007, deployment_id="a", arrived=1_767_225_600.5,
+            wait_s=0.0, ttfb_s=0.125, duration_s=1.5, outcome="served", streamed=False,
+        ),
+        TrafficRecord(
+            request_id=1_767_225_600_000_009, deployment_id="b", arrived=1_767_225_601.0,
+            wait_s=12.5, ttfb_s=0.25, duration_s=20.0, outcome="served", streamed=True,
+        ),
+        TrafficRecord(
+            request_id=1_767_225_600_000_008, deployment_id="a", arrived=1_767_225_601.25,
+            wait_s=3.0, ttfb_s=None, duration_s=3.0, outcome="client_gone", streamed=False,
+        ),
+    ]  # fmt: skip
+    again = encode_batch(decode_batch(event))  # written again, the current layout
+    assert again.layout == LAYOUT and decode_batch(again) == decode_batch(event)
+    assert again.last_used_at == event.last_used_at
+
+
+class _View:
+    deployment_id = "a"
+
+
+class _Gateway:
+    def __init__(self, trace: TrafficTrace) -> None:
+        self.trace = trace
+        self.relayed = self.relayed_express = 0
+        self.exchanges: set[Exchange] = set()
+
+
+class _Connection:
+    def express_done(self, keep: bool) -> None:
+        pass
+
+
+def _express_row(trace: TrafficTrace, row: Row, *, one_write: bool, aborted: bool) -> None:
+    """`row` as the express lane appends it, on an exchange that ended with it (`_end`), or
+    that its client's connection cut (`abort`); `one_write`: its answer went out whole in
+    the write that began it."""
+    dep, rid, arrived, _, first, _, outcome, streamed = row
+    exchange = Exchange.__new__(Exchange)
+    exchange._gateway = _Gateway(trace)  # type: ignore[assignment]
+    exchange._conn = _Connection()  # type: ignore[assignment]
+    exchange._view = _View()  # type: ignore[assignment]
+    exchange.request_id = rid
+    exchange._arrived = arrived
+    exchange._first = first
+    exchange._last_byte = first if one_write else 0.0
+    exchange._outcome = outcome
+    exchange._chunks_through = streamed
+    exchange._ended = exchange._paused = False
+    exchange._upstream = exchange._lease = exchange._connecting = None
+    assert dep == "a"
+    if aborted:
+        assert outcome == CLIENT_GONE
+        exchange.abort()
+    else:
+        exchange._end(keep=True)
+
+
+def test_the_express_lane_appends_the_rows_record_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        written: list[m.TrafficRecorded] = []
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            written.append(event)
+
+        by_record = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
+        inline = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
+        whole = _row(0, "a")
+        whole = (*whole[:5], whole[4], *whole[6:])  # ended in the write that began it
+        gone = _no_answer(_row(2, "a", outcome=CLIENT_GONE))
+        rows = [whole, _row(1, "a", streamed=True), gone, _row(3, "a", outcome=CLIENT_GONE)]
+        for i, row in enumerate(rows):
+            by_record.record(*row)
+            with monkeypatch.context() as patch:  # the exchange's end, when it reads the clock
+                patch.setattr(time, "monotonic", lambda end=row[5]: end)
+                _express_row(inline, row, one_write=row is whole, aborted=i == 3)
+            assert inline.rows == by_record.rows, i
+        await by_record.close()
+        await inline.close()
+        assert len(written) == 2 and written[0] == written[1]
+
+    run(main())
+
+
+def test_the_express_lane_keeps_the_bound_drops_beyond_it_and_counts() -> None:
+    async def main() -> None:
+        written: list[m.TrafficRecorded] = []
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            written.append(event)
+
+        trace = TrafficTrace(sink, batch_size=2)
+        for i in range(10):  # no await: the flush scheduled when the batch filled runs later
+            _express_row(trace, _row(i, "a"), one_write=False, aborted=False)
+        assert len(trace.rows) == 8 and trace.statistics()["requests_dropped"] == 2
+        await poll(lambda: trace.statistics()["recorded"] == 8)
+        assert [e.count for e in written] == [8]
+
+    run(main())
+
+
 def _no_answer(row: Row) -> Row:
     return (*row[:4], 0.0, *row[5:])
 
@@ -86,9 +223,9 @@ def test_a_batch_says_when_each_deployment_was_last_used_by_a_request_that_reach
         _row(0, "a"),
         _row(1, "b"),
         _row(2, "a"),  # a's newest
-        _no_answer(_row(3, "c", flags=QUEUE_FULL << 1)),  # refused: no use
-        _no_answer(_row(4, "b", flags=CLIENT_GONE << 1)),  # left while waiting: no use
-        _row(5, "d", flags=CLIENT_GONE << 1),  # left once the answer began: a use
+        _no_answer(_row(3, "c", outcome=QUEUE_FULL)),  # refused: no use
+        _no_answer(_row(4, "b", outcome=CLIENT_GONE)),  # left while waiting: no use
+        _row(5, "d", outcome=CLIENT_GONE),  # left once the answer began: a use
     ]
     batch = encode_rows(rows)
     end = OFFSET + T0 + 2.0  # each row ends 2 s after it arrived, rows 0.25 s apart
@@ -157,6 +294,31 @@ def test_rows_beyond_the_bound_are_dropped_when_the_loop_never_flushes() -> None
     run(main())
 
 
+def test_a_batch_keeps_255_deployments_and_drops_the_rows_of_any_beyond_counted() -> None:
+    rows = [_row(i, f"dep{i}") for i in range(256)] + [_row(256, "dep0"), _row(257, "dep255")]
+
+    async def main() -> tuple[list[m.TrafficRecorded], dict[str, int]]:
+        written: list[m.TrafficRecorded] = []
+
+        async def sink(event: m.TrafficRecorded) -> None:
+            written.append(event)
+
+        trace = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
+        for row in rows:
+            trace.record(*row)
+        trace.flush()
+        trace.record(*_row(300, "dep255"))  # a new batch has room for it
+        await trace.close()
+        return written, trace.statistics()
+
+    (first, second), stats = run(main())
+    assert len(first.deployments) == 255 and "dep255" not in first.deployments
+    assert [r.request_id for r in decode_batch(first)][-1] == 1_000_256
+    assert first.count == 256 and stats["requests_dropped"] == 2
+    assert first.dropped_requests == 2  # the batch says what it lost itself
+    assert second.dropped_requests == 0 and decode_batch(second)[0].deployment_id == "dep255"
+
+
 def test_a_request_takes_at_most_40_bytes_of_the_log_on_disk(tmp_path: Path) -> None:
     """Ten minutes of batches as `dgxmm serve` writes them (one each 10 s), 8 requests a
     second (Poisson) over 8 models."""
@@ -176,7 +338,7 @@ def test_a_request_takes_at_most_40_bytes_of_the_log_on_disk(tmp_path: Path) -> 
                 first = wait + rng.uniform(0.02, 0.5)
                 rows.append(
                     (f"dep{rng.randrange(8)}", rid, at, at + wait, at + first,
-                     at + first + rng.expovariate(0.2), rng.choice((0, 1)))
+                     at + first + rng.expovariate(0.2), SERVED, rng.choice((0, 1)) == 1)
                 )  # fmt: skip
             at = end_of_second
             if rows:
@@ -340,7 +502,7 @@ def test_rows_after_a_quiet_day_keep_their_millisecond() -> None:
             now[0] += 10.0
             trace.flush()
         arrived = now[0] + 0.0013
-        trace.record("a", 7, arrived, arrived, arrived + 0.0021, arrived + 0.0042, SERVED << 1)
+        trace.record("a", 7, arrived, arrived, arrived + 0.0021, arrived + 0.0042, SERVED, False)
         await trace.close()
         return written
 

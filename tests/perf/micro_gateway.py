@@ -17,7 +17,9 @@ overhead inflates small functions: read it for call counts, not for times).
 Times drift with the machine; instructions do not.  `--instructions` runs the exchanges under
 valgrind's callgrind twice, 100 and 2,100 of them after the same warm-up, and prints the
 difference per exchange: the same count (within a few tenths of a percent) however busy the
-machine is, which tells a change of a few percent apart from noise.  It needs valgrind.
+machine is, which tells a change of a few percent apart from noise.  It needs valgrind.  Both
+runs hash strings with `PYTHONHASHSEED=0` unless it is set: seeded at random, dicts and sets
+probe differently from run to run, which moves the count by a few hundred.
 """
 
 from __future__ import annotations
@@ -269,6 +271,7 @@ def instructions(head: str) -> None:
             [valgrind, "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
              "-m", "tests.perf.micro_gateway", "--head", head, "--untimed", str(n)],
             capture_output=True, text=True, check=True,
+            env={"PYTHONHASHSEED": "0", **os.environ},
         )  # fmt: skip
         match = re.search(r"Collected : (\d+)", done.stderr)
         if match is None:

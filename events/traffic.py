@@ -9,11 +9,11 @@ Layout 1 (`LAYOUT`, what is written now) stores a batch by column, little-endian
 row's deployment index (a byte), then every outcome (a byte), every stream flag (a byte),
 every id as its difference from the row before's (int64; the first row's from `base_id`),
 every wait (float32), all of it raw-deflated; then, as they are, the float32 arrivals, times
-to first byte and durations (`pack_columns`).  The deflated columns barely change from row
+to first byte and durations (`pack_layout1`).  The deflated columns barely change from row
 to row (one deployment, "served", ids one apart, the wait 0), so deflate takes them fast
 and keeps them to a fraction of a byte a row; it would gain little on the three times and
-cost as much again.  The gateway builds each column in one C loop at the flush
-(`gateway.trace`), none per request.
+cost as much again.  The gateway writes each request's row straight into its columns
+(`gateway.trace`), so a flush only copies them out and deflates the first five.
 
 Layout 0, what the trace wrote first, still reads (`decode_batch`): 22-byte rows one after
 the other (`ROW_LAYOUT0`: the outcome and the stream in one byte, `outcome << 1 | streamed`,
@@ -56,6 +56,14 @@ def pack_columns(
     barely change raw-deflated, the three times after them as they are (`struct.error`: an
     id out of int64's range)."""
     deltas = struct.pack(f"<{len(ids)}q", *map(sub, ids, chain((base_id,), ids)))
+    return pack_layout1(index, outcomes, streamed, deltas, wait, arrived, ttfb, duration)
+
+
+def pack_layout1(
+    index: bytes, outcomes: bytes, streamed: bytes, deltas: bytes,
+    wait: bytes, arrived: bytes, ttfb: bytes, duration: bytes,
+) -> bytes:  # fmt: skip
+    """Layout 1's `data` from its columns as bytes (little-endian, the ids as int64 deltas)."""
     deflate = zlib.compressobj(1, zlib.DEFLATED, -15, 1)  # a small hash table: cleared each batch
     head = deflate.compress(b"".join((index, outcomes, streamed, deltas, wait)))
     return b"".join((head, deflate.flush(), arrived, ttfb, duration))
@@ -138,17 +146,17 @@ def counts_as_use(outcome: int, first: float) -> bool:
 
 
 def last_uses(
-    names: Sequence[str], deployments: Sequence[str], outcomes: Sequence[int],
+    names: Sequence[str], index: bytes, outcomes: bytes,
     ttfb: bytes, arrived: bytes, duration: bytes, base: float,
 ) -> dict[str, float]:  # fmt: skip
-    """Per deployment of a batch (`names`), when its newest request that used it ended
-    (`base` + arrival + duration, as stored: `float32s`), from the columns of its rows.
-    Rows come in the order requests ended, so the scan runs from the last row back and
-    stops once every name is found: one row, mostly."""
+    """Per deployment of a batch (`names`; `index`: each row's), when its newest request
+    that used it ended (`base` + arrival + duration, as stored: float32), from the columns
+    of its rows.  Rows come in the order requests ended, so the scan runs from the last row
+    back and stops once every name is found: one row, mostly."""
     found: dict[str, float] = {}
     f32 = _F32.unpack_from
-    for i in range(len(deployments) - 1, -1, -1):
-        name = deployments[i]
+    for i in range(len(index) - 1, -1, -1):
+        name = names[index[i]]
         if name not in found and counts_as_use(outcomes[i], f32(ttfb, 4 * i)[0]):
             found[name] = base + f32(arrived, 4 * i)[0] + f32(duration, 4 * i)[0]
             if len(found) == len(names):
@@ -169,8 +177,9 @@ def encode_batch(records: list[TrafficRecord]) -> TrafficRecorded:
     arrived = float32s([r.arrived - base for r in records], n)
     duration = float32s([r.duration_s for r in records], n)
     ttfb = float32s([-1.0 if r.ttfb_s is None else r.ttfb_s for r in records], n)
+    index_bytes = bytes([index[d] for d in deployments])
     data = pack_columns(
-        bytes([index[d] for d in deployments]), bytes(outcomes),
+        index_bytes, bytes(outcomes),
         bytes([r.streamed for r in records]), base_id, [r.request_id for r in records],
         float32s([r.wait_s for r in records], n), arrived, ttfb, duration,
     )  # fmt: skip
@@ -181,5 +190,5 @@ def encode_batch(records: list[TrafficRecord]) -> TrafficRecorded:
         count=len(records),
         data=data,
         layout=LAYOUT,
-        last_used_at=last_uses(names, deployments, outcomes, ttfb, arrived, duration, base),
+        last_used_at=last_uses(names, index_bytes, bytes(outcomes), ttfb, arrived, duration, base),
     )

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import struct
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -57,6 +58,7 @@ from gateway.messages import (
     not_forwarded,
     strip_hop_by_hop,
 )
+from gateway.trace import ROW
 from gateway.upstream import EngineHead, Outgoing
 
 if TYPE_CHECKING:
@@ -87,6 +89,9 @@ class Forwarding(EngineHead):
         self.endpoint = endpoint
         # The gateway keys (`Access.keys`) the head's Authorization passed under, if any.
         self.checked: tuple[bytes, ...] | None = None
+
+
+_ROW_SIZE = ROW.size  # a traffic trace row's bytes
 
 
 class Exchange:
@@ -494,16 +499,19 @@ class Exchange:
         gateway.relayed += 1
         gateway.relayed_express += 1
         trace = gateway.trace
-        if trace is not None:  # its row, as `_traced` has `record` append it, one call less
-            rows = trace.rows
-            if len(rows) < trace.soft:
-                arrived = self._arrived
-                rows.append((
-                    self._view.deployment_id, self.request_id, arrived, arrived, self._first,
-                    self._last_byte or time.monotonic(), self._outcome, self._chunks_through,
-                ))  # fmt: skip
+        if trace is not None:  # its row, as `record` packs it, without the call
+            off = trace.off
+            arrived = self._arrived
+            try:
+                trace.pack_into(
+                    trace.buf, off, trace.index[self._view.deployment_id], self._outcome,
+                    self._chunks_through, self.request_id, arrived, arrived, self._first,
+                    self._last_byte or time.monotonic(),
+                )  # fmt: skip
+            except (KeyError, struct.error):  # the batch's first row of the deployment, or
+                self._traced()  # the batch is full: `record` sees to both
             else:
-                self._traced()
+                trace.off = off + _ROW_SIZE
         self._conn.express_done(keep)
 
     def _traced(self) -> None:

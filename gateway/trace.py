@@ -2,24 +2,25 @@
 
 A what-if (`simulations.whatif`) needs all of the traffic, also the requests that never
 waited, which the event log otherwise does not know: a request to a ready model writes
-nothing *of its own*.  So the gateway keeps one row per request in memory (`record`: a
-tuple of what the request already holds, appended to a list, no I/O, no arithmetic) and
-every `flush_every_s` turns them into one `TrafficRecorded` event for the log's group
-commit (`sink`).  The row is `events.traffic`'s.  The batch also says when each of its
-deployments was last used (`last_used_at`, read off the last rows at the flush, never per
-request), which the folded state keeps across restarts.
+nothing *of its own*.  So the gateway keeps one row per request in memory (`record`: one
+`struct.pack_into` of what the request already holds into a preallocated bytearray: no
+object made, no arithmetic, no I/O) and every `flush_every_s` turns them into one
+`TrafficRecorded` event for the log's group commit (`sink`).  The stored columns are
+`events.traffic`'s (layout 1): the flush computes them with numpy (`_columns`), a few
+instructions a value, where Python would make and free a float per subtraction.  The
+batch also says when each of its deployments was last used (`last_used_at`, read off the
+last rows at the flush, never per request), which the folded state keeps across restarts.
 
-A request pays the tuple and its append (the express lane appends it itself, in
-`Exchange._end`) and a share of the flush, which builds the batch's columns in C loops,
-none in Python per row: the list transposed (`zip`), the times made relative (`map` with
-`operator.sub`) and packed (`struct`), the deployments' indexes through a dict's
-`__getitem__`, then `events.traffic.pack_columns`.  `tests.perf.micro_gateway
---instructions` counts both (`MICRO_GATEWAY_TRACE`).
+The express lane packs its row itself, in `Exchange._end`, with no check of its own: a
+deployment new to the batch (a `KeyError`) or a full batch (`pack_into` past the buffer's
+end, a `struct.error`) sends it to `record`, which sees to both.
+`tests.perf.micro_gateway --instructions` counts what a request pays, the flush shared out
+(`MICRO_GATEWAY_TRACE`).
 
 Bounded, and never blocking a request: at most `max_in_flight` batches wait for the writer
 (a batch beyond that is dropped whole); at most `4 * batch_size` rows wait for their flush,
-and 255 deployments fit a batch (the rows of any beyond are dropped at the flush); a write
-that fails, or a batch whose numbers do not fit their columns, is dropped.  Whatever was
+and 255 deployments fit a batch (the rows of any beyond are dropped); a write that fails
+drops its batch, a number that does not fit its field its row.  Whatever was
 dropped is counted (`statistics()`) and carried by the next batch that is written
 (`dropped_batches`, `dropped_requests`), so a trace with holes says where they are.
 """
@@ -27,27 +28,70 @@ dropped is counted (`statistics()`) and carried by the next batch that is writte
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from itertools import repeat
-from operator import sub
 
 import structlog
 
+# numpy's BLAS would start a thread per core that spins after use; the trace does no
+# linear algebra (set before numpy is first imported, as `dgxmm serve` does here).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import numpy as np
+
 from events import model as m
-from events.traffic import LAYOUT, MAX_DEPLOYMENTS, float32s, last_uses, pack_columns
+from events.traffic import LAYOUT, MAX_DEPLOYMENTS, last_uses, pack_layout1
 
 log = structlog.get_logger("gateway.trace")
 
 Sink = Callable[[m.TrafficRecorded], Awaitable[object]]
-# A request as it ended: deployment id, request id, and monotonic seconds when it arrived,
-# got its lease, sent its first byte (0: none) and ended; its outcome's code; streamed.
-Row = tuple[str, int, float, float, float, float, int, bool]
+# A request's row as the batch holds it in memory, packed by one C call and no arithmetic
+# (`record`, and `Exchange._end` for the express lane): its deployment's index in the
+# batch, outcome, stream flag, request id, and its monotonic seconds as they were read
+# (arrival, lease, first byte or 0, end).  The flush turns the batch into
+# `events.traffic`'s columns (layout 1: id differences, float32 seconds from the arrival
+# and from the batch's base) with numpy, a few instructions a value, instead of Python's
+# arithmetic on each row (a float made and freed per subtraction).
+ROW = struct.Struct("<BB?qdddd")
+_ROWS = np.dtype(
+    {
+        "names": ["index", "outcome", "streamed", "id", "arrived", "admitted", "first", "end"],
+        "formats": ["u1", "u1", "u1", "<i8", "<f8", "<f8", "<f8", "<f8"],
+        "offsets": [0, 1, 2, 3, 11, 19, 27, 35],
+        "itemsize": ROW.size,
+    }
+)
+
+
+def _columns(buf: bytearray, n: int, base: float) -> tuple[int, list[bytes]]:
+    """The batch's first id and its layout-1 columns (index, outcome, streamed, id
+    differences, wait, arrival from `base`, time to first byte or -1, duration)."""
+    rows = np.frombuffer(buf, dtype=_ROWS, count=n)
+    ids, arrived, first = rows["id"], rows["arrived"], rows["first"]
+    with np.errstate(over="ignore"):  # a clock gone wrong: inf, not an error
+        times = [
+            rows["admitted"] - arrived,
+            arrived - base,
+            np.where(first > 0, first - arrived, -1.0),
+            rows["end"] - arrived,
+        ]
+        floats = [t.astype("<f4").tobytes() for t in times]
+    base_id = int(ids[0])
+    deltas = np.diff(ids, prepend=ids[:1]).astype("<i8").tobytes()
+    small = [rows[name].tobytes() for name in ("index", "outcome", "streamed")]
+    return base_id, [*small, deltas, *floats]
 
 
 class TrafficTrace:
-    """Rows in memory, batches to `sink`."""
+    """Rows in memory, batches to `sink`.
+
+    The batch is one preallocated bytearray of packed rows (`ROW`): a request's row is one
+    `pack_into` of what it holds, which makes no object, so nothing is left for the garbage
+    collector, and the flush computes the columns with numpy.  The express lane packs its
+    rows itself (`Exchange._end`) when the batch has room and knows its deployment;
+    everything else goes through `record`.
+    """
 
     def __init__(
         self,
@@ -62,12 +106,18 @@ class TrafficTrace:
         self._sink = sink
         self.flush_every_s = flush_every_s
         self.max_in_flight = max_in_flight
-        self.soft = batch_size  # a batch this full is flushed at once
-        self._max = 4 * batch_size  # beyond: rows are dropped
+        self.soft = batch_size * ROW.size  # a batch this full (in bytes) is flushed at once
+        self._max = 4 * self.soft  # beyond: rows are dropped
         self._monotonic = monotonic
         self._offset = wall() - monotonic()  # monotonic seconds + offset = epoch seconds
-        # The batch: a `Row` a request (appended by the express lane, `Exchange._end`, too).
-        self.rows: list[Row] = []
+        # The batch's rows; `pack_into` past its end raises, which is how the express lane
+        # learns that the batch is full (no check of its own); `_room` lets it grow to
+        # `_max` until the flush.
+        self.buf = bytearray(self.soft)
+        self.off = 0  # the batch's bytes in `buf`
+        self.pack_into = ROW.pack_into
+        self.index: dict[str, int] = {}  # deployment id -> its index in the batch's names
+        self._names: list[str] = []
         self.base = monotonic()  # the batch's arrivals count from here
         self._flush_soon = False
         self._timer: asyncio.TimerHandle | None = None
@@ -93,23 +143,42 @@ class TrafficTrace:
         streamed: bool,
     ) -> None:
         """One request ended (times are monotonic seconds; `first` 0: no answer came;
-        `outcome`: its code, `events.traffic.OUTCOMES`): its row onto the batch."""
-        rows = self.rows
-        if len(rows) < self.soft or self._room():
-            rows.append(
-                (deployment_id, request_id, arrived, admitted, first, end, outcome, streamed)
+        `outcome`: its code, `events.traffic.OUTCOMES`): its row into the batch (dropped,
+        counted, beyond the batch's bounds)."""
+        off = self.off
+        if off + ROW.size > len(self.buf) and not self._room():
+            return
+        index = self.index.get(deployment_id)
+        if index is None:
+            if len(self._names) >= MAX_DEPLOYMENTS:
+                self._drop_row()
+                return
+            index = self.index[deployment_id] = len(self._names)
+            self._names.append(deployment_id)
+        try:
+            self.pack_into(
+                self.buf, off, index, outcome, streamed, request_id, arrived, admitted, first, end
             )
+        except struct.error:  # policy: a number out of its field's range loses its row, counted
+            self._drop_row()
+            return
+        self.off = off + ROW.size
 
     def _room(self) -> bool:
         """A full batch: flush it soon; False (the row dropped, counted) beyond the bound."""
-        if len(self.rows) >= self._max:  # the loop has not flushed for a while
-            self.requests_dropped += 1
-            self._unreported_requests += 1
+        if self.off + ROW.size > self._max:  # the loop has not flushed for a while
+            self._drop_row()
             return False
+        if len(self.buf) < self._max:
+            self.buf.extend(bytes(self._max - len(self.buf)))
         if not self._flush_soon:
             self._flush_soon = True  # full before its time: flushed in the loop's next round
             asyncio.get_running_loop().call_soon(self.flush)
         return True
+
+    def _drop_row(self) -> None:
+        self.requests_dropped += 1
+        self._unreported_requests += 1
 
     # --- batches -----------------------------------------------------------------------------
 
@@ -125,59 +194,28 @@ class TrafficTrace:
     def flush(self) -> None:
         """Hand the rows so far to the writer as one batch (dropped when it is behind)."""
         self._flush_soon = False
-        rows, base = self.rows, self.base
+        off, base, names = self.off, self.base, self._names
         self.base = self._monotonic()  # the next rows count from now (float32 stays exact)
-        if not rows:
+        if not off:
             return
-        self.rows = []
-        columns = tuple(zip(*rows, strict=True))
-        names = list(dict.fromkeys(columns[0]))
-        if len(names) > MAX_DEPLOYMENTS:
-            rows = self._beyond_deployments(rows, names)
-            columns = tuple(zip(*rows, strict=True))
-            names = names[:MAX_DEPLOYMENTS]
-        deployments, ids, arrived, admitted, first, end, outcomes, streamed = columns
-        count = len(rows)
-        index = {name: i for i, name in enumerate(names)}
-        # Every column in C loops: the times relative to the arrival (and it to the base).
-        firsts = list(map(sub, first, arrived))
-        if 0.0 in first:  # no answer came to some: their time to first byte says so
-            for i, at in enumerate(first):
-                if not at:
-                    firsts[i] = -1.0
-        try:
-            since = float32s(map(sub, arrived, repeat(base)), count)
-            duration = float32s(map(sub, end, arrived), count)
-            ttfb = float32s(firsts, count)
-            # (the express lane's rows waited for nothing: their admission is their arrival)
-            wait = (
-                bytes(4 * count)
-                if admitted == arrived
-                else (float32s(map(sub, admitted, arrived), count))
-            )
-            data = pack_columns(
-                bytes(map(index.__getitem__, deployments)), bytes(outcomes), bytes(streamed),
-                ids[0], ids, wait, since, ttfb, duration,
-            )  # fmt: skip
-        except (struct.error, OverflowError) as exc:  # policy: a number out of its column's
-            # range (a clock gone wrong) loses its batch, counted, rather than the rest
-            log.warning("trace_batch_unpacked", requests=count, error=repr(exc))
-            self.batches_dropped += 1
-            self.requests_dropped += count
-            self._unreported_batches += 1
-            self._unreported_requests += count
-            return
+        self.off = 0
+        self.index, self._names = {}, []
+        n = off // ROW.size
+        base_id, columns = _columns(self.buf, n, base)
+        if len(self.buf) > self.soft:  # grown while the flush was late: back to its size
+            del self.buf[self.soft :]
+        index, outcomes, streamed, deltas, wait, since, ttfb, duration = columns
         base_time = base + self._offset
         event = m.TrafficRecorded(
             deployments=names,
             base_time=base_time,
-            base_id=ids[0],
-            count=count,
-            data=data,
+            base_id=base_id,
+            count=n,
+            data=pack_layout1(index, outcomes, streamed, deltas, wait, since, ttfb, duration),
             layout=LAYOUT,
             dropped_batches=self._unreported_batches,
             dropped_requests=self._unreported_requests,
-            last_used_at=last_uses(names, deployments, outcomes, ttfb, since, duration, base_time),
+            last_used_at=last_uses(names, index, outcomes, ttfb, since, duration, base_time),
         )
         if len(self._writes) >= self.max_in_flight:
             self._dropped(event)
@@ -186,15 +224,6 @@ class TrafficTrace:
         task = asyncio.get_running_loop().create_task(self._write(event))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
-
-    def _beyond_deployments(self, rows: list[Row], names: list[str]) -> list[Row]:
-        """The rows of a batch's first `MAX_DEPLOYMENTS` deployments; the others' are
-        dropped, counted."""
-        keep = set(names[:MAX_DEPLOYMENTS])
-        kept = [row for row in rows if row[0] in keep]
-        self.requests_dropped += len(rows) - len(kept)
-        self._unreported_requests += len(rows) - len(kept)
-        return kept
 
     async def _write(self, event: m.TrafficRecorded) -> None:
         try:
@@ -229,7 +258,7 @@ class TrafficTrace:
         """Counters: requests recorded (written), batches written and dropped."""
         return {
             "recorded": self.recorded,
-            "pending": len(self.rows),
+            "pending": self.off // ROW.size,
             "batches_written": self.batches_written,
             "batches_dropped": self.batches_dropped,
             "requests_dropped": self.requests_dropped,

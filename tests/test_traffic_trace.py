@@ -39,16 +39,21 @@ OFFSET = 1_767_225_600.0 - T0
 Row = tuple[str, int, float, float, float, float, int, bool]
 
 
+def trace_at_t0() -> tuple[TrafficTrace, list[m.TrafficRecorded]]:
+    """A trace whose clock stands at T0 (its wall clock at T0 + OFFSET), and what it writes."""
+    written: list[m.TrafficRecorded] = []
+
+    async def sink(event: m.TrafficRecorded) -> None:
+        written.append(event)
+
+    return TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0), written
+
+
 def encode_rows(rows: list[Row]) -> m.TrafficRecorded:
-    """The batch a trace makes of `rows` (its clock at T0, its wall clock at T0 + OFFSET)."""
+    """The batch a trace makes of `rows`."""
 
     async def main() -> m.TrafficRecorded:
-        written: list[m.TrafficRecorded] = []
-
-        async def sink(event: m.TrafficRecorded) -> None:
-            written.append(event)
-
-        trace = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
+        trace, written = trace_at_t0()
         for row in rows:
             trace.record(*row)
         await trace.close()
@@ -304,12 +309,7 @@ def test_a_batch_keeps_255_deployments_and_drops_the_rows_of_any_beyond_counted(
     rows = [_row(i, f"dep{i}") for i in range(256)] + [_row(256, "dep0"), _row(257, "dep255")]
 
     async def main() -> tuple[list[m.TrafficRecorded], dict[str, int]]:
-        written: list[m.TrafficRecorded] = []
-
-        async def sink(event: m.TrafficRecorded) -> None:
-            written.append(event)
-
-        trace = TrafficTrace(sink, wall=lambda: T0 + OFFSET, monotonic=lambda: T0)
+        trace, written = trace_at_t0()
         for row in rows:
             trace.record(*row)
         trace.flush()

@@ -1005,7 +1005,7 @@ class DeploymentActor(Actor):
         was_idle, _ = is_idle(self.state, act, self.clock.now(), default_idle)
         act.load = msg.load
         act.direct = direct_calls(msg.load, act.in_flight, act.served - msg.served_before)
-        now_idle, _ = is_idle(self.state, self.activity, self.clock.now(), default_idle)
+        now_idle, _ = is_idle(self.state, act, self.clock.now(), default_idle)
         if now_idle and not was_idle:
             # The engine went quiet after the timeout ran out: it just became idle, so the
             # queue's head may now make room with it.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import accumulate, chain
 from operator import sub
 
@@ -37,26 +37,9 @@ OUTCOMES = ("served", "engine_error", "client_gone", "queue_full", "queue_timeou
 SERVED, ENGINE_ERROR, CLIENT_GONE, QUEUE_FULL, QUEUE_TIMEOUT, REFUSED = range(len(OUTCOMES))
 
 MAX_DEPLOYMENTS = 255  # per batch: the index is one byte
-LAYOUT = 1  # what `pack_columns` writes (`TrafficRecorded.layout`)
+LAYOUT = 1  # what `pack_layout1` writes (`TrafficRecorded.layout`)
 ROW_LAYOUT0 = struct.Struct("<BBiffff")
 _F32 = struct.Struct("<f")
-
-
-def float32s(values: Iterable[float], count: int) -> bytes:
-    """A float32 column (`struct.error`, `OverflowError`: a value out of its range)."""
-    return struct.pack(f"<{count}f", *values)
-
-
-def pack_columns(
-    index: bytes, outcomes: bytes, streamed: bytes, base_id: int, ids: Sequence[int],
-    wait: bytes, arrived: bytes, ttfb: bytes, duration: bytes,
-) -> bytes:  # fmt: skip
-    """Layout 1's `data`: the columns of a batch (the times `float32s`: the waits, the
-    arrivals from the base, the times to first byte and the durations); the ones that
-    barely change raw-deflated, the three times after them as they are (`struct.error`: an
-    id out of int64's range)."""
-    deltas = struct.pack(f"<{len(ids)}q", *map(sub, ids, chain((base_id,), ids)))
-    return pack_layout1(index, outcomes, streamed, deltas, wait, arrived, ttfb, duration)
 
 
 def pack_layout1(
@@ -172,16 +155,22 @@ def encode_batch(records: list[TrafficRecord]) -> TrafficRecorded:
     index = {n: i for i, n in enumerate(names)}
     base = records[0].arrived if records else 0.0
     base_id = records[0].request_id if records else 0
-    outcomes = [OUTCOMES.index(r.outcome) if r.outcome in OUTCOMES else REFUSED for r in records]
-    n = len(records)
-    arrived = float32s([r.arrived - base for r in records], n)
-    duration = float32s([r.duration_s for r in records], n)
-    ttfb = float32s([-1.0 if r.ttfb_s is None else r.ttfb_s for r in records], n)
+    outcomes = bytes(
+        OUTCOMES.index(r.outcome) if r.outcome in OUTCOMES else REFUSED for r in records
+    )
+    ids = [r.request_id for r in records]
+
+    def float32s(values: list[float]) -> bytes:
+        return struct.pack(f"<{len(values)}f", *values)
+
+    arrived = float32s([r.arrived - base for r in records])
+    duration = float32s([r.duration_s for r in records])
+    ttfb = float32s([-1.0 if r.ttfb_s is None else r.ttfb_s for r in records])
     index_bytes = bytes([index[d] for d in deployments])
-    data = pack_columns(
-        index_bytes, bytes(outcomes),
-        bytes([r.streamed for r in records]), base_id, [r.request_id for r in records],
-        float32s([r.wait_s for r in records], n), arrived, ttfb, duration,
+    data = pack_layout1(
+        index_bytes, outcomes, bytes([r.streamed for r in records]),
+        struct.pack(f"<{len(ids)}q", *map(sub, ids, chain((base_id,), ids))),
+        float32s([r.wait_s for r in records]), arrived, ttfb, duration,
     )  # fmt: skip
     return TrafficRecorded(
         deployments=names,
@@ -190,5 +179,5 @@ def encode_batch(records: list[TrafficRecord]) -> TrafficRecorded:
         count=len(records),
         data=data,
         layout=LAYOUT,
-        last_used_at=last_uses(names, index_bytes, bytes(outcomes), ttfb, arrived, duration, base),
+        last_used_at=last_uses(names, index_bytes, outcomes, ttfb, arrived, duration, base),
     )

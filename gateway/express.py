@@ -517,7 +517,7 @@ class Exchange:
     def _traced(self) -> None:
         """The exchange's row in the traffic trace (`gateway.trace`), when there is one (its
         end is the last byte's time, when the answer went out whole in one write, else now;
-        `_end` appends the same row itself, `tests/test_traffic_trace.py` holds both to
+        `_end` packs the same row itself, `tests/test_traffic_trace.py` holds both to
         `record`'s)."""
         trace = self._gateway.trace
         if trace is not None:

@@ -601,6 +601,7 @@ class EventStore:
         )
         rows: list[tuple[float, bytes]] = []
         try:
+            await self._write_behind()
             async with self._conn.execute(sql, [since_seq, until_seq, *names]) as cur:
                 # In chunks, like `iterate`: the writer's appends get SQLite's one thread
                 # between two of them.
@@ -692,6 +693,7 @@ class EventStore:
         over by `latest_snapshot`."""
         sql = "SELECT COUNT(*) FROM snapshots WHERE substr(state, 1, ?) != ?"
         try:
+            await self._write_behind()
             async with self._conn.execute(sql, (len(SNAPSHOT_PREFIX), SNAPSHOT_PREFIX)) as cur:
                 row = await cur.fetchone()
         except sqlite3.Error as exc:

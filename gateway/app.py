@@ -353,8 +353,15 @@ class Gateway:
         target: bytes,
         row: _Row,
     ) -> None:
-        """Relay at once to a ready model, else (or when it never reached the engine) wait."""
+        """Relay at once to a ready model, else (or when it never reached the engine) wait.
+        A request naming a model the deployment does not serve gets 404 in every state, and
+        starts nothing (the express lane leaves every other name to this check)."""
         arrived = row.arrived
+        named = body_model(route.endpoint, body)
+        if named is not None and named not in (view.served_model, view.model_name):
+            row.outcome = REFUSED
+            await _reply(responder, queued.model_not_found(named, view.served_model))
+            return
         lease = self.controller.try_acquire(view.deployment_id)
         if lease is not None:
             row.admitted = arrived
@@ -375,12 +382,6 @@ class Gateway:
             await self._wait_then_relay(
                 request, responder, view, route, body, target, row, missed=True
             )
-            return
-        named = body_model(route.endpoint, body)
-        if named is not None and named not in (view.served_model, view.model_name):
-            # Not started for: once ready, its engine would answer this 404 itself.
-            row.outcome = REFUSED
-            await _reply(responder, queued.model_not_found(named, view.served_model))
             return
         await self._wait_then_relay(request, responder, view, route, body, target, row)
 

@@ -195,6 +195,37 @@ def body_model(endpoint: Endpoint | None, body: bytes) -> str | None:
     return named if isinstance(named, str) else None
 
 
+class ModelNames:
+    """The model names a deployment answers to (the name its engine serves, and the name
+    clients use), as a JSON body spells them: for the express lane, which must give the
+    answer `body_model`'s check gives on the handler's path without decoding the body."""
+
+    __slots__ = ("keys", "name", "served")
+
+    def __init__(self, served: str, name: str) -> None:
+        self.served = served
+        self.name = name
+        keys: list[bytes] = []
+        for model in dict.fromkeys((served, name)):
+            quoted = msgspec.json.encode(model)
+            keys += (b'"model":' + quoted, b'"model": ' + quoted)
+        self.keys = tuple(keys)
+
+    def named(self, endpoint: Endpoint | None, body: bytes) -> bool:
+        """True when `body_model` surely finds one of these names or none: the body carries
+        no model (not a JSON endpoint), or one key `"model"` and it names one of these.
+        False: only decoding the body can tell (a JSON string's quotes are escaped, so a key
+        found is one of the object's, and a key counted once is the top level's if any)."""
+        if endpoint is None or endpoint not in _JSON_ENDPOINTS:
+            return True
+        if body.count(b'"model"') != 1:
+            return False
+        for key in self.keys:  # noqa: SIM110 - a generator costs the lane more
+            if key in body:
+                return True
+        return False
+
+
 def classify_request(
     method: bytes, path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes
 ) -> Classification:

@@ -102,7 +102,9 @@ class ClientSession:
         "_sent",
         "_state",
         "_trailer_bytes",
+        "chunked",
         "eof",
+        "keep_alive_s",
         "known",
         "received_any",
     )
@@ -119,6 +121,10 @@ class ClientSession:
         self._head_only = False  # the request was HEAD: the answer has no body
         self.received_any = False
         self.eof = False
+        # Of the last answer head: chunked (a stream, as engines send them), and the idle
+        # timeout its Keep-Alive header announced (None: it named none).
+        self.chunked = False
+        self.keep_alive_s: float | None = None
         self._memo: AnswerMemo | None = None  # the last answer's head (`_head`)
         self._memo_misses = 0  # answer heads in a row that were not the memo's
         # The memo of the answer head `next_event` returned last, when it has one (it came
@@ -256,6 +262,7 @@ class ClientSession:
         `next_event` would leave it after BODY_END (the head's memo in `known`)."""
         self._memo_misses = 0
         self.known = self._memo
+        self.chunked = False
         self.received_any = True
         self._buf, self._pos = b"", 0
         self._remaining = 0
@@ -365,6 +372,7 @@ class ClientSession:
         chunked = False
         keep_alive = version == b"1.1"
         unusual_length = False
+        self.keep_alive_s = None
         if end - line_end > 4:
             headers = field_lines(buf[line_end + 2 : end - 4])
             for name, value in headers:
@@ -384,12 +392,18 @@ class ClientSession:
                     and b"close" in comma_tokens(value)
                 ):
                     keep_alive = False
+                elif name == b"keep-alive":
+                    timeout, more = keep_alive_params(value)
+                    self.keep_alive_s = timeout
+                    if more == 0:  # no further request allowed (RFC 2068 19.7.1.1)
+                        keep_alive = False
         if chunked and length is not None:
             raise self._error("both Content-Length and Transfer-Encoding")
         if unusual_length and length is not None:
             headers = _one_content_length(headers, length)
         if not keep_alive:
             self._keep_alive = False
+        self.chunked = chunked
         head = ResponseHead(status=status, reason=reason, headers=headers, http_version=version)
         if status in _NO_BODY_STATUS or self._head_only:
             self._state = _S_END
@@ -413,6 +427,7 @@ class ClientSession:
         plain Content-Length frames the body; the connection stays keep-alive."""
         self._memo_misses = 0
         self.known = memo
+        self.chunked = False
         self._pos = end
         length = int(digits)
         self._remaining = length
@@ -551,6 +566,25 @@ class ClientSession:
         self._state = _State.ERROR
         self._keep_alive = False
         return UpstreamProtocolError(f"invalid answer from engine: {reason}")
+
+
+def keep_alive_params(value: bytes) -> tuple[float | None, int | None]:
+    """The `timeout` (seconds) and `max` (further requests) of a Keep-Alive header value
+    (RFC 2068 19.7.1.1; llama.cpp's and Apache's `timeout=5, max=100`); None where absent
+    or not a number."""
+    timeout: float | None = None
+    more: int | None = None
+    for part in value.split(b","):
+        name, _, number = part.partition(b"=")
+        name = name.strip().lower()
+        number = number.strip()
+        if not number.isdigit() or len(number) > 9:
+            continue
+        if name == b"timeout":
+            timeout = float(int(number))
+        elif name == b"max":
+            more = int(number)
+    return timeout, more
 
 
 def _one_content_length(headers: Headers, length: int) -> Headers:

@@ -43,7 +43,7 @@ import structlog
 
 from actors.admission import DeploymentView, Lease
 from events.traffic import CLIENT_GONE, ENGINE_ERROR, SERVED
-from gateway.classify import Endpoint
+from gateway.classify import Endpoint, ModelNames
 from gateway.errors import (
     ClientDisconnected,
     ResponseStateError,
@@ -79,7 +79,7 @@ class Forwarding(EngineHead):
     head (`LengthMemo.derived`, see `ServerSession.known`): a head alike but for its length
     has the same of both, so the next request on the connection is routed and sent from it."""
 
-    __slots__ = ("checked", "deployment_id", "endpoint")
+    __slots__ = ("checked", "deployment_id", "endpoint", "names")
 
     def __init__(
         self, deployment_id: str, target: bytes, endpoint: Endpoint | None, drop: frozenset[bytes]
@@ -89,6 +89,8 @@ class Forwarding(EngineHead):
         self.endpoint = endpoint
         # The gateway keys (`Access.keys`) the head's Authorization passed under, if any.
         self.checked: tuple[bytes, ...] | None = None
+        # The deployment's model names, as its view had them when last asked.
+        self.names: ModelNames | None = None
 
 
 _ROW_SIZE = ROW.size  # a traffic trace row's bytes
@@ -114,6 +116,7 @@ class Exchange:
         "_outcome",
         "_paused",
         "_request",
+        "_reused",
         "_sent_at",
         "_started",
         "_upstream",
@@ -145,6 +148,7 @@ class Exchange:
         self._outcome = SERVED  # for the trace (`gateway.trace`)
         self._request: Outgoing | None = None  # as sent to the engine, once leased
         self._sent_at = 0.0  # wall clock before the request went out (`_exit_known`)
+        self._reused = False  # it went out on an idle keep-alive connection (`send_now`)
         self._lease: Lease | None = None
         self._engine: Engine | None = None
         self._upstream: EngineConnection | None = None
@@ -159,13 +163,20 @@ class Exchange:
     # --- the request -----------------------------------------------------------------------
 
     def start(self, body: bytes) -> None:
-        """The whole body is in: send the request, or hand it to the handler."""
+        """The whole body is in: send the request, or hand it to the handler (which also
+        judges a model name the lane cannot vouch for: `ModelNames.named`)."""
         gateway = self._gateway
-        hint = self._view.engine_handle  # as the head found it: no lease without a chance
+        view = self._view
+        hint = view.engine_handle  # as the head found it: no lease without a chance
         pool = gateway.upstream
         lease = None
         if hint is not None and len(body) <= MAX_BODY_BYTES and pool.can_send(hint.host, hint.port):
-            lease = gateway.controller.try_acquire(self._view.deployment_id)
+            forwarding = self._forwarding
+            names = forwarding.names
+            if names is None or names.served != view.served_model or names.name != view.model_name:
+                names = forwarding.names = ModelNames(view.served_model, view.model_name)
+            if names.named(forwarding.endpoint, body):
+                lease = gateway.controller.try_acquire(view.deployment_id)
         if lease is None:
             self._conn.hand_over(self.head, self.request_id, body)
             return
@@ -177,6 +188,7 @@ class Exchange:
         self._sent_at = gateway.clock()  # an engine gone before it never saw the request
         sent = pool.send_now(handle.host, handle.port, request)
         if sent is not None:
+            self._reused = True
             self._hook(*sent)
             return
         # No idle connection (they expire after a few seconds without requests): a new one,
@@ -419,9 +431,16 @@ class Exchange:
         is an event stream."""
         gateway = self._gateway
         if not self._started:
-            if exc.unsent:
-                # It never reached the engine: the handler's path sends it again, or has it
-                # wait for the engine's restart (`Gateway._relay`).
+            engine, upstream = self._engine, self._upstream
+            if exc.unsent or (
+                engine is not None
+                and upstream is not None
+                and gateway.upstream.stale(engine, upstream, self._reused, exc)
+            ):
+                # It never reached the engine, or met the keep-alive race (a reused
+                # connection closed before any answer byte, `UpstreamPool.stale`): the
+                # handler's path sends it again, or has it wait for the engine's restart
+                # (`Gateway._relay`).
                 self._hand_over()
                 return
             lease = self._lease

@@ -1,13 +1,20 @@
 """HTTP/1.1 client for engines on asyncio streams, with a bounded keep-alive pool per engine.
 
-A connection goes back to its pool only when both sides are DONE and nothing went wrong;
-after a failed or cancelled write or read it is aborted (RST, so the engine notices at once
-and stops generating).  A request is sent again only when it provably never reached the
-engine (`UpstreamError.unsent`): a reused connection found closed before the request's first
-byte was handed to the kernel is retried once on a new connection.  Once a byte went out the
-engine may have seen the request, and it is never sent again: a reused connection that the
-engine closes after that is the request's error (docs/on-demand-gateway.md, "Resending").
-The protocol is `gateway.engine_protocol`'s; `OSError` becomes `gateway.errors`.
+A connection goes back to its pool only when both sides are DONE, nothing went wrong and the
+engine will keep it open: not after `Connection: close` or `Keep-Alive: max=0`, for less
+than the idle timeout its `Keep-Alive` announced (a second below it, and never longer than
+`idle_expiry_s`), and not after a streamed answer once the engine was seen to end the
+connection there (llama.cpp's `llama-server` does, though its head says keep-alive:
+`_EnginePool.streams_end`).  After a failed or cancelled write or read a connection is
+aborted (RST, so the engine notices at once and stops generating).
+
+A request is sent once more, on a new connection, when it provably never reached the engine
+(`UpstreamError.unsent`), and when a reused connection was closed or reset before the first
+byte of its answer (`stale`): the keep-alive race, which an engine closing idle connections
+makes unavoidable.  Engines keep no state between requests, so the worst a second copy costs
+is compute; a request on a new connection that fails so is the request's error, never sent
+again (docs/on-demand-gateway.md, "Resending").  The protocol is
+`gateway.engine_protocol`'s; `OSError` becomes `gateway.errors`.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ class UpstreamConfig:
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 1800.0  # longest silence: a long non-streaming generation
     write_timeout_s: float = 60.0
-    idle_expiry_s: float = 4.0  # below the 5 s keep-alive of uvicorn (vLLM, SGLang)
+    idle_expiry_s: float = 4.0  # below the 5 s keep-alive of uvicorn (vLLM, SGLang), llama.cpp
     max_connections_per_engine: int = 1024  # in use at once; more requests wait for a slot
     max_idle_per_engine: int = 256  # idle ones expire after idle_expiry_s anyway
     max_header_bytes: int = 64 * 1024
@@ -105,6 +112,7 @@ class _EnginePool:
         "reused",
         "slot_waiters",
         "slots_free",
+        "streams_end",
     )
 
     def __init__(self, host: str, port: int, max_connections: int) -> None:
@@ -120,7 +128,14 @@ class _EnginePool:
         self.reused = 0
         self.retried = 0
         self.discarded = 0
+        # The engine ends a connection after a streamed answer, whatever its head said: a
+        # connection it closed while idle, or that failed on reuse, had carried a stream.
+        self.streams_end = False
 
+
+# An engine's idle timer and ours start a few milliseconds apart: a connection is reused only
+# until this long before the end of the idle timeout the engine's Keep-Alive announced.
+KEEP_ALIVE_MARGIN_S = 1.0
 
 _UNQUIET = select.POLLIN | select.POLLPRI | select.POLLRDHUP  # POLLERR, POLLHUP: always
 
@@ -136,7 +151,7 @@ class _Connection:
         "config",
         "deadline",
         "expired",
-        "last_used",
+        "expires",
         "loop",
         "on_expired",
         "outbox",
@@ -160,7 +175,7 @@ class _Connection:
         self.outbox = outbox  # the pool's: writes of one round go out together
         self.loop = asyncio.get_running_loop()
         self.session = ClientSession(max_header_bytes=config.max_header_bytes)
-        self.last_used = 0.0
+        self.expires = 0.0  # loop time after which it is not reused (while idle)
         self.deadline = 0.0  # loop time by which the pending read or write must finish
         self.writing = False
         self.expired = False
@@ -377,10 +392,9 @@ class UpstreamPool:
 
     def _expire_idle(self, now: float) -> None:
         """Close idle connections past their expiry, so engines are not held open."""
-        expiry = self.config.idle_expiry_s
         for engine in self._engines.values():
-            idle = engine.idle
-            while idle and now - idle[0].last_used >= expiry:
+            idle = engine.idle  # oldest first; one engine announces one timeout
+            while idle and idle[0].expires <= now:
                 idle.popleft().close()
                 engine.discarded += 1
 
@@ -431,8 +445,10 @@ class UpstreamPool:
                     conn.abort()
                     engine.busy.discard(conn)
                     engine.discarded += 1
-                    if reused and exc.unsent and attempt == 0:
+                    if attempt == 0 and reused and exc.unsent:
                         engine.retried += 1
+                        continue
+                    if attempt == 0 and self.stale(engine, conn, reused, exc):
                         continue
                     raise
                 except BaseException:
@@ -447,6 +463,19 @@ class UpstreamPool:
             self._release_slot(engine)
             raise
 
+    @staticmethod
+    def stale(engine: _EnginePool, conn: _Connection, reused: bool, exc: UpstreamError) -> bool:
+        """Whether a failed request met the keep-alive race: a reused connection closed or
+        reset before any byte of the answer (the request goes once more on a new one, and
+        counts as retried).  A stream was the connection's last answer: the engine ends
+        connections there."""
+        if not (reused and isinstance(exc, UpstreamClosed) and exc.before_response):
+            return False
+        if conn.session.chunked:
+            engine.streams_end = True
+        engine.retried += 1
+        return True
+
     async def open_idle(self, host: str, port: int) -> None:
         """Open a connection to an engine ahead of any request and keep it idle (so that
         the first request may take the express lane; tests use it for that)."""
@@ -454,7 +483,7 @@ class UpstreamPool:
         self._sweeper.start()
         conn = await self._connect(host, port)
         engine.connected += 1
-        conn.last_used = conn.loop.time()
+        conn.expires = conn.loop.time() + self.config.idle_expiry_s
         engine.idle.append(conn)
 
     def can_send(self, host: str, port: int) -> bool:
@@ -576,13 +605,12 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()
             # The connection's loop: `asyncio.get_running_loop()` costs a getpid() syscall.
-            if (
-                conn.alive
-                and conn.loop.time() - conn.last_used < self.config.idle_expiry_s
-                and conn.quiet()
-            ):
-                engine.reused += 1
-                return conn, True
+            if conn.loop.time() < conn.expires:
+                if conn.alive and conn.quiet():
+                    engine.reused += 1
+                    return conn, True
+                if conn.session.chunked:  # the engine ended it early, after a stream
+                    engine.streams_end = True
             conn.abort()
             engine.discarded += 1
         return None, False
@@ -608,19 +636,26 @@ class UpstreamPool:
         if conn is None:
             return
         engine.busy.discard(conn)
+        session = conn.session
         if (
             reuse
             and not self._closed
-            and conn.session.reusable
-            and conn.session.clean
+            and session.reusable
+            and session.clean
             and conn.alive
             and len(engine.idle) < self.config.max_idle_per_engine
+            and not (session.chunked and engine.streams_end)
         ):
-            conn.session.start_next_cycle()
-            conn.last_used = conn.loop.time()
-            engine.idle.append(conn)
-            return
-        if reuse and conn.session.reusable:
+            expiry = self.config.idle_expiry_s
+            announced = session.keep_alive_s
+            if announced is not None and announced - KEEP_ALIVE_MARGIN_S < expiry:
+                expiry = announced - KEEP_ALIVE_MARGIN_S
+            if expiry > 0:
+                session.start_next_cycle()
+                conn.expires = conn.loop.time() + expiry
+                engine.idle.append(conn)
+                return
+        if reuse and session.reusable:
             conn.close()  # a clean end: FIN, not RST
         else:
             conn.abort()

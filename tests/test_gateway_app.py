@@ -114,13 +114,13 @@ def sse_events(body: bytes) -> list[bytes]:
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/chat/completions", {"model": "m", "messages": []}),
-        ("/v1/chat/completions", {"model": "m", "messages": [], "stream": True}),
-        ("/v1/completions", {"model": "m", "prompt": "x", "stream": True}),
-        ("/v1/completions", {"model": "m", "prompt": "x"}),
-        ("/v1/responses", {"model": "m", "input": "x"}),
-        ("/v1/embeddings", {"model": "m", "input": "x"}),
-        ("/v1/score", {"model": "m"}),
+        ("/v1/chat/completions", {"model": "served-a", "messages": []}),
+        ("/v1/chat/completions", {"model": "served-a", "messages": [], "stream": True}),
+        ("/v1/completions", {"model": "served-a", "prompt": "x", "stream": True}),
+        ("/v1/completions", {"model": "served-a", "prompt": "x"}),
+        ("/v1/responses", {"model": "served-a", "input": "x"}),
+        ("/v1/embeddings", {"model": "served-a", "input": "x"}),
+        ("/v1/score", {"model": "served-a"}),
     ],
 )
 def test_ready_model_answer_is_relayed_byte_for_byte(path: str, body: dict[str, Any]) -> None:
@@ -139,7 +139,7 @@ def test_ready_model_answer_is_relayed_byte_for_byte(path: str, body: dict[str, 
 def test_request_reaches_the_engine_with_path_query_headers_and_body_but_not_the_key() -> None:
     async def main() -> None:
         async with rig() as r:
-            body = b'{"model": "m", "messages": []}'
+            body = b'{"model": "served-a", "messages": []}'
             headers = [
                 ("authorization", "Bearer k"),
                 ("x-custom", "1"),

@@ -33,11 +33,17 @@ from tests.gateway_support import ScriptedController, held, poll
 
 T = TypeVar("T")
 CHAT = b"/d/a/v1/chat/completions"
-JSON_BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
-# Names the model the scripted deployment `a` serves: a request that waits for its model to
-# start (or restart) is checked against it (`Gateway._lease_then_relay`).
-SERVED_BODY = JSON_BODY.replace(b'"m"', b'"served-a"')
-STREAM_BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+# Names the model the scripted deployment `a` serves: every request is checked against it,
+# and its client name (`Gateway._lease_then_relay`, `ModelNames.named`).
+JSON_BODY = b'{"model":"served-a","messages":[{"role":"user","content":"hi"}]}'
+SERVED_BODY = JSON_BODY
+STREAM_BODY = b'{"model":"served-a","messages":[{"role":"user","content":"hi"}],"stream":true}'
+# Another model's name; the client's name, spaced; the served one, escaped and nested.
+OTHER_BODY = JSON_BODY.replace(b'"served-a"', b'"g"')
+CLIENT_NAME_BODY = b'{"model": "model-a", "messages": [{"role": "user", "content": "hi"}]}'
+ESCAPED_BODY = JSON_BODY.replace(b'"served-a"', b'"served\\u002da"')
+NESTED_BODY = b'{"model":"g","metadata":{"model":"served-a"},"messages":[]}'
+NO_MODEL_BODY = b'{"messages":[{"role":"user","content":"hi"}]}'
 ANSWER = json.dumps({"id": "chatcmpl-1", "choices": [{"message": {"content": "Hi"}}]}).encode()
 EVENT = b'data: {"choices":[{"delta":{"content":"t"}}]}\n\n'
 SSE_HEAD = (
@@ -56,6 +62,12 @@ def request(body: bytes = JSON_BODY, target: bytes = CHAT, extra: bytes = b"") -
 
 
 MODELS_GET = b"GET /d/a/v1/models HTTP/1.1\r\nhost: gw\r\n\r\n"
+
+
+def padded(size: int) -> bytes:
+    """A body naming the served model, `size` bytes long."""
+    pad = size - len(JSON_BODY) - len(b',"pad":""')
+    return JSON_BODY[:-1] + b',"pad":"' + b"x" * pad + b'"}'
 
 
 def chunk(data: bytes) -> bytes:
@@ -144,6 +156,11 @@ class Engine:
                 await writer.drain()
             if not end:
                 return False
+        elif behaviour == "stream-close":  # llama-server: keep-alive said, then closed
+            writer.write(sse + chunk(EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            writer.transport.close()
+            return False
         elif behaviour == "drop":  # a keep-alive connection closed as the request came
             writer.transport.close()
             return False
@@ -370,9 +387,29 @@ SEQUENCES = {
     "events one by one": (["events"], [request(STREAM_BODY)] * 2, 2),
     "events in upper-case hex": (["events-hex"], [request(STREAM_BODY)] * 2, 2),
     "events, then a cut mid-event": (["events-cut", "ok"], [request(STREAM_BODY), request()], 2),
-    # The engine read the request and closed unanswered: it may have seen it, so its error
-    # and never a second copy (docs/on-demand-gateway.md, "Resending").
-    "closed after the request, then a new one": (["drop", "ok"], [request(), request()], 2),
+    # The engine read the request and closed unanswered: on a reused connection (warm) the
+    # keep-alive race, sent once more on a new one; on a new one (cold) it may have seen it,
+    # so its error and never a second copy (docs/on-demand-gateway.md, "Resending").
+    "closed after the request, then a new one": (["drop", "ok"], [request(), request()], 1),
+    "closed after the request, twice": (["drop", "drop", "ok"], [request(), request()], 1),
+    # llama.cpp's llama-server ends the connection after every stream, keep-alive or not.
+    "streams from an engine that ends the connection": (
+        ["stream-close"],
+        [request(STREAM_BODY)] * 3 + [request()],
+        4,
+    ),
+    # Model names: another model's is refused on both paths in every state, and so after a
+    # failed request (the engine being checked); what the lane cannot vouch for it hands over.
+    "another model's name": (["ok"], [request(OTHER_BODY), request()], 1),
+    "another model's name after a failed request": (
+        ["drop", "drop", "ok"],
+        [request(), request(OTHER_BODY), request()],
+        1,
+    ),
+    "the client's name, spaced": (["ok"], [request(CLIENT_NAME_BODY)], 1),
+    "the served name, escaped": (["ok"], [request(ESCAPED_BODY), request()], 1),
+    "another model's name, the served one nested": (["ok"], [request(NESTED_BODY)], 0),
+    "no model named": (["ok"], [request(NO_MODEL_BODY), request()], 1),
     "garbage head": (["garbage", "ok"], [request(), request()], 2),
     "stream cut mid-event": (["cut-stream", "ok"], [request(STREAM_BODY), request()], 2),
     "connection: close": (["ok"], [request(extra=b"connection: close\r\n")], 1),
@@ -386,7 +423,7 @@ SEQUENCES = {
     # The second probe is read whole at once: the handler still answers it, not the engine.
     "probe, twice": (["ok"], [request(extra=b"x-dgxmm-health-check: 1\r\n")] * 2, 0),
     "body too large": (["ok"], [request(b"x" * 2048)], 0),
-    "body over the lane's bound": (["ok"], [request(b"x" * 1000), request(b"y" * 400)], 1),
+    "body over the lane's bound": (["ok"], [request(padded(1000)), request(padded(400))], 1),
     "query string": (["ok"], [request(target=CHAT + b"?a=1"), request()], 2),
     # A head without a length between two alike: it has no memo, and the route kept with the
     # last memo is not its route.
@@ -395,7 +432,12 @@ SEQUENCES = {
 
 
 # Requests the lane carries from a cold pool where it differs from a warm one.
-COLD_CARRIED: dict[str, int] = {}
+COLD_CARRIED: dict[str, int] = {
+    # the first drop is on a new connection: its 502 from the lane, not handed over
+    "closed after the request, then a new one": 2,
+    "closed after the request, twice": 2,
+    "another model's name after a failed request": 2,
+}
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -533,7 +575,8 @@ def test_a_request_closed_unanswered_is_sent_again_only_if_its_engine_had_exited
     """Docker's port proxy accepts a connection for a dead container and then closes it: the
     request was closed before any answer byte, and only the runtime's word that the engine
     had exited before the request went out (`Controller.exited_before`) makes it one that
-    never reached the engine.  Scripted here: the same engine answers the second send."""
+    never reached the engine.  Scripted here: the same engine answers the second send.  On a
+    new connection: a reused one closed so is the keep-alive race, sent once more anyway."""
 
     async def client(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
@@ -551,7 +594,7 @@ def test_a_request_closed_unanswered_is_sent_again_only_if_its_engine_had_exited
         return answers
 
     async def go(express: bool) -> Outcome:
-        return await scenario(["drop", "ok"], client, express=express)
+        return await scenario(["drop", "ok"], client, express=express, warm=False)
 
     fast, slow = both(go, loop)
     assert fast.comparable() == slow.comparable()
@@ -569,7 +612,8 @@ def test_a_request_the_engine_may_have_seen_gets_its_error_and_is_never_sent_twi
     """The other side of the moment: the request reached the engine, which then failed
     before answering ("drop"), mid-answer ("cut-length") or by silence ("silent", past the
     read timeout).  The client gets its error; the engine counted one request, the
-    controller was asked for no wait, even though it stops serving at once."""
+    controller was asked for no wait, even though it stops serving at once.  On a new
+    connection: on a reused one, "drop" is the keep-alive race, sent once more."""
 
     async def client(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rig: Rig
@@ -580,7 +624,7 @@ def test_a_request_the_engine_may_have_seen_gets_its_error_and_is_never_sent_twi
 
     async def go(express: bool) -> Outcome:
         config = UpstreamConfig(read_timeout_s=0.3)
-        return await scenario([behaviour], client, express=express, upstream=config)
+        return await scenario([behaviour], client, express=express, upstream=config, warm=False)
 
     fast, slow = both(go, loop)
     assert fast.comparable() == slow.comparable()

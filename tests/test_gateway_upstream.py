@@ -192,27 +192,161 @@ def test_engine_closing_an_idle_connection_is_retried_on_a_new_one() -> None:
     run(main())
 
 
-def test_a_request_the_engine_read_before_closing_is_never_sent_again() -> None:
-    """The other side of the moment (docs/on-demand-gateway.md, "Resending"): the request
-    went out on a quiet keep-alive connection, the engine read it and closed without a byte
-    of answer.  It may have acted on it: the error, not a second copy."""
+def test_a_reused_connection_closed_before_any_answer_byte_is_sent_once_more_on_a_new_one() -> None:
+    """The keep-alive race (docs/on-demand-gateway.md, "Resending"): the request went out on
+    a quiet keep-alive connection, which the engine closed without a byte of answer.  It goes
+    once more on a new connection, and the client gets the answer."""
 
     async def main() -> None:
         async def drop_second(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
             await raw.read_request(r)
-            w.write(OK)
-            await raw.read_request(r)  # read, then the connection closes unanswered
+            if raw.connections == 1:
+                w.write(OK)
+                await raw.read_request(r)  # read, then the connection closes unanswered
+            else:
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nnew")
+                await raw.wait_eof(r)
 
         async with raw_server(drop_second) as raw:
             pool = UpstreamPool()
             assert await get(pool, raw.port) == (200, b"ok")
+            assert await get(pool, raw.port, b"second") == (200, b"new")
+            stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
+            assert stats.retried == 1 and raw.connections == 2
+            assert [r.endswith(b"second") for r in raw.requests] == [False, True, True]
+            await pool.close()
+
+    run(main())
+
+
+def test_a_request_a_new_connection_closes_unanswered_is_never_sent_again() -> None:
+    """The other side: on a connection opened for it, a request the engine read and closed
+    without a byte of answer may have been acted on; the error, not a second copy."""
+
+    async def main() -> None:
+        async def drop(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)  # read, then the connection closes unanswered
+
+        async with raw_server(drop) as raw:
+            pool = UpstreamPool()
             with pytest.raises(UpstreamClosed) as info:
-                await get(pool, raw.port, b"second")
+                await get(pool, raw.port, b"only")
             assert info.value.before_response and not info.value.unsent
             stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
-            assert stats.retried == 0 and raw.connections == 1
-            assert [r.endswith(b"second") for r in raw.requests] == [False, True]
+            assert stats.retried == 0 and raw.connections == 1 and len(raw.requests) == 1
             await pool.close()
+
+    run(main())
+
+
+def test_a_reused_connection_cut_mid_answer_is_never_sent_again() -> None:
+    """An answer begun is the engine's: a byte of it, and the request is not resent."""
+
+    async def main() -> None:
+        async def cut_second(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+            await raw.read_request(r)
+            w.write(OK)
+            await raw.read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-")
+            await w.drain()
+
+        async with raw_server(cut_second) as raw:
+            pool = UpstreamPool()
+            assert await get(pool, raw.port) == (200, b"ok")
+            with pytest.raises(UpstreamClosed) as info:
+                await get(pool, raw.port, b"second")
+            assert not info.value.before_response
+            assert pool.statistics()[f"127.0.0.1:{raw.port}"].retried == 0
+            assert raw.connections == 1
+            await pool.close()
+
+    run(main())
+
+
+STREAM = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+    b"keep-alive: timeout=5, max=100\r\n\r\n"
+    b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+)
+
+
+def test_an_engine_that_ends_the_connection_after_a_stream_is_learned() -> None:
+    """llama.cpp's llama-server says keep-alive on a streamed answer, then closes the
+    connection without reading the next request.  The request that met it goes once more on
+    a new connection; from then on a stream's connection is not kept (no second retry)."""
+
+    async def main() -> None:
+        async def stream_then_close(
+            r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw
+        ) -> None:
+            while True:
+                request = await raw.read_request(r)
+                if not request.endswith(b"stream"):
+                    w.write(OK)
+                    continue
+                w.write(STREAM)
+                await w.drain()
+                await raw.release.wait()  # closes (unread) once the next request was sent
+                return
+
+        async with raw_server(stream_then_close) as raw:
+            pool = UpstreamPool()
+            assert await get(pool, raw.port, b"stream") == (200, b"data: [DONE]\n\n")
+            (engine,) = pool._engines.values()
+            assert not engine.streams_end and len(engine.idle) == 1
+
+            async def release_once_sent() -> None:
+                # Taken from the pool: written in the same step, before the engine closes.
+                await poll(lambda: not engine.idle)
+                raw.release.set()
+
+            releasing = asyncio.create_task(release_once_sent())
+            assert await get(pool, raw.port, b"plain") == (200, b"ok")
+            await releasing
+            assert engine.streams_end
+            stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
+            assert stats.retried == 1 and raw.connections == 2
+            # The next stream's connection is closed by us, not offered to the next request.
+            raw.release = asyncio.Event()
+            assert await get(pool, raw.port, b"stream") == (200, b"data: [DONE]\n\n")
+            assert len(engine.idle) == 0
+            raw.release.set()
+            assert await get(pool, raw.port, b"plain") == (200, b"ok")
+            stats = pool.statistics()[f"127.0.0.1:{raw.port}"]
+            assert stats.retried == 1 and raw.connections == 3
+            await pool.close()
+
+    run(main())
+
+
+def test_keep_alive_timeout_and_max_are_honoured() -> None:
+    """An engine announcing a 1 s idle timeout is not reused (our margin is 1 s); one
+    announcing `max=0` allows no further request; `timeout=3` is reused for 2 s."""
+
+    async def main() -> None:
+        def answering(keep_alive: bytes) -> Script:
+            async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, raw: Raw) -> None:
+                while True:
+                    await raw.read_request(r)
+                    w.write(
+                        b"HTTP/1.1 200 OK\r\nkeep-alive: " + keep_alive
+                        + b"\r\ncontent-length: 2\r\n\r\nok"
+                    )  # fmt: skip
+
+            return script
+
+        cases = ((b"timeout=1", 2), (b"timeout=5, max=0", 2), (b"timeout=3", 1))
+        for announced, connections in cases:
+            async with raw_server(answering(announced)) as raw:
+                pool = UpstreamPool()
+                assert await get(pool, raw.port) == (200, b"ok")
+                (engine,) = pool._engines.values()
+                if engine.idle:
+                    (conn,) = engine.idle
+                    assert conn.expires - conn.loop.time() == pytest.approx(2.0, abs=0.1)
+                assert await get(pool, raw.port) == (200, b"ok")
+                assert raw.connections == connections, announced
+                await pool.close()
 
     run(main())
 

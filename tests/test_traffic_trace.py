@@ -394,10 +394,13 @@ def test_both_lanes_record_each_request_with_the_id_its_client_saw() -> None:
                 gateway.trace = TrafficTrace(sink)
                 client = await Client.connect(server.port)
                 seen: dict[int, int] = {}
-                # The model `cold` serves: a waiting request naming another gets 404 at once.
-                body = {"model": "served-cold", "messages": [{"role": "user", "content": "hi"}]}
-                for target in ("/d/a/v1/chat/completions", "/d/cold/v1/chat/completions") * 2:
-                    reply = await client.request("POST", target, body)
+                # Each names the model its deployment serves: another name gets 404 at once.
+                for dep in ("a", "cold") * 2:
+                    body = {
+                        "model": f"served-{dep}",
+                        "messages": [{"role": "user", "content": "hi"}],
+                    }
+                    reply = await client.request("POST", f"/d/{dep}/v1/chat/completions", body)
                     shown = reply.header("x-dgxmm-request-id")
                     assert shown is not None
                     seen[int(shown)] = reply.status

@@ -147,7 +147,7 @@ class Rig:
         self.engine, self.engine_out = ByteStream(65536), Collector()
         self.engine.transport = self.engine_out  # type: ignore[assignment]
         idle = EngineConnection(self.engine, self.engine_out, pool.config, pool.outbox)  # type: ignore[arg-type]
-        idle.last_used = idle.loop.time()
+        idle.expires = idle.loop.time() + 60.0
         pool._engine("127.0.0.1", 9).idle.append(idle)
         self.client_outbox, self.pool_outbox = server.outbox, pool.outbox
 

@@ -7,7 +7,9 @@ one starts from:
 
 1. cold start #1, through LiteLLM: a plain request is held through the whole start, a
    streaming one arrives during it and joins it;
-2. vLLM ready: relayed answers equal direct ones, for every endpoint it serves;
+2. vLLM ready: relayed answers equal direct ones, for every endpoint it serves; streamed and
+   plain requests back to back and across keep-alive gaps, straight and through LiteLLM,
+   all answered;
 3. vLLM ready: a request for `small` (which does not fit beside it) is queued; a long direct
    call to vLLM's port keeps it awake past its idle timeout; when it ends, vLLM is put to
    sleep and `small` served;
@@ -33,6 +35,7 @@ from typing import Any
 import pytest
 
 from tests.cold_start_support import assert_adds_up, replay_wait
+from tests.keepalive_support import Pooled, fresh, series
 from tests.litellm_support import Response
 from tests.real_engine_support import (
     PROMPT,
@@ -250,6 +253,36 @@ def test_relayed_answers_equal_direct_ones_for_every_endpoint_vllm_serves(
     else:
         assert comparable(relayed.json()) == comparable(direct.json())
         assert "usage" in direct.json()
+
+
+def test_streamed_and_plain_requests_back_to_back_and_across_keep_alive_gaps_all_answer(
+    stack: VllmStack, tried: Callable[[str], None]
+) -> None:
+    """Issue 43 on vLLM (uvicorn keeps a connection 5 s idle, streams included): fewer
+    requests than on llama.cpp (tests/test_keepalive_real.py), its tokens are slow."""
+    serve = stack.serve
+    proxy = stack.proxy
+    assert proxy is not None
+    ensure_ready(stack)
+    port, path, auth = serve.gateway_port, serve.gateway_path("vllm"), serve.gateway_auth
+    direct = series(
+        lambda stream: fresh(port, path, chat(stack.model, stream=stream, max_tokens=2), auth),
+        back_to_back=10,
+    )
+    client = Pooled(proxy.port)
+    try:
+        through = series(
+            lambda stream: client.send(
+                "/v1/chat/completions", chat("vllm", stream=stream, max_tokens=2), proxy.auth
+            ),
+            back_to_back=10,
+            gaps=(0.1, 5.1),
+        )
+    finally:
+        client.close()
+    tried(direct.line("vLLM straight to the gateway, a new connection each"))
+    tried(through.line("vLLM through LiteLLM, one kept-alive client without retries"))
+    assert direct.failed == [] and through.failed == []
 
 
 # --- 3. queue and real idleness ------------------------------------------------------------------

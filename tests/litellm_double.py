@@ -1,8 +1,9 @@
 """A double of LiteLLM's model-management API (1.108.7), for testing `ApiSync` over real sockets.
 
-It answers what `dgxmm.litellm.sync` uses, with the status codes and bodies LiteLLM 1.108.7 sends
-(read from `litellm/proxy/management_endpoints/model_management_endpoints.py` and
-`proxy_server.py`, and observed on a real proxy where no database was needed):
+It answers what `dgxmm.litellm.backend.LiteLLMClient` uses, with the status codes and bodies
+LiteLLM 1.108.7 sends (read from
+`litellm/proxy/management_endpoints/model_management_endpoints.py` and `proxy_server.py`, and
+observed on a real proxy where no database was needed):
 
 - `GET /health/liveliness` (no auth);
 - `GET /model/info` and `/v1/model/info`, optionally `?litellm_model_id=`: the router's entries

@@ -1,5 +1,5 @@
 """The gateway key: the door's decision (`gateway.access`), the key file and its rotation
-(`dgxmm.litellm.gateway_key`), and the LiteLLM entries that carry it (`dgxmm.litellm.sync`)."""
+(`dgxmm.litellm.gateway_key`), and the LiteLLM entries that carry it (`dgxmm.litellm.entries`)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from dgxmm.config import (
     ServerConfig,
     load_config,
 )
+from dgxmm.litellm.entries import differs, litellm_deployment
 from dgxmm.litellm.gateway_key import KEY_FILE, PREVIOUS_FILE, GatewayKeys, key_id
-from dgxmm.litellm.sync import differs, litellm_deployment
 from gateway.access import Access
 from tests.gateway_support import poll, run
 from tests.litellm_support import AppInThread, free_port, http_request

@@ -12,17 +12,9 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
+from dgxmm.litellm.entries import READY, Registration, desired_entries, litellm_deployment
 from dgxmm.litellm.filesync import ConfigFileSync
-from dgxmm.litellm.sync import (
-    READY,
-    ApiSync,
-    DisabledSync,
-    LiteLLMSettings,
-    Registration,
-    desired_entries,
-    litellm_deployment,
-    make_sync,
-)
+from dgxmm.litellm.sync import ApiSync, DisabledSync, LiteLLMSettings, make_sync
 from tests.litellm_double import LiteLLMDouble
 from tests.litellm_support import free_port
 

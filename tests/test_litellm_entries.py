@@ -8,8 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.ports import ModelEntry
-from dgxmm.litellm.filesync import config_document, load_verdict
-from dgxmm.litellm.sync import (
+from dgxmm.litellm.entries import (
     FAILED,
     READY,
     Registration,
@@ -18,6 +17,7 @@ from dgxmm.litellm.sync import (
     entry_id,
     litellm_deployment,
 )
+from dgxmm.litellm.filesync import config_document, load_verdict
 
 GATEWAY = "http://127.0.0.1:8401"
 

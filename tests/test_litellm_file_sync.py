@@ -14,8 +14,8 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
+from dgxmm.litellm.entries import READY, Registration, desired_entries
 from dgxmm.litellm.filesync import ConfigFileSync
-from dgxmm.litellm.sync import READY, Registration, desired_entries
 from tests.litellm_double import LiteLLMDouble
 from tests.litellm_support import free_port
 

@@ -21,13 +21,9 @@ import pytest
 
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
+from dgxmm.litellm.entries import READY, Registration, desired_entries
 from dgxmm.litellm.filesync import ConfigFileSync
-from dgxmm.litellm.sync import (
-    READY,
-    ApiSync,
-    Registration,
-    desired_entries,
-)
+from dgxmm.litellm.sync import ApiSync
 from tests.litellm_support import (
     LiteLLMProxy,
     RecordingUpstream,

@@ -23,6 +23,7 @@ import pytest
 from actors.runtime import VirtualClock
 from dgxmm.admin.metrics import litellm_families, render
 from dgxmm.config import ConfigError, load_config
+from dgxmm.litellm.entries import READY, Registration, desired_entries
 from dgxmm.litellm.filesync import ConfigFileSync
 from dgxmm.litellm.reload import (
     SETTLE_S,
@@ -31,7 +32,6 @@ from dgxmm.litellm.reload import (
     run_shell,
     stop_task,
 )
-from dgxmm.litellm.sync import READY, Registration, desired_entries
 from tests.litellm_double import LiteLLMDouble
 
 BOOT_S = 3.0  # the fake LiteLLM's new workers serve the file this long after the command

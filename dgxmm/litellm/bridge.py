@@ -29,17 +29,10 @@ from actors.errors import SyncFailed
 from actors.ports import ModelEntry
 from actors.runtime import Clock, TimerHandle
 from dgxmm.config import Config
+from dgxmm.litellm.entries import Registration, desired_entries
 from dgxmm.litellm.filesync import ConfigFileSync, LoadStatus
 from dgxmm.litellm.reload import ReloadStatus
-from dgxmm.litellm.sync import (
-    HINT,
-    ApiSync,
-    DisabledSync,
-    LiteLLMSettings,
-    Registration,
-    desired_entries,
-    make_sync,
-)
+from dgxmm.litellm.sync import HINT, ApiSync, DisabledSync, LiteLLMSettings, make_sync
 from events import model as m
 from storage.eventlog import EventStore
 

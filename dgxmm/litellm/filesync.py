@@ -3,7 +3,7 @@
 Every change of that file restarts LiteLLM's worker (uvicorn's reloader: requests in flight get
 30 s, new connections wait, one accepted but unread is reset), so the file is written only when
 the desired model list really changes, and the bridge asks for stable entries (see
-`sync.desired_entries`), which no state change or mode switch alters.
+`entries.desired_entries`), which no state change or mode switch alters.
 
 A sync writes at once, whether LiteLLM is serving or not, and returns: LiteLLM started after
 DGXMM reads the file as it is, and a LiteLLM that is down never delays a write.  Whether
@@ -33,16 +33,9 @@ import structlog
 from actors.errors import SyncFailed
 from actors.ports import ModelEntry
 from actors.runtime import Clock
+from dgxmm.litellm.backend import Backend, Unreachable
+from dgxmm.litellm.entries import differs, id_of, id_prefix, owned_entries, rendered_entries
 from dgxmm.litellm.reload import CommandReloader, ReloadStatus, served, stop_task
-from dgxmm.litellm.sync import (
-    _Backend,
-    _model_id,
-    _owned,
-    _rendered,
-    _Unreachable,
-    differs,
-    id_prefix,
-)
 
 log = structlog.get_logger("dgxmm.litellm.sync")
 
@@ -67,7 +60,7 @@ def config_document(
     """
     items = [i for i in document.get("model_list") or [] if isinstance(i, dict)]
     prefix = id_prefix(box_id)
-    foreign = [i for i in items if not (_model_id(i) or "").startswith(prefix)]
+    foreign = [i for i in items if not (id_of(i) or "").startswith(prefix)]
     base = {k: v for k, v in document.items() if k != "model_list"}
     settings = dict(base.get("general_settings") or {})
     settings.setdefault("disable_model_info_refresh", True)
@@ -99,7 +92,7 @@ class LoadStatus(msgspec.Struct, frozen=True, kw_only=True):
     load_error: str | None = None  # why it is not (known to be) loaded
 
 
-class ConfigFileSync(_Backend):
+class ConfigFileSync(Backend):
     """Keeps the model list in LiteLLM's config file equal to DGXMM's (LiteLLM runs --reload)."""
 
     kind = "file"
@@ -159,7 +152,7 @@ class ConfigFileSync(_Backend):
         if not self._has_key:
             return True
         try:
-            live = _owned(await self._client.list_entries(), self._box_id)
+            live = owned_entries(await self._client.list_entries(), self._box_id)
         except SyncFailed:  # unreachable (booting workers), a wrong key: not served yet
             return False
         return any(load_verdict(want, live) is None for want in wants)
@@ -183,7 +176,7 @@ class ConfigFileSync(_Backend):
         """Write the file now if the model list changed; check LiteLLM in the background."""
         async with self._tracker.lock:
             try:
-                wrote = await self._write_if_changed(_rendered(entries, self._gateway_key()))
+                wrote = await self._write_if_changed(rendered_entries(entries, self._gateway_key()))
             except SyncFailed as exc:
                 self._tracker.failed(self.kind, exc)
                 raise
@@ -257,8 +250,8 @@ class ConfigFileSync(_Backend):
             self._not_loaded(None, f"cannot check whether LiteLLM loaded it: {exc}")
             return True  # nothing to poll for until the key is set (a restart of DGXMM)
         try:
-            live = _owned(await self._client.list_entries(), self._box_id)
-        except _Unreachable as exc:
+            live = owned_entries(await self._client.list_entries(), self._box_id)
+        except Unreachable as exc:
             self._not_loaded(False, f"{exc}; LiteLLM reads the file when it starts")
             return False
         except SyncFailed as exc:  # a wrong master key, an answer that is not a model list

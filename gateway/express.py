@@ -36,12 +36,12 @@ import asyncio
 import functools
 import struct
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from actors.admission import DeploymentView, Lease
+from actors.admission import Controller, DeploymentView, Lease
 from events.traffic import CLIENT_GONE, ENGINE_ERROR, SERVED
 from gateway.classify import Endpoint, ModelNames
 from gateway.errors import (
@@ -52,6 +52,7 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.messages import (
+    Headers,
     RequestHead,
     ResponseHead,
     Signal,
@@ -62,9 +63,10 @@ from gateway.trace import ROW
 from gateway.upstream import EngineHead, Outgoing
 
 if TYPE_CHECKING:
-    from gateway.app import Gateway
+    from gateway.queued import ErrorReply
     from gateway.server import Connection
-    from gateway.upstream import Engine, EngineConnection
+    from gateway.trace import TrafficTrace
+    from gateway.upstream import Engine, EngineConnection, UpstreamPool
 
 log = structlog.get_logger("gateway")
 
@@ -91,6 +93,40 @@ class Forwarding(EngineHead):
         self.checked: tuple[bytes, ...] | None = None
         # The deployment's model names, as its view had them when last asked.
         self.names: ModelNames | None = None
+
+
+class Host(Protocol):
+    """What an exchange uses of the gateway that routed it (`gateway.app.Gateway`): its pool,
+    controller, clock, counters and trace, and its verdicts on an engine that failed.  Named
+    here so that the lane depends on these alone and the handler's module on the lane."""
+
+    controller: Controller
+    upstream: UpstreamPool
+    clock: Callable[[], float]
+    closing: bool  # the gateway is shutting down: cut streams say so
+    exchanges: set[Exchange]  # the exchanges under way, for the shutdown's cut
+    on_first_byte: Callable[[str, float], None] | None
+    trace: TrafficTrace | None
+    relayed: int
+    relayed_express: int
+
+    def cut_stream_event(
+        self,
+        headers: Headers,
+        last: bytes,
+        view: DeploymentView,
+        endpoint: Endpoint | None,
+    ) -> bytes | None:
+        """The error event that ends a stream whose engine failed (None: not a stream)."""
+
+    def engine_unreachable(self, view: DeploymentView, exc: UpstreamError) -> ErrorReply:
+        """The reply to a request whose engine did not answer, with the failure counted."""
+
+    def engine_missed(self, view: DeploymentView, exc: UpstreamError) -> None:
+        """Count a request that never reached its engine (the handler sends it again)."""
+
+    def engine_failed(self, view: DeploymentView, exc: UpstreamError) -> None:
+        """Count an engine that failed while answering."""
 
 
 _ROW_SIZE = ROW.size  # a traffic trace row's bytes
@@ -128,7 +164,7 @@ class Exchange:
 
     def __init__(
         self,
-        gateway: Gateway,
+        gateway: Host,
         conn: Connection,
         head: RequestHead,
         request_id: int,

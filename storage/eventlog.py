@@ -44,7 +44,7 @@ from storage.errors import (
 )
 from storage.inline import connect_inline
 from storage.readmodels import ANY_AUDIT, AuditFilter
-from storage.snapshots import SNAPSHOT_PREFIX, decode_snapshot, encode_snapshot
+from storage.snapshot_format import SNAPSHOT_PREFIX, decode_snapshot, encode_snapshot
 
 log = structlog.get_logger("dgxmm.storage")
 

@@ -1,55 +1,27 @@
 """Snapshots of the folded system state: start-up folds the newest one plus the tail.
 
 A snapshot is derived data: deleting the `snapshots` table loses nothing, start-up then
-folds the whole log.  Its blob starts with the snapshot format, which changes by itself when
-`SystemState`'s schema changes (a hash of its JSON schema) and by hand (`STATE_SEMANTICS`)
-when `evolve` changes meaning; a snapshot of another format, or one that does not decode,
-is ignored with a warning, never a refusal to start.
+folds the whole log.  The store (`storage.eventlog`) keeps the blobs, in the format
+`storage.snapshot_format` owns; a snapshot of another format, or one that does not decode,
+is ignored with a warning, never a refusal to start.  Here: when to write one
+(`Snapshotter`, `load_state` on a long fold) and how start-up uses them (`load_state`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-import msgspec
 import structlog
 
 from events import model as m
 from events.state import EMPTY, SystemState, evolve
-
-if TYPE_CHECKING:
-    from storage.eventlog import EventStore
+from storage.eventlog import EventStore
 
 log = structlog.get_logger("dgxmm.storage")
 
-# Bump when `evolve` folds the same events into a different state.
-STATE_SEMANTICS = 1
 SNAPSHOT_EVERY = 10_000  # events between two snapshots while serving
-
-_schema = msgspec.json.encode(msgspec.json.schema(SystemState), order="sorted")
-SNAPSHOT_FORMAT = f"dgxmm-state/{STATE_SEMANTICS}/{hashlib.sha256(_schema).hexdigest()[:16]}"
-SNAPSHOT_PREFIX = SNAPSHOT_FORMAT.encode() + b"\n"  # a blob's first bytes
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(SystemState)
-
-
-def encode_snapshot(state: SystemState) -> bytes:
-    """The blob stored for `state`: the format line, then the state's JSON."""
-    return SNAPSHOT_PREFIX + _encoder.encode(state)
-
-
-def decode_snapshot(blob: bytes) -> SystemState | None:
-    """The state in `blob`, or None when it is of another format or damaged."""
-    if not isinstance(blob, bytes) or not blob.startswith(SNAPSHOT_PREFIX):
-        return None
-    try:
-        return _decoder.decode(blob[len(SNAPSHOT_PREFIX) :])
-    except msgspec.DecodeError:
-        return None
 
 
 async def load_state(

@@ -17,7 +17,8 @@ from events.state import EMPTY, SystemState, fold
 from storage import snapshots
 from storage.eventlog import EventStore
 from storage.readmodels import AuditFilter
-from storage.snapshots import decode_snapshot, encode_snapshot, load_state
+from storage.snapshot_format import decode_snapshot, encode_snapshot
+from storage.snapshots import load_state
 from tests.test_events import T0, ScriptedWall, histories, write_history
 
 DEPLOYMENTS = [f"d{i}" for i in range(8)]

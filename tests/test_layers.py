@@ -4,12 +4,18 @@ and starts (`app`, `cli`).
 
 Every import counts, at module level or inside a function, absolute or relative.  A planted
 import that runs back up is caught (the last tests plant one in a copy of a small tree).
+
+And no two modules import each other, directly or round a longer loop, whatever the layers
+allow: every import counts here too, those under `if TYPE_CHECKING:` and inside functions
+included, since a reader meets the loop all the same.  A cycle is reported as its shortest
+loop through the first module of the group (`a -> b -> a`).
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,13 +87,14 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, module: str) -> Iterator[tuple[int, str]]:
-    """(line, dotted name) of every import of ours in one file, relative ones resolved."""
+def import_statements(path: Path, module: str) -> Iterator[tuple[int, str, tuple[str, ...]]]:
+    """(line, module, names taken from it) of every import statement in one file, relative ones
+    resolved; `import a.b` takes no names."""
     is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name
+                yield node.lineno, alias.name, ()
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".")
@@ -97,10 +104,16 @@ def imports_of(path: Path, module: str) -> Iterator[tuple[int, str]]:
                 target = f"{prefix}.{node.module}" if node.module else prefix
             else:
                 target = node.module or ""
-            yield node.lineno, target
-            # `from dgxmm import admin` imports the room `dgxmm.admin`.
-            for alias in node.names:
-                yield node.lineno, f"{target}.{alias.name}"
+            yield node.lineno, target, tuple(alias.name for alias in node.names)
+
+
+def imports_of(path: Path, module: str) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) of every import of ours in one file, relative ones resolved."""
+    for line, target, names in import_statements(path, module):
+        yield line, target
+        # `from dgxmm import admin` imports the room `dgxmm.admin`.
+        for name in names:
+            yield line, f"{target}.{name}"
 
 
 def violations(root: Path) -> list[str]:
@@ -129,8 +142,94 @@ def violations(root: Path) -> list[str]:
     return found
 
 
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Every product module and the product modules it imports.
+
+    `from a import b` imports the module `a.b` when there is one, else the module `a` (a name
+    defined there, or re-exported by a package's `__init__`); the parent packages Python runs
+    first are not counted, or every package that re-exports its modules would be a cycle.
+    """
+    paths = {
+        module_name(path, root): path
+        for package in PACKAGES
+        for path in sorted((root / package).rglob("*.py"))
+    }
+    graph: dict[str, set[str]] = {module: set() for module in paths}
+    for module, path in paths.items():
+        for _, target, names in import_statements(path, module):
+            found = {f"{target}.{n}" for n in names if f"{target}.{n}" in paths}
+            if len(found) < len(names) or not names:
+                found.add(target)
+            graph[module] |= {t for t in found if t in paths and t != module}
+    return graph
+
+
+def _groups(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group: list[str] = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(groups)
+
+
+def _shortest_loop(graph: Mapping[str, set[str]], start: str, group: list[str]) -> list[str]:
+    """The shortest path from `start` back to itself inside `group` (breadth first)."""
+    members = set(group)
+    came_from: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for other in sorted(graph[node] & members):
+            if other == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if other not in came_from:
+                came_from[other] = node
+                queue.append(other)
+    raise AssertionError(f"{start} is in no loop of {group}")  # a group always has one
+
+
+def cycles(root: Path) -> list[str]:
+    """Every group of product modules that import each other, as one readable loop each."""
+    graph = import_graph(root)
+    return [" -> ".join(_shortest_loop(graph, g[0], g)) for g in _groups(graph)]
+
+
 def test_every_import_in_the_source_tree_points_down_the_layers() -> None:
     assert violations(ROOT) == []
+
+
+def test_no_two_product_modules_import_each_other_even_round_a_loop() -> None:
+    assert cycles(ROOT) == []
 
 
 def test_every_package_and_room_opens_with_a_docstring_saying_what_it_owns() -> None:
@@ -185,3 +284,38 @@ def test_a_relative_import_from_an_engine_room_into_the_admin_room_is_caught(
         "dgxmm/engines/probe.py:1: dgxmm.engines imports dgxmm.admin",
         "dgxmm/engines/probe.py:1: dgxmm.engines imports dgxmm.admin.auth",
     ]
+
+
+def test_the_cycle_checker_accepts_a_tree_without_loops(tmp_path: Path) -> None:
+    assert cycles(_small_tree(tmp_path)) == []
+
+
+def test_a_planted_cycle_through_a_type_checking_import_is_caught(tmp_path: Path) -> None:
+    root = _small_tree(tmp_path)
+    (root / "gateway" / "app.py").write_text("from gateway.express import Exchange\n")
+    (root / "gateway" / "express.py").write_text(
+        "from typing import TYPE_CHECKING\n\n"
+        "if TYPE_CHECKING:\n    from gateway.app import Gateway\n"
+    )
+    assert cycles(root) == ["gateway.app -> gateway.express -> gateway.app"]
+
+
+def test_a_planted_loop_of_three_through_relative_and_function_level_imports_is_caught(
+    tmp_path: Path,
+) -> None:
+    root = _small_tree(tmp_path)
+    (root / "storage" / "a.py").write_text("from . import b\n")
+    (root / "storage" / "b.py").write_text("def f():\n    from storage.c import x\n")
+    (root / "storage" / "c.py").write_text("import storage.a\n\nx = 1\n")
+    assert cycles(root) == ["storage.a -> storage.b -> storage.c -> storage.a"]
+
+
+def test_a_package_that_re_exports_its_modules_is_no_cycle_with_them(tmp_path: Path) -> None:
+    root = _small_tree(tmp_path)
+    (root / "gateway" / "__init__.py").write_text('"""x."""\n\nfrom gateway.app import Gateway\n')
+    (root / "gateway" / "app.py").write_text("from gateway import errors\n\nGateway = 1\n")
+    (root / "gateway" / "errors.py").write_text("")
+    assert cycles(root) == []
+    # ... but a module that takes a name from the package itself does close a loop.
+    (root / "gateway" / "errors.py").write_text("from gateway import Gateway\n")
+    assert cycles(root) == ["gateway -> gateway.app -> gateway.errors -> gateway"]

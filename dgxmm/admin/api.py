@@ -30,7 +30,7 @@ from typing import Any, cast
 import msgspec
 import structlog
 
-from actors.controller import Controller, DeploymentSpec
+from actors.controller import Controller, DeploymentRecord, DeploymentSpec
 from actors.deployment import DeploymentActor, Refusal
 from actors.errors import ActorCrashed, ActorError, ActorStopped, AskTimeout, MailboxFull
 from actors.memory_broker import GIB
@@ -42,7 +42,7 @@ from dgxmm.admin.errors import ApiError, error_body, from_refusal
 from dgxmm.admin.gateway_key_api import NoKeyRoutes
 from dgxmm.admin.guards import MAX_JSON_DEPTH, json_too_deep, memory_problem, redact_record
 from dgxmm.admin.histograms import Latencies
-from dgxmm.admin.ops import LOG_TAIL_DEFAULT, LOG_TAIL_MAX, OpsApi
+from dgxmm.admin.ops import LOG_TAIL_DEFAULT, LOG_TAIL_MAX, LogTail, OpsApi, Progress, Queue
 from dgxmm.admin.routes import (
     SAFE_METHODS,
     Access,
@@ -54,6 +54,7 @@ from dgxmm.admin.routes import (
 )
 from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
 from dgxmm.admin.timeline import TimelineRoutes
+from dgxmm.admin.tuning import Tuned, TuneFailed, TuneRunner
 from dgxmm.config import http_url_problem
 from dgxmm.litellm.sync import HINT
 from events import model as m
@@ -109,6 +110,128 @@ def deployment_spec(body: bodies.DeploymentBody) -> DeploymentSpec:
         gpu=body.gpu,
         make_room_after_s=bodies.make_room_after(body.make_room_after_s),
     )
+
+
+# --- what the handlers answer -----------------------------------------------------------
+# Each handler's return annotation names its answer's type; `dgxmm.admin.openapi` derives
+# the documented schema from it.  Every field is written, null included, as the dicts were.
+
+
+class LoginAnswer(msgspec.Struct, kw_only=True):
+    """`POST /login`: the session cookie comes in `set-cookie`; send `csrf_token` back as
+    `x-csrf-token` on every call that changes something."""
+
+    user: str
+    role: str  # admin or viewer
+    csrf_token: str
+    session_idle_s: float
+
+
+class SessionAnswer(msgspec.Struct, kw_only=True):
+    """`GET /session`: who is calling, and how (`session` or `token`); `csrf_token` only
+    for a session."""
+
+    user: str
+    role: str
+    via: str
+    csrf_token: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class LogoutAnswer(msgspec.Struct, kw_only=True):
+    """`POST /logout`."""
+
+    logged_out: bool
+
+
+class Deployment(DeploymentRecord, frozen=True, kw_only=True):
+    """A deployment as the API shows it (`args` with secrets redacted for viewers)."""
+
+    memory_gib: float | None = None
+
+
+class DeploymentList(msgspec.Struct, kw_only=True):
+    """`GET /deployments`."""
+
+    deployments: list[Deployment]
+
+
+class Removed(msgspec.Struct, kw_only=True):
+    """`DELETE /deployments/{id}`."""
+
+    id: str
+    name: str
+    removed: bool
+
+
+class EventLine(msgspec.Struct, kw_only=True):
+    """One line of a deployment's Events tab."""
+
+    seq: int
+    ts: float
+    time: str
+    actor: str
+    title: str
+    type: str
+
+
+class DeploymentEvents(msgspec.Struct, kw_only=True):
+    """`GET /deployments/{id}/events`: a page, newest first; `next_before` pages on."""
+
+    deployment_id: str
+    events: list[EventLine]
+    next_before: int | None
+
+
+class AuditLine(msgspec.Struct, kw_only=True):
+    """One line of the audit trail (`deployment`: its name, removed ones too)."""
+
+    seq: int
+    ts: float
+    time: str
+    actor: str
+    action: str
+    target: str
+    deployment_id: str | None
+    deployment: str | None
+    details: dict[str, Any]
+
+
+class AuditPage(msgspec.Struct, kw_only=True):
+    """`GET /audit`: a page, newest first; `next_before` pages on."""
+
+    rows: list[AuditLine]
+    next_before: int | None
+
+
+class Memory(msgspec.Struct, kw_only=True):
+    """`GET /memory`: the budget in bytes and GiB; `gpu`: nvidia-smi listed a GPU."""
+
+    total_bytes: int
+    usable_bytes: int
+    always_on_bytes: int
+    on_demand_bytes: int
+    free_bytes: int
+    total_gib: float
+    usable_gib: float
+    always_on_gib: float
+    on_demand_gib: float
+    free_gib: float
+    gpu: bool
+
+
+class Settings(msgspec.Struct, kw_only=True):
+    """The settings in force (`ondemand_make_room_after_s` null: the full idle timeout)."""
+
+    ondemand_idle_timeout_s: int
+    ondemand_queue_timeout_s: int
+    ondemand_max_queued: int
+    ondemand_make_room_after_s: int | None
+
+
+def deployment(record: DeploymentRecord, reveal: bool = True) -> Deployment:
+    """A record as the API answers it: secrets in args only when `reveal`."""
+    data = record_json(record)
+    return msgspec.convert(data if reveal else redact_record(data), Deployment)
 
 
 # --- the API --------------------------------------------------------------------------------
@@ -364,7 +487,7 @@ class AdminApi:
 
     # --- sessions and tokens -------------------------------------------------------------
 
-    async def _h_login(self, call: _Call) -> Reply:
+    async def _h_login(self, call: _Call) -> tuple[int, LoginAnswer]:
         req = call.request
         origin, host = req.header(b"origin"), req.header(b"host")
         if (
@@ -381,34 +504,32 @@ class AdminApi:
         assert user is not None  # it just logged in
         call.headers.append((b"set-cookie", self.auth.session_cookie(session)))
         call.headers.append((b"set-cookie", self.auth.known_cookie(user.name)))
-        return 200, {
-            "user": user.name,
-            "role": user.role,
-            "csrf_token": session.csrf,
-            "session_idle_s": self.auth.config.session_idle_s,
-        }
+        return 200, LoginAnswer(
+            user=user.name,
+            role=user.role,
+            csrf_token=session.csrf,
+            session_idle_s=self.auth.config.session_idle_s,
+        )
 
-    async def _h_openapi(self, call: _Call) -> Reply:
+    async def _h_openapi(self, call: _Call) -> tuple[int, dict[str, Any]]:
         from dgxmm.admin.openapi import document
 
         return 200, document()
 
-    async def _h_logout(self, call: _Call) -> Reply:
+    async def _h_logout(self, call: _Call) -> tuple[int, LogoutAnswer]:
         principal = call.principal
         assert principal is not None
         if principal.session is not None:
             self.auth.logout(principal.session)
             self.hub.drop_session(principal.session.token)
             call.headers.append((b"set-cookie", self.auth.clear_cookie()))
-        return 200, {"logged_out": principal.session is not None}
+        return 200, LogoutAnswer(logged_out=principal.session is not None)
 
-    async def _h_session(self, call: _Call) -> Reply:
+    async def _h_session(self, call: _Call) -> tuple[int, SessionAnswer]:
         p = call.principal
         assert p is not None
-        data: dict[str, Any] = {"user": p.user, "role": p.role, "via": p.via}
-        if p.session is not None:
-            data["csrf_token"] = p.session.csrf
-        return 200, data
+        csrf = p.session.csrf if p.session is not None else msgspec.UNSET
+        return 200, SessionAnswer(user=p.user, role=p.role, via=p.via, csrf_token=csrf)
 
     # --- deployments ---------------------------------------------------------------------
 
@@ -419,17 +540,14 @@ class AdminApi:
             raise ApiError(404, "not_found", f"no deployment {key}")
         return actor
 
-    def _record(self, actor: DeploymentActor) -> dict[str, Any]:
-        return record_json(self.controller.record(actor))
-
     def _who(self, call: _Call) -> str:
         assert call.principal is not None
         return call.principal.actor
 
-    def _shown(self, call: _Call, data: dict[str, Any]) -> dict[str, Any]:
+    def _shown(self, call: _Call, record: DeploymentRecord) -> Deployment:
         """A record as the caller may see it: secrets in args only for admins."""
         p = call.principal
-        return data if p is not None and p.is_admin else redact_record(data)
+        return deployment(record, reveal=p is not None and p.is_admin)
 
     def _fits(self, memory_bytes: int | None) -> None:
         mem = self.controller.memory()
@@ -437,33 +555,33 @@ class AdminApi:
         if problem is not None:
             raise ApiError(422, "memory_too_large", problem, param="memory_gib")
 
-    async def _h_list_deployments(self, call: _Call) -> Reply:
-        records = [self._shown(call, record_json(r)) for r in self.controller.records()]
-        return 200, {"deployments": records}
+    async def _h_list_deployments(self, call: _Call) -> tuple[int, DeploymentList]:
+        records = [self._shown(call, r) for r in self.controller.records()]
+        return 200, DeploymentList(deployments=records)
 
-    async def _h_create_deployment(self, call: _Call) -> Reply:
+    async def _h_create_deployment(self, call: _Call) -> tuple[int, Deployment]:
         spec = deployment_spec(bodies.decode(call.body, bodies.DeploymentBody))
         self._fits(spec.memory_bytes)
         record = await self.controller.create(spec, self._who(call))
-        return 201, record_json(record)
+        return 201, deployment(record)
 
-    async def _h_get_deployment(self, call: _Call) -> Reply:
-        return 200, self._shown(call, self._record(self._actor(call)))
+    async def _h_get_deployment(self, call: _Call) -> tuple[int, Deployment]:
+        return 200, self._shown(call, self.controller.record(self._actor(call)))
 
-    async def _h_remove_deployment(self, call: _Call) -> Reply:
+    async def _h_remove_deployment(self, call: _Call) -> tuple[int, Removed]:
         actor = self._actor(call)
         await self.controller.remove(actor.deployment_id, self._who(call))
-        return 200, {"id": actor.deployment_id, "name": actor.state.name, "removed": True}
+        return 200, Removed(id=actor.deployment_id, name=actor.state.name, removed=True)
 
-    async def _h_start_deployment(self, call: _Call) -> Reply:
+    async def _h_start_deployment(self, call: _Call) -> tuple[int, Deployment]:
         actor = self._actor(call)
-        return 200, record_json(await self.controller.start(actor.deployment_id, self._who(call)))
+        return 200, deployment(await self.controller.start(actor.deployment_id, self._who(call)))
 
-    async def _h_stop_deployment(self, call: _Call) -> Reply:
+    async def _h_stop_deployment(self, call: _Call) -> tuple[int, Deployment]:
         actor = self._actor(call)
-        return 200, record_json(await self.controller.stop(actor.deployment_id, self._who(call)))
+        return 200, deployment(await self.controller.stop(actor.deployment_id, self._who(call)))
 
-    async def _h_switch_model(self, call: _Call) -> Reply:
+    async def _h_switch_model(self, call: _Call) -> tuple[int, Deployment]:
         actor = self._actor(call)
         body = bodies.decode(call.body, bodies.SwitchModelBody)
         memory = None if body.memory_gib is None else round(body.memory_gib * GIB)
@@ -471,9 +589,9 @@ class AdminApi:
         record = await self.controller.reconfigure(
             actor.deployment_id, self._who(call), model=body.model, memory_bytes=memory
         )
-        return 200, record_json(record)
+        return 200, deployment(record)
 
-    async def _h_change_mode(self, call: _Call) -> Reply:
+    async def _h_change_mode(self, call: _Call) -> tuple[int, Deployment]:
         actor = self._actor(call)
         body = bodies.decode(call.body, bodies.ModeBody)
         keep = body.idle_timeout_s is msgspec.UNSET
@@ -484,7 +602,7 @@ class AdminApi:
         record = await self.controller.change_mode(
             actor.deployment_id, body.mode, idle, keep, self._who(call), make_room_after_s=room
         )
-        return 200, record_json(record)
+        return 200, deployment(record)
 
     def _names(self) -> dict[str, str]:
         system = self.controller.system
@@ -506,7 +624,7 @@ class AdminApi:
             raise ApiError(404, "not_found", f"no deployment {key}")
         return found
 
-    async def _h_deployment_events(self, call: _Call) -> Reply:
+    async def _h_deployment_events(self, call: _Call) -> tuple[int, DeploymentEvents]:
         dep_id = self._deployment_id(call.params["id"])
         limit = int_query(call.query, "limit", 200, 1, 5000)
         before = int_query(call.query, "before", None, 1, 2**62)
@@ -516,25 +634,20 @@ class AdminApi:
             dep_id, before=before, limit=limit + 1, made_room=True
         )
         page = rows[:limit]
-        return 200, {
-            "deployment_id": dep_id,
-            "events": [
-                {
-                    "seq": r.seq,
-                    "ts": r.ts,
-                    "time": iso(r.ts),
-                    "actor": r.actor,
-                    "title": r.title,
-                    "type": r.type,
-                }
+        return 200, DeploymentEvents(
+            deployment_id=dep_id,
+            events=[
+                EventLine(
+                    seq=r.seq, ts=r.ts, time=iso(r.ts), actor=r.actor, title=r.title, type=r.type
+                )
                 for r in page
             ],
-            "next_before": page[-1].seq if len(rows) > limit else None,
-        }
+            next_before=page[-1].seq if len(rows) > limit else None,
+        )
 
     # --- audit, memory, settings ---------------------------------------------------------
 
-    async def _h_audit(self, call: _Call) -> Reply:
+    async def _h_audit(self, call: _Call) -> tuple[int, AuditPage]:
         q = call.query
         limit = int_query(q, "limit", 100, 1, 1000)
         before = int_query(q, "before", None, 1, 2**62)
@@ -558,34 +671,35 @@ class AdminApi:
         for row in page:
             dep_id = row.target.partition(":")[2] if row.target.startswith("deployment:") else None
             rows.append(
-                {
-                    "seq": row.seq,
-                    "ts": row.ts,
-                    "time": iso(row.ts),
-                    "actor": row.actor,
-                    "action": row.action,
-                    "target": row.target,
-                    "deployment_id": dep_id,
-                    "deployment": names.get(dep_id) if dep_id else None,
-                    "details": row.details,
-                }
+                AuditLine(
+                    seq=row.seq,
+                    ts=row.ts,
+                    time=iso(row.ts),
+                    actor=row.actor,
+                    action=row.action,
+                    target=row.target,
+                    deployment_id=dep_id,
+                    deployment=names.get(dep_id) if dep_id else None,
+                    details=row.details,
+                )
             )
         next_before = page[-1].seq if len(found) > limit else None
-        return 200, {"rows": rows, "next_before": next_before}
+        return 200, AuditPage(rows=rows, next_before=next_before)
 
-    async def _h_memory(self, call: _Call) -> Reply:
-        return 200, {**memory_json(self.controller.memory()), "gpu": self.gpu}
+    async def _h_memory(self, call: _Call) -> tuple[int, Memory]:
+        return 200, msgspec.convert(
+            {**memory_json(self.controller.memory()), "gpu": self.gpu}, Memory
+        )
 
-    async def _h_get_settings(self, call: _Call) -> Reply:
-        return 200, self.controller.settings()
+    async def _h_get_settings(self, call: _Call) -> tuple[int, Settings]:
+        return 200, msgspec.convert(self.controller.settings(), Settings)
 
-    async def _h_change_settings(self, call: _Call) -> Reply:
-        return 200, await self.controller.change_settings(_object(call.body), self._who(call))
+    async def _h_change_settings(self, call: _Call) -> tuple[int, Settings]:
+        changed = await self.controller.change_settings(_object(call.body), self._who(call))
+        return 200, msgspec.convert(changed, Settings)
 
-    async def _h_tune(self, call: _Call) -> Reply:
+    async def _h_tune(self, call: _Call) -> tuple[int, Tuned]:
         """`dgxmm tune` on the last 24 h (`dgxmm.admin.tuning`); it recommends only."""
-        from dgxmm.admin.tuning import TuneFailed, TuneRunner
-
         body = _object(call.body)
         goal = body.get("goal", "p90<=30,cold_starts")
         if not isinstance(goal, str) or not 0 < len(goal) <= 100:
@@ -709,7 +823,7 @@ class AdminApi:
 
     # --- operators' routes (dgxmm/admin/ops.py) ----------------------------------------
 
-    async def _h_deployment_logs(self, call: _Call) -> Reply | None:
+    async def _h_deployment_logs(self, call: _Call) -> tuple[int, LogTail] | None:
         actor = self._actor(call)
         tail = int_query(call.query, "tail", LOG_TAIL_DEFAULT, 0, LOG_TAIL_MAX)
         if call.query.get("follow") in ("1", "true", "yes"):
@@ -718,10 +832,10 @@ class AdminApi:
             return None
         return 200, await self.ops.log_tail(actor, tail)
 
-    async def _h_deployment_progress(self, call: _Call) -> Reply:
+    async def _h_deployment_progress(self, call: _Call) -> tuple[int, Progress]:
         return 200, await self.ops.progress(self._actor(call))
 
-    async def _h_queue(self, call: _Call) -> Reply:
+    async def _h_queue(self, call: _Call) -> tuple[int, Queue]:
         return 200, self.ops.queue()
 
     async def _healthz(self, request: Request, responder: Responder) -> None:

@@ -2,29 +2,36 @@
 the on-demand gateway (`/d/{deployment}/v1/...`).
 
 It owns the document only.  Request bodies are the msgspec types the API validates with
-(`dgxmm.admin.bodies`), a deployment is the record the API answers with
-(`actors.controller.DeploymentRecord`); their JSON Schemas come from
-`msgspec.json.schema_components`, so the document cannot drift from what is enforced.  The
-few answers that are plain dicts in the handlers are declared here as Structs for the
-document.  The admin API serves it at `GET /dgxmm/api/openapi.json`;
-`scripts/gen-api-docs` renders it as `docs/api.md` (a test keeps that file current).
+(`dgxmm.admin.bodies`); each answer is the type its handler returns, read from the
+handler's return annotation (`tuple[int, T]`: `_answer`), so the document cannot drift from
+what is sent: their JSON Schemas come from `msgspec.json.schema_components`.  Declared here
+are only what no handler of ours returns: the error body, the gateway's (the engine answers
+there), and the events of the two streams.  The admin API serves it at
+`GET /dgxmm/api/openapi.json`; `scripts/gen-api-docs` renders it as `docs/api.md` (a test
+keeps that file current).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
-from actors.controller import DeploymentRecord
 from dgxmm.admin import bodies
+from dgxmm.admin.accounts import AccountRoutes
+from dgxmm.admin.api import AdminApi, Deployment
+from dgxmm.admin.gateway_key_api import KeyRoutes
 from dgxmm.admin.routes import ROUTES, Access, Route
+from dgxmm.admin.timeline import TimelineRoutes
 
 SCHEMA_REF = "#/components/schemas/{name}"
 JSON = "application/json"
 
 
-# --- answers declared for the document ---------------------------------------------------
+# --- answers no handler of ours returns ---------------------------------------------------
 
 
 class ErrorDetail(msgspec.Struct, kw_only=True):
@@ -53,59 +60,6 @@ class EngineError(Error, kw_only=True):
     """An error answer of the engine, relayed by the gateway."""
 
     error: EngineErrorDetail
-
-
-class LoginAnswer(msgspec.Struct, kw_only=True):
-    """`POST /login`: the session cookie comes in `set-cookie`; send `csrf_token` back as
-    `x-csrf-token` on every call that changes something."""
-
-    user: str
-    role: Literal["admin", "viewer"]
-    csrf_token: str
-    session_idle_s: float
-
-
-class SessionAnswer(msgspec.Struct, kw_only=True):
-    """`GET /session`: who is calling, and how (`session` or `token`)."""
-
-    user: str
-    role: str
-    via: str
-    csrf_token: str | None = None
-
-
-class LogoutAnswer(msgspec.Struct, kw_only=True):
-    """`POST /logout`."""
-
-    logged_out: bool
-
-
-class Deployment(DeploymentRecord, frozen=True, kw_only=True):
-    """A deployment as the API shows it (`args` with secrets redacted for viewers)."""
-
-    memory_gib: float | None = None
-
-
-class DeploymentList(msgspec.Struct, kw_only=True):
-    """`GET /deployments`."""
-
-    deployments: list[Deployment]
-
-
-class Removed(msgspec.Struct, kw_only=True):
-    """`DELETE /deployments/{id}`."""
-
-    id: str
-    name: str
-    removed: bool
-
-
-class LogTail(msgspec.Struct, kw_only=True):
-    """`GET /deployments/{id}/logs` without `follow`: the engine's last lines."""
-
-    deployment_id: str
-    name: str
-    lines: list[str]
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -144,48 +98,47 @@ class InferenceBody(msgspec.Struct, kw_only=True):
 
 # --- what each admin route takes and gives -------------------------------------------------
 
-# handler -> (summary, request body type or None, success status, answer type or None)
-_ADMIN: dict[str, tuple[str, Any, int, Any]] = {
-    "login": ("Log in: a session cookie and its CSRF token", bodies.LoginBody, 200, LoginAnswer),
-    "logout": ("Log out (ends the session)", None, 200, LogoutAnswer),
-    "session": ("Who is calling", None, 200, SessionAnswer),
-    "accounts.create_token": ("Create an API token (shown once)", bodies.TokenBody, 201, None),
-    "accounts.list_tokens": ("List API tokens", None, 200, None),
-    "accounts.revoke_token": ("Revoke an API token", None, 200, None),
-    "accounts.list_users": ("List users", None, 200, None),
-    "accounts.add_user": ("Add a user", bodies.UserBody, 201, None),
-    "accounts.change_user": ("Change a user's role or password", bodies.UserChangeBody, 200, None),
-    "accounts.remove_user": ("Remove a user", None, 200, None),
-    "accounts.change_own_password": ("Change one's own password", bodies.PasswordBody, 200, None),
-    "list_deployments": ("List deployments", None, 200, DeploymentList),
-    "create_deployment": ("Create a deployment", bodies.DeploymentBody, 201, Deployment),
-    "get_deployment": ("One deployment (by id or name)", None, 200, Deployment),
-    "remove_deployment": ("Remove a deployment", None, 200, Removed),
-    "start_deployment": ("Start a deployment", None, 200, Deployment),
-    "stop_deployment": ("Stop a deployment (on demand: put it to sleep)", None, 200, Deployment),
-    "switch_model": ("Switch a deployment's model", bodies.SwitchModelBody, 200, Deployment),
-    "change_mode": ("Change the mode (on demand or always on)", bodies.ModeBody, 200, Deployment),
-    "deployment_events": ("A deployment's Events tab, newest first", None, 200, None),
-    "audit": ("The audit trail, newest first", None, 200, None),
-    "memory": ("The memory budget", None, 200, None),
-    "get_settings": ("The settings in force", None, 200, None),
-    "change_settings": ("Change settings (the on-demand defaults)", "object", 200, None),
-    "tune": ("Recommend on-demand settings from the last 24 h (changes nothing)", "object", 200,
-             None),
-    "litellm_status": ("The LiteLLM integration's status", None, 200, None),
-    "litellm_configure": ("Configure the LiteLLM integration", "object", 200, None),
-    "litellm_sync": ("Sync LiteLLM now", None, 200, None),
-    "event_stream": ("The UI's live stream (server-sent events)", None, 200, "stream only"),
-    "deployment_logs": ("A deployment's engine log (follow=1: a stream)", None, 200, LogTail),
-    "deployment_progress": ("A deployment's start progress", None, 200, None),
-    "queue": ("The requests waiting, with what each waits for", None, 200, None),
-    "openapi": ("This document", None, 200, None),
-    "keys.show": ("The gateway key's fingerprints, overlap and mode (never the key)", None, 200,
-                  None),
+# handler -> (summary, request body type or None, success status); the answer's type is the
+# handler's return annotation (`_answer`).
+_ADMIN: dict[str, tuple[str, Any, int]] = {
+    "login": ("Log in: a session cookie and its CSRF token", bodies.LoginBody, 200),
+    "logout": ("Log out (ends the session)", None, 200),
+    "session": ("Who is calling", None, 200),
+    "accounts.create_token": ("Create an API token (shown once)", bodies.TokenBody, 201),
+    "accounts.list_tokens": ("List API tokens", None, 200),
+    "accounts.revoke_token": ("Revoke an API token", None, 200),
+    "accounts.list_users": ("List users", None, 200),
+    "accounts.add_user": ("Add a user", bodies.UserBody, 201),
+    "accounts.change_user": ("Change a user's role or password", bodies.UserChangeBody, 200),
+    "accounts.remove_user": ("Remove a user", None, 200),
+    "accounts.change_own_password": ("Change one's own password", bodies.PasswordBody, 200),
+    "list_deployments": ("List deployments", None, 200),
+    "create_deployment": ("Create a deployment", bodies.DeploymentBody, 201),
+    "get_deployment": ("One deployment (by id or name)", None, 200),
+    "remove_deployment": ("Remove a deployment", None, 200),
+    "start_deployment": ("Start a deployment", None, 200),
+    "stop_deployment": ("Stop a deployment (on demand: put it to sleep)", None, 200),
+    "switch_model": ("Switch a deployment's model", bodies.SwitchModelBody, 200),
+    "change_mode": ("Change the mode (on demand or always on)", bodies.ModeBody, 200),
+    "deployment_events": ("A deployment's Events tab, newest first", None, 200),
+    "audit": ("The audit trail, newest first", None, 200),
+    "memory": ("The memory budget", None, 200),
+    "get_settings": ("The settings in force", None, 200),
+    "change_settings": ("Change settings (the on-demand defaults)", "object", 200),
+    "tune": ("Recommend on-demand settings from the last 24 h (changes nothing)", "object", 200),
+    "litellm_status": ("The LiteLLM integration's status", None, 200),
+    "litellm_configure": ("Configure the LiteLLM integration", "object", 200),
+    "litellm_sync": ("Sync LiteLLM now", None, 200),
+    "event_stream": ("The UI's live stream (server-sent events)", None, 200),
+    "deployment_logs": ("A deployment's engine log (follow=1: a stream)", None, 200),
+    "deployment_progress": ("A deployment's start progress", None, 200),
+    "queue": ("The requests waiting, with what each waits for", None, 200),
+    "openapi": ("This document", None, 200),
+    "keys.show": ("The gateway key's fingerprints, overlap and mode (never the key)", None, 200),
     "keys.rotate": ("Rotate the gateway key (LiteLLM re-registered before the old one goes)",
-                    None, 200, None),
-    "timeline.timeline": ("The memory and residency timeline of a window", None, 200, None),
-    "timeline.story": ("One request's story (the replay --request text)", None, 200, None),
+                    None, 200),
+    "timeline.timeline": ("The memory and residency timeline of a window", None, 200),
+    "timeline.story": ("One request's story (the replay --request text)", None, 200),
 }  # fmt: skip
 
 # The routes that answer with server-sent events: event name -> the schema of its `data` (one
@@ -269,6 +222,35 @@ _GATEWAY_ERRORS = (
 )
 
 
+# Where a route's handler lives: `owner.name` is a method of these; `name` is `AdminApi._h_<name>`.
+_OWNERS: dict[str, type] = {
+    "": AdminApi,
+    "accounts": AccountRoutes,
+    "keys": KeyRoutes,
+    "timeline": TimelineRoutes,
+}
+
+
+def _handler(name: str) -> Callable[..., Any]:
+    owner, _, method = name.rpartition(".")
+    found: Callable[..., Any] = getattr(_OWNERS[owner], method if owner else "_h_" + method)
+    return found
+
+
+def _answer(name: str) -> Any:
+    """The type a route's handler answers with, from its return annotation: `T` of
+    `tuple[int, T]` (or of `tuple[int, T] | None`, a route that may stream instead); None
+    when it only streams."""
+    returns = typing.get_type_hints(_handler(name))["return"]
+    if typing.get_origin(returns) in (typing.Union, types.UnionType):
+        replies = [a for a in typing.get_args(returns) if typing.get_origin(a) is tuple]
+        returns = replies[0] if replies else None
+    if returns is None or returns is type(None):
+        return None
+    _status, answer = typing.get_args(returns)
+    return answer
+
+
 def _ref(kind: Any) -> dict[str, Any]:
     return {"$ref": SCHEMA_REF.format(name=kind.__name__)}
 
@@ -303,8 +285,9 @@ def _events(events: dict[str, dict[str, Any]]) -> dict[str, Any]:
 _ENGINE_EVENTS = {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}}
 
 
-def _admin_operation(route: Route) -> dict[str, Any]:
-    summary, body, status, answer = _ADMIN[route.handler]
+def _admin_operation(route: Route, schemas: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    summary, body, status = _ADMIN[route.handler]
+    answer = _answer(route.handler)
     op: dict[str, Any] = {
         "operationId": route.handler.rpartition(".")[2],
         "summary": summary,
@@ -325,8 +308,8 @@ def _admin_operation(route: Route) -> dict[str, Any]:
         schema = {"type": "object"} if body == "object" else _ref(body)
         op["requestBody"] = {"required": True, **_json(schema)}
     ok: dict[str, Any] = {"content": {}}
-    if answer != "stream only":
-        ok = _json(_ref(answer) if answer is not None else {"type": "object"})
+    if answer is not None:
+        ok = _json(schemas[answer])
     if route.handler in _STREAMS:
         ok["content"]["text/event-stream"] = _events(_STREAMS[route.handler])
     op["responses"] = {
@@ -381,18 +364,21 @@ def _gateway_operation(method: str, path: str, summary: str) -> dict[str, Any]:
 
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of both listeners."""
-    types = [
-        Error, LoginAnswer, SessionAnswer, LogoutAnswer, Deployment, DeploymentList, Removed,
-        ModelList, InferenceBody, EngineError, LogTail, Snapshot,
-        *{b for _, b, _, _ in _ADMIN.values() if isinstance(b, type)},
+    answers = {_answer(r.handler) for r in ROUTES} - {None, Any}
+    kinds = [
+        Error, ModelList, InferenceBody, EngineError, Snapshot,
+        *{b for _, b, _ in _ADMIN.values() if isinstance(b, type)},
     ]  # fmt: skip
-    _, components = msgspec.json.schema_components(
-        sorted(types, key=lambda t: t.__name__), ref_template=SCHEMA_REF
-    )
+    kinds += sorted(answers - set(kinds), key=repr)
+    found, components = msgspec.json.schema_components(kinds, ref_template=SCHEMA_REF)
+    schemas: dict[Any, dict[str, Any]] = {
+        Any: {"type": "object"},
+        **dict(zip(kinds, found, strict=True)),
+    }
     paths: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
         path = "/dgxmm/api/" + "/".join(route.pattern)
-        paths.setdefault(path, {})[route.method.lower()] = _admin_operation(route)
+        paths.setdefault(path, {})[route.method.lower()] = _admin_operation(route, schemas)
     for method, path, summary in _GATEWAY:
         full = "/d/{deployment}" + path
         paths.setdefault(full, {})[method.lower()] = _gateway_operation(method, path, summary)

@@ -60,6 +60,79 @@ SSE_HEADERS = [
 ]
 
 
+# --- what the routes answer (`dgxmm.admin.openapi` documents these types) ------------------
+
+
+class LogTail(msgspec.Struct, kw_only=True):
+    """`GET /deployments/{id}/logs` without `follow`: the engine's last lines."""
+
+    deployment_id: str
+    name: str
+    lines: list[str]
+
+
+class StartPhase(msgspec.Struct, kw_only=True):
+    """One phase of a start (launch, the engine's loading milestones)."""
+
+    name: str
+    seconds: float
+    detail: str
+
+
+class Progress(msgspec.Struct, kw_only=True):
+    """`GET /deployments/{id}/progress`: how a start goes (times in epoch seconds)."""
+
+    deployment_id: str
+    state: str
+    starting: bool
+    started_at: float | None
+    elapsed_s: float | None
+    last_cold_start_s: float | None
+    phases: list[StartPhase]
+    in_phase_s: float | None
+    expected_start_s: float | None
+    last_log_line: str | None
+    last_error: str | None
+    not_started: str | None
+
+
+class QueuedRequest(msgspec.Struct, kw_only=True):
+    """One waiting request: `kind` queued (for memory) or waiting_start; `reason` in words."""
+
+    request_id: str
+    deployment_id: str
+    deployment: str
+    model: str
+    kind: str
+    position: int
+    arrived_at: float
+    age_s: float
+    deadline_at: float
+    deadline_in_s: float
+    idle_timeout_s: int
+    expected_start_s: float | None
+    reason: str
+    waiting_for: list[str]
+
+
+class MemoryBytes(msgspec.Struct, kw_only=True):
+    """The memory budget in bytes."""
+
+    total_bytes: int
+    usable_bytes: int
+    always_on_bytes: int
+    on_demand_bytes: int
+    free_bytes: int
+
+
+class Queue(msgspec.Struct, kw_only=True):
+    """`GET /queue`: every waiting request, oldest first."""
+
+    requests: list[QueuedRequest]
+    count: int
+    memory: MemoryBytes
+
+
 def human_duration(seconds: float) -> str:
     """`45 s`, `3 min`, `2 h`, `4 d` (pure)."""
     seconds = max(0.0, seconds)
@@ -188,10 +261,10 @@ class OpsApi:
             raise Refusal(404, "logs_unavailable", "this DGXMM has no engine runtime to read")
         return self.logs
 
-    async def log_tail(self, actor: DeploymentActor, tail: int) -> dict[str, Any]:
+    async def log_tail(self, actor: DeploymentActor, tail: int) -> LogTail:
         """The engine's last `tail` lines."""
         lines = await self._logs().tail(actor.deployment_id, tail)
-        return {"deployment_id": actor.deployment_id, "name": actor.state.name, "lines": lines}
+        return LogTail(deployment_id=actor.deployment_id, name=actor.state.name, lines=lines)
 
     async def log_follow(
         self, actor: DeploymentActor, tail: int, request: Request, responder: Responder
@@ -258,7 +331,7 @@ class OpsApi:
 
     # --- start progress ------------------------------------------------------------------
 
-    async def progress(self, actor: DeploymentActor) -> dict[str, Any]:
+    async def progress(self, actor: DeploymentActor) -> Progress:
         """How a start goes: elapsed against the last successful cold start, last log line."""
         dep = actor.state
         records = await self.store.read(stream=m.deployment_stream(dep.deployment_id))
@@ -274,31 +347,31 @@ class OpsApi:
             last_line = await self.logs.last_line(dep.deployment_id)
         record = self.controller.record(actor)
         marks = marks_of(records)
-        phases = [{"name": p.name, "seconds": round(p.seconds, 3), "detail": p.detail}
+        phases = [StartPhase(name=p.name, seconds=round(p.seconds, 3), detail=p.detail)
                   for p in start_phases(marks)]  # fmt: skip
         in_phase = None
         if starting and marks.requested_at is not None:
             in_phase = round(max(0.0, now - last_mark(marks)), 1)
-        return {
-            "deployment_id": dep.deployment_id,
-            "state": dep.lifecycle.value,
-            "starting": starting,
-            "started_at": started_at if starting else None,
-            "elapsed_s": round(now - started_at, 1) if starting and started_at else None,
-            "last_cold_start_s": _round(last_cold_start(records)),
+        return Progress(
+            deployment_id=dep.deployment_id,
+            state=dep.lifecycle.value,
+            starting=starting,
+            started_at=started_at if starting else None,
+            elapsed_s=round(now - started_at, 1) if starting and started_at else None,
+            last_cold_start_s=_round(last_cold_start(records)),
             # The start's phases so far (the last start's, once ready), and how long the one
             # under way has run; the expected start time is an estimate from its history.
-            "phases": phases,
-            "in_phase_s": in_phase,
-            "expected_start_s": record.expected_start_s,
-            "last_log_line": last_line,
-            "last_error": dep.last_error,
-            "not_started": record.not_started,
-        }
+            phases=phases,
+            in_phase_s=in_phase,
+            expected_start_s=record.expected_start_s,
+            last_log_line=last_line,
+            last_error=dep.last_error,
+            not_started=record.not_started,
+        )
 
     # --- the queue -----------------------------------------------------------------------
 
-    def queue(self) -> dict[str, Any]:
+    def queue(self) -> Queue:
         """Every waiting request, oldest first, with what it waits for."""
         controller = self.controller
         broker = controller.broker
@@ -346,24 +419,25 @@ class OpsApi:
                 counted.add(w.deployment_id)
                 queued_ahead += 1
             rows.append(
-                {
-                    "request_id": w.request_id,
-                    "deployment_id": dep.deployment_id,
-                    "deployment": dep.name,
-                    "model": dep.model,
-                    "kind": w.kind,
-                    "position": position,
-                    "arrived_at": round(wall - (now - w.arrived), 3),
-                    "age_s": round(now - w.arrived, 1),
-                    "deadline_at": round(wall + (w.deadline - now), 3),
-                    "deadline_in_s": round(max(0.0, w.deadline - now), 1),
-                    "idle_timeout_s": dep.effective_idle_timeout_s(default_idle),
-                    "expected_start_s": controller.start_history.expected_s(dep.deployment_id),
-                    "reason": reason,
-                    "waiting_for": [h.name for h in holders] if w.kind == "queued" else [],
-                }
+                QueuedRequest(
+                    request_id=w.request_id,
+                    deployment_id=dep.deployment_id,
+                    deployment=dep.name,
+                    model=dep.model,
+                    kind=w.kind,
+                    position=position,
+                    arrived_at=round(wall - (now - w.arrived), 3),
+                    age_s=round(now - w.arrived, 1),
+                    deadline_at=round(wall + (w.deadline - now), 3),
+                    deadline_in_s=round(max(0.0, w.deadline - now), 1),
+                    idle_timeout_s=dep.effective_idle_timeout_s(default_idle),
+                    expected_start_s=controller.start_history.expected_s(dep.deployment_id),
+                    reason=reason,
+                    waiting_for=[h.name for h in holders] if w.kind == "queued" else [],
+                )
             )
-        return {"requests": rows, "count": len(rows), "memory": broker.snapshot()}
+        memory = msgspec.convert(broker.snapshot(), MemoryBytes)
+        return Queue(requests=rows, count=len(rows), memory=memory)
 
     # --- health --------------------------------------------------------------------------
 

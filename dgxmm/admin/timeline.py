@@ -13,14 +13,16 @@ Times are epoch seconds (`*_time`: ISO 8601 too).  Viewers may read both.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
+
+import msgspec
 
 from dgxmm.admin.errors import ApiError
 from dgxmm.admin.routes import iso, parse_time_query
 from dgxmm.replay import NotInLog
 from dgxmm.replay.commands import render_story, story_view
 from dgxmm.replay.logview import time_formatter
-from events.timeline import Timeline, stack
+from events.timeline import Piece, Timeline, stack
 from storage.eventlog import EventStore
 from storage.windows import timeline_window
 
@@ -34,17 +36,33 @@ class _Call(Protocol):
     query: dict[str, str]
 
 
-Reply = tuple[int, Any]
+class TimelineWindow(Timeline, frozen=True, kw_only=True):
+    """`GET /timeline`: the projection of the window, its ISO times and the stacked pieces
+    the chart draws."""
+
+    since_time: str
+    until_time: str
+    pieces: list[Piece]
 
 
-def timeline_json(timeline: Timeline) -> dict[str, Any]:
-    """The projection as the API answers it: the timeline, its stacked pieces, ISO times
-    (structs left as they are: the API's msgspec encoder writes them straight to JSON)."""
-    data = {f: getattr(timeline, f) for f in timeline.__struct_fields__}
-    data["since_time"] = iso(timeline.since)
-    data["until_time"] = iso(timeline.until)
-    data["pieces"] = stack(timeline)
-    return data
+class Story(msgspec.Struct, kw_only=True):
+    """`GET /requests/{id}/story`: one request's story as `dgxmm replay --request` prints it."""
+
+    request_id: str
+    deployment_id: str | None
+    deployment: str | None
+    outcome: str
+    text: str
+
+
+def timeline_json(timeline: Timeline) -> TimelineWindow:
+    """The projection as the API answers it: the timeline, its stacked pieces, ISO times."""
+    return TimelineWindow(
+        **msgspec.structs.asdict(timeline),
+        since_time=iso(timeline.since),
+        until_time=iso(timeline.until),
+        pieces=stack(timeline),
+    )
 
 
 class TimelineRoutes:
@@ -74,13 +92,13 @@ class TimelineRoutes:
             )
         return since, until
 
-    async def timeline(self, call: _Call) -> Reply:
+    async def timeline(self, call: _Call) -> tuple[int, TimelineWindow]:
         """GET /api/timeline."""
         since, until = self.window(call.query)
         found = await timeline_window(self.store, since, until, self.usable_bytes())
         return 200, timeline_json(found)
 
-    async def story(self, call: _Call) -> Reply:
+    async def story(self, call: _Call) -> tuple[int, Story]:
         """GET /api/requests/{id}/story."""
         request_id = call.params["id"]
         if len(request_id) > MAX_REQUEST_ID:
@@ -89,10 +107,10 @@ class TimelineRoutes:
             view = await story_view(self.store, "", None, request_id, time_formatter(False))
         except NotInLog as exc:
             raise ApiError(404, "not_found", str(exc)) from None
-        return 200, {
-            "request_id": view.request_id,
-            "deployment_id": view.deployment_id,
-            "deployment": view.deployment,
-            "outcome": view.outcome,
-            "text": "\n".join(render_story(view)),
-        }
+        return 200, Story(
+            request_id=view.request_id,
+            deployment_id=view.deployment_id,
+            deployment=view.deployment,
+            outcome=view.outcome,
+            text="\n".join(render_story(view)),
+        )

@@ -25,21 +25,62 @@ class TuneFailed(Exception):
     """The tune could not answer (no trace in the window, or it failed)."""
 
 
+# What `dgxmm tune --json` prints (`simulations.tune.Tuning`, which this room may not import;
+# tests/test_api_docs.py holds the two to the same fields), and what the route adds.
+
+
+class TuneGoal(msgspec.Struct, frozen=True, kw_only=True):
+    """A bound on a wait percentile, and what to make least under it."""
+
+    bound: str
+    limit_s: float
+    minimise: str
+
+
+class TunePoint(msgspec.Struct, kw_only=True):
+    """One grid point (its settings) and its simulated figures."""
+
+    settings: dict[str, Any]
+    label: str
+    p50: float
+    p90: float
+    p99: float
+    cold_starts: int
+    cold_starts_per_hour: float
+    evictions: int
+    idle_gib_hours: float
+    queue_timeouts: int
+    meets: bool
+    pareto: bool
+
+
+class Tuned(msgspec.Struct, kw_only=True):
+    """`POST /settings/tune`: every point of the grid, the recommended one (None: no point
+    meets the goal), for `goal_text` over `since` to `until` (epoch seconds)."""
+
+    goal: TuneGoal
+    points: list[TunePoint]
+    recommended: TunePoint | None
+    goal_text: str
+    since: float
+    until: float
+
+
 class TuneRunner:
     """Runs and caches the last 24 h's tune."""
 
     def __init__(self, db_path: str, *, wall: Any = time.time) -> None:
         self.db_path = db_path
         self._wall = wall
-        self._running: asyncio.Task[dict[str, Any]] | None = None
-        self._last: tuple[float, dict[str, Any]] | None = None
+        self._running: asyncio.Task[Tuned] | None = None
+        self._last: tuple[float, Tuned] | None = None
 
-    async def result(self, goal: str, *, fresh: bool = False) -> dict[str, Any]:
+    async def result(self, goal: str, *, fresh: bool = False) -> Tuned:
         """The recommendation for `goal` (cached for a few minutes unless `fresh`)."""
         now = self._wall()
         if not fresh and self._last is not None:
             at, value = self._last
-            if now - at < KEEP_S and value.get("goal_text") == goal:
+            if now - at < KEEP_S and value.goal_text == goal:
                 return value
         if self._running is None or self._running.done():
             self._running = asyncio.get_running_loop().create_task(self._run(goal, now))
@@ -47,7 +88,7 @@ class TuneRunner:
         self._last = (now, value)
         return value
 
-    async def _run(self, goal: str, now: float) -> dict[str, Any]:
+    async def _run(self, goal: str, now: float) -> Tuned:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dgxmm", "tune", "--db", self.db_path, "--json",
             "--since", str(now - WINDOW_S), "--goal", goal,
@@ -63,8 +104,8 @@ class TuneRunner:
         if proc.returncode != 0:
             lines = err.decode(errors="replace").strip().splitlines()
             raise TuneFailed(lines[-1] if lines else f"tune exited {proc.returncode}")
-        value: dict[str, Any] = msgspec.json.decode(out)
-        value["goal_text"] = goal
-        value["since"] = now - WINDOW_S
-        value["until"] = now
-        return value
+        extra = {"goal_text": goal, "since": now - WINDOW_S, "until": now}
+        try:
+            return msgspec.convert({**msgspec.json.decode(out), **extra}, Tuned)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+            raise TuneFailed(f"tune answered what the API does not know: {exc}") from None

@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from simulations.tune import Goal, tune
-from simulations.whatif import _covered, _merged, load_history, parse_overrides, simulate
+from simulations.whatif import load_history, parse_overrides, simulate
+from simulations.whatif_measure import _covered, _merged
 from tests.gateway_support import run
 from tests.whatif_support import Model, write_log
 

@@ -241,6 +241,7 @@ class App:
 
     async def _start_admin(self) -> None:
         try:
+            from dgxmm.admin import openapi
             from dgxmm.admin.api import AdminApi
             from dgxmm.admin.auth import Auth, AuthConfig, ensure_admin
         except ImportError:
@@ -272,6 +273,7 @@ class App:
             gateway_keys=self._key_rotation(),
             vendor_root=self._vendor_root(),
             gpu=await detect_gpu(),
+            openapi_document=openapi.document,
         )
         ops.admin_server = lambda: api.server
         self.api = api

@@ -9,7 +9,10 @@ Everything here is pure and owns three things:
 - `request_phases(...)`: a request that waited for a start, cut into contiguous phases that
   add up exactly to its wait (arrival at the gateway to the engine's first byte relayed to
   it).  Each phase is named for what ends it, so a phase that did not happen (no victims, an
-  engine that prints no milestone) is simply absent and the next one takes its time.
+  engine that prints no milestone) is simply absent and the next one takes its time.  They
+  add up by construction (every mark is clamped into the wait), so that says nothing of the
+  marks; `tests/test_cold_start_e2e.py` checks them against clocks DGXMM does not keep (the
+  kernel's start time of the engine, llama.cpp's log timestamps, the client's clock).
 - `ColdStarts`: pairs each start's request with its ready (the cold starts' durations).
 - `median_recent(durations)`: the median of a deployment's last `ESTIMATE_STARTS` cold
   starts, shown as an estimate ("est.") where a start is waited for.

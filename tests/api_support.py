@@ -15,6 +15,7 @@ from typing import Any
 from actors.runtime import VirtualClock
 from dgxmm.admin.api import AdminApi
 from dgxmm.admin.auth import Auth, AuthConfig, hash_password
+from dgxmm.admin.openapi import document
 from dgxmm.admin.sse import HubConfig
 from events import model as m
 from gateway.server import HTTPServer
@@ -207,6 +208,7 @@ async def api_box(
         metrics_public=metrics_public,
         hub_config=hub_config,
         vendor_root=vendor_root,
+        openapi_document=document,
     )
     server = await api.serve("127.0.0.1", 0)
     box = Box(harness, auth, api, server, web_root, calls)

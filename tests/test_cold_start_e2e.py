@@ -9,6 +9,7 @@ with the real llama.cpp is in `test_a_real_llama_cpp_start_is_told_in_phases`.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,9 +19,17 @@ import pytest
 
 from dgxmm.admin.phase_metrics import StartPhases
 from events import model as m
-from tests.cold_start_support import assert_adds_up, replay_wait
+from tests.cold_start_support import (
+    ENGINE_TOLERANCE_S,
+    assert_adds_up,
+    llama_log_moments,
+    phase_disagreements,
+    process_started_at,
+    replay_wait,
+    shifted,
+)
 from tests.gateway_support import request_once
-from tests.real_engine_support import RuntimeKind, poll, serving
+from tests.real_engine_support import ENGINE_ARGS, RuntimeKind, poll, serving
 from tests.serve_support import Serve, chat_body, sim_spec, write_config
 
 DEADLINE_S = 60.0
@@ -64,6 +73,7 @@ def test_a_request_that_made_room_for_a_vllm_like_start_is_told_in_phases(tmp_pa
             record = await api.ok("GET", f"/dgxmm/api/deployments/{big}")
             expected = record["expected_start_s"]
             assert 2.0 < expected < 20.0, record
+            sent_at = time.time()
             sent = asyncio.ensure_future(
                 request_once(
                     serve.gateway_port,
@@ -82,6 +92,7 @@ def test_a_request_that_made_room_for_a_vllm_like_start_is_told_in_phases(tmp_pa
             await until(waiting, "the request waits in the queue")
             assert [r["expected_start_s"] for r in rows] == [expected], rows
             answer = await sent
+            answered_at = time.time()
             assert answer.status == 200, answer.body
             request_id = answer.header("x-dgxmm-request-id")
             assert request_id is not None
@@ -99,6 +110,12 @@ def test_a_request_that_made_room_for_a_vllm_like_start_is_told_in_phases(tmp_pa
                         "engine_init", "ready", "first_byte"]  # fmt: skip
             assert [n for n in names if n != "server_start"] == expected, names
             assert_adds_up(wait)
+            # The end of the launch against the kernel's start time of the engine's process,
+            # the wait against the test's clock (the sim's log carries no clock of its own).
+            launched = [r.event for r in await serve.records() if r.stream == f"deployment:{big}"
+                        and isinstance(r.event, m.EngineStarting)][-1]  # fmt: skip
+            engine = {"launch": process_started_at(launched.runtime_id)}
+            assert phase_disagreements(wait, engine, (sent_at, answered_at)) == [], (wait, engine)
             assert wait["wait_s"] > 2.0  # the start-up delay
             stopping = wait["phases"][0]
             assert stopping["detail"].startswith("small "), stopping
@@ -179,11 +196,15 @@ def test_the_phase_histogram_counts_each_phase_of_a_start_and_of_its_waiting_req
 )
 def test_a_real_llama_cpp_start_is_told_in_phases(tmp_path: Path, runtime: RuntimeKind) -> None:
     with serving(tmp_path, runtime) as serve:
-        serve.deploy("gemma")
+        # Timestamps in its log: the engine's own clock for the phases' check.
+        serve.deploy("gemma", args=[*ENGINE_ARGS, "--log-timestamps"])
         serve.wait_state("gemma", "ready")
-        serve.api("POST", f"/deployments/{serve.deployments['gemma']}/stop", {})
+        dep_id = serve.deployments["gemma"]
+        serve.api("POST", f"/deployments/{dep_id}/stop", {})
         serve.wait_state("gemma", "stopped")
+        sent = time.time()
         answer = serve.chat("gemma")
+        answered = time.time()
         assert answer.status == 200, answer.body
         request_id = answer.headers.get("x-dgxmm-request-id")
         assert request_id, answer.headers
@@ -195,12 +216,26 @@ def test_a_real_llama_cpp_start_is_told_in_phases(tmp_path: Path, runtime: Runti
         names = [p["name"] for p in wait["phases"]]
         assert names[0] == "launch" and names[-2:] == ["ready", "first_byte"], names
         assert "loading_model" in names, names  # llama-server's "main: model loaded"
-        assert_adds_up(wait)
         for name in names:
             assert f"    {name} " in text, text
         milestones = [e["data"]["milestone"] for e in serve.events("gemma")
                       if e["type"] == "EngineMilestoneReached"]  # fmt: skip
         assert "model_loaded" in milestones, milestones
+
+        # The phases against the kernel's start time of the engine and the engine's own log
+        # clock (DGXMM keeps the log: `dgxmm logs`), and the wait against the test's clock.
+        started_at = process_started_at(serve.engine_runtime_id("gemma"))
+        lines = serve.api("GET", f"/deployments/{dep_id}/logs?tail=5000")["lines"]
+        engine = {"launch": started_at, **llama_log_moments(lines, started_at)}
+        assert set(engine) >= {"launch", "loading_model", "ready", "first_byte"}, lines
+        assert phase_disagreements(wait, engine, (sent, answered)) == [], (wait, engine)
+        # A mark DGXMM got wrong by more than the tolerance fails the check, though the
+        # phases still add up.
+        planted = shifted(wait, "launch", 2 * ENGINE_TOLERANCE_S)
+        total = sum(p["seconds"] for p in planted["phases"])
+        assert math.isclose(total, wait["wait_s"], rel_tol=0.01), planted
+        found = phase_disagreements(planted, engine, (sent, answered))
+        assert [p.split(":")[0] for p in found] == ["launch"], found
 
 
 def test_a_milestone_recorded_just_after_ready_still_counts_in_the_histogram() -> None:

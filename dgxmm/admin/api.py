@@ -56,6 +56,7 @@ from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, re
 from dgxmm.admin.timeline import TimelineRoutes
 from dgxmm.admin.tuning import Tuned, TuneFailed, TuneRunner
 from dgxmm.config import http_url_problem
+from dgxmm.litellm.reload import ReloadStatus
 from dgxmm.litellm.sync import HINT
 from events import model as m
 from gateway.errors import BodyTooLarge
@@ -228,6 +229,36 @@ class Settings(msgspec.Struct, kw_only=True):
     ondemand_make_room_after_s: int | None
 
 
+Unset = msgspec.UnsetType
+
+
+class LiteLLMIntegration(msgspec.Struct, kw_only=True):
+    """The LiteLLM integration: its settings (never the key), the last sync, the file
+    back-end's load and reloads, and the deploy wizard's default mode.  A field is left out
+    when the integration does not give it (none is set up: `enabled`, `ok` and the
+    wizard's fields only); `synced` comes with `GET /litellm` only."""
+
+    enabled: bool | Unset = msgspec.UNSET
+    url: str | Unset = msgspec.UNSET
+    backend: str | Unset = msgspec.UNSET
+    config_path: str | Unset = msgspec.UNSET
+    master_key_env: str | Unset = msgspec.UNSET
+    master_key_set: bool | Unset = msgspec.UNSET
+    last_sync_at: float | Unset | None = msgspec.UNSET
+    ok: bool | Unset | None = msgspec.UNSET
+    error: str | Unset | None = msgspec.UNSET
+    entries: int | Unset = msgspec.UNSET
+    default_mode: str | Unset = msgspec.UNSET
+    hint: str | Unset | None = msgspec.UNSET
+    config_writes: int | Unset = msgspec.UNSET
+    last_write_at: float | Unset | None = msgspec.UNSET
+    loaded: bool | Unset | None = msgspec.UNSET
+    loaded_at: float | Unset | None = msgspec.UNSET
+    load_error: str | Unset | None = msgspec.UNSET
+    reload: ReloadStatus | Unset | None = msgspec.UNSET
+    synced: bool | Unset = msgspec.UNSET
+
+
 def deployment(record: DeploymentRecord, reveal: bool = True) -> Deployment:
     """A record as the API answers it: secrets in args only when `reveal`."""
     data = record_json(record)
@@ -282,6 +313,7 @@ class AdminApi:
         gateway_keys: Any = None,
         vendor_root: Path | None = None,
         gpu: bool = False,
+        openapi_document: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.controller = controller
         self.store = store
@@ -294,6 +326,9 @@ class AdminApi:
         self.web_root = web_root.resolve() if web_root is not None else None
         self.vendor_root = vendor_root  # the chart library's files (dgxmm/admin/vendor.py)
         self.gpu = gpu  # nvidia-smi listed a GPU at start (the wizard's default engine)
+        # `dgxmm.admin.openapi.document`, passed in: that module reads this one's handlers, so
+        # importing it here would make the two import each other.
+        self._openapi_document = openapi_document
         self.gateway_statistics = gateway_statistics
         self.metrics_public = metrics_public
         self.ops = ops or OpsApi(controller, store, clock, None, admin_server=lambda: self.server)
@@ -512,9 +547,9 @@ class AdminApi:
         )
 
     async def _h_openapi(self, call: _Call) -> tuple[int, dict[str, Any]]:
-        from dgxmm.admin.openapi import document
-
-        return 200, document()
+        if self._openapi_document is None:
+            raise ApiError(404, "not_found", "this API was started without its OpenAPI document")
+        return 200, self._openapi_document()
 
     async def _h_logout(self, call: _Call) -> tuple[int, LogoutAnswer]:
         principal = call.principal
@@ -713,7 +748,7 @@ class AdminApi:
 
     # --- LiteLLM -------------------------------------------------------------------------
 
-    async def _h_litellm_status(self, call: _Call) -> Reply:
+    async def _h_litellm_status(self, call: _Call) -> tuple[int, LiteLLMIntegration]:
         raw = self._litellm_status()
         status = _plain(raw)
         data: dict[str, Any] = dict(status) if isinstance(status, Mapping) else {}
@@ -725,9 +760,9 @@ class AdminApi:
         data["synced"] = bool(synced)
         data["default_mode"] = "on_demand" if synced else "always_on"
         data["hint"] = None if synced else HINT
-        return 200, data
+        return 200, msgspec.convert(data, LiteLLMIntegration)
 
-    async def _litellm_call(self, work: Awaitable[Any]) -> Reply:
+    async def _litellm_call(self, work: Awaitable[Any]) -> tuple[int, LiteLLMIntegration]:
         try:
             result = await work
         except ValueError as exc:
@@ -736,12 +771,14 @@ class AdminApi:
             if isinstance(exc, Refusal):
                 raise
             raise ApiError(502, "litellm_sync_failed", str(exc)) from None
-        return 200, _plain(result) if result is not None else {}
+        return 200, msgspec.convert(
+            _plain(result) if result is not None else {}, LiteLLMIntegration
+        )
 
-    async def _h_litellm_sync(self, call: _Call) -> Reply:
+    async def _h_litellm_sync(self, call: _Call) -> tuple[int, LiteLLMIntegration]:
         return await self._litellm_call(self._litellm_sync_now())
 
-    async def _h_litellm_configure(self, call: _Call) -> Reply:
+    async def _h_litellm_configure(self, call: _Call) -> tuple[int, LiteLLMIntegration]:
         body = _object(call.body)
         problem = http_url_problem(body["url"]) if "url" in body else None
         if problem is not None:

@@ -15,15 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+import msgspec
+
 from dgxmm.admin import bodies
 from dgxmm.admin.auth import ROLES, Auth, AuthError, Principal, check_password
 from events import model as m
 from events.state import UserRecord
 from storage.errors import ConcurrencyError
 from storage.eventlog import EventStore
-
-Reply = tuple[int, Any]
-
 
 # --- decisions (pure) -----------------------------------------------------------------------
 
@@ -120,6 +119,91 @@ async def append_users(
 
 
 # --- the API's routes -----------------------------------------------------------------------
+# What each route answers (`dgxmm.admin.openapi` documents these types); the rows are the
+# dicts `token_rows` and `user_rows` give the CLI too, converted (so checked) on the way out.
+
+
+class TokenRow(msgspec.Struct, kw_only=True):
+    """One API token (never its secret or hash); `role`: the owner's, or `metrics`."""
+
+    token_id: str
+    user: str
+    name: str
+    role: str
+    created_at: float | None
+    expires_at: float | None
+    expired: bool
+    last_used_at: float | None
+
+
+class TokenList(msgspec.Struct, kw_only=True):
+    """`GET /tokens`: newest first."""
+
+    tokens: list[TokenRow]
+
+
+class TokenCreated(msgspec.Struct, kw_only=True):
+    """`POST /tokens`: the token, shown only here (`role` null: the owner's)."""
+
+    user: str
+    token_id: str
+    token: str
+    name: str
+    role: str | None
+    expires_at: float | None
+
+
+class TokenGone(msgspec.Struct, kw_only=True):
+    """`DELETE /tokens/{id}`."""
+
+    token_id: str
+    user: str
+    revoked: bool
+
+
+class UserRow(msgspec.Struct, kw_only=True):
+    """One user (never a hash) and how many tokens it has."""
+
+    name: str
+    role: str
+    created_at: float | None
+    tokens: int
+
+
+class UserList(msgspec.Struct, kw_only=True):
+    """`GET /users`: by name."""
+
+    users: list[UserRow]
+
+
+class UserAdded(msgspec.Struct, kw_only=True):
+    """`POST /users`."""
+
+    name: str
+    role: str
+
+
+class UserChanged(msgspec.Struct, kw_only=True):
+    """`PATCH /users/{name}`: its role now, and whether its password was reset."""
+
+    name: str
+    role: str
+    password_reset: bool
+
+
+class UserGone(msgspec.Struct, kw_only=True):
+    """`DELETE /users/{name}`: how many of its sessions ended."""
+
+    name: str
+    removed: bool
+    sessions_ended: int
+
+
+class OwnPasswordChanged(msgspec.Struct, kw_only=True):
+    """`POST /session/password`: this session goes on, the user's others end."""
+
+    name: str
+    password_changed: bool
 
 
 class Call(Protocol):
@@ -145,17 +229,18 @@ class AccountRoutes:
         users = await self.auth.users()
         return users, await self.store.version(m.STREAM_USERS)
 
-    async def list_users(self, call: Call) -> Reply:
+    async def list_users(self, call: Call) -> tuple[int, UserList]:
         """GET users."""
-        return 200, {"users": user_rows(await self.auth.users())}
+        rows = user_rows(await self.auth.users())
+        return 200, UserList(users=msgspec.convert(rows, list[UserRow]))
 
-    async def add_user(self, call: Call) -> Reply:
+    async def add_user(self, call: Call) -> tuple[int, UserAdded]:
         """POST users {name, role, password}."""
         body = bodies.decode(call.body, bodies.UserBody, bodies.ACCOUNT_RULES)
         await self.auth.add_user(body.name, body.role, body.password, self._who(call).actor)
-        return 201, {"name": body.name, "role": body.role}
+        return 201, UserAdded(name=body.name, role=body.role)
 
-    async def change_user(self, call: Call) -> Reply:
+    async def change_user(self, call: Call) -> tuple[int, UserChanged]:
         """PATCH users/{name} {role?, password?}: role change and password reset."""
         name = call.params["name"]
         body = bodies.decode(call.body, bodies.UserChangeBody, bodies.ACCOUNT_RULES)
@@ -176,17 +261,17 @@ class AccountRoutes:
         if password is not None:
             self.auth.end_sessions(name)  # a reset ends every session of the user
         user = _existing(await self.auth.users(), name)
-        return 200, {"name": user.name, "role": user.role, "password_reset": password is not None}
+        return 200, UserChanged(name=user.name, role=user.role, password_reset=password is not None)
 
-    async def remove_user(self, call: Call) -> Reply:
+    async def remove_user(self, call: Call) -> tuple[int, UserGone]:
         """DELETE users/{name}: the user, its sessions and its tokens stop working at once."""
         name = call.params["name"]
         users, version = await self._decided()
         await append_users(self.store, [user_removed(users, name)], self._who(call).actor, version)
         ended = self.auth.end_sessions(name)
-        return 200, {"name": name, "removed": True, "sessions_ended": ended}
+        return 200, UserGone(name=name, removed=True, sessions_ended=ended)
 
-    async def change_own_password(self, call: Call) -> Reply:
+    async def change_own_password(self, call: Call) -> tuple[int, OwnPasswordChanged]:
         """POST session/password {current, password}: a logged-in user's own password."""
         p = self._who(call)
         body = bodies.decode(call.body, bodies.PasswordBody, bodies.ACCOUNT_RULES)
@@ -202,15 +287,16 @@ class AccountRoutes:
         await append_users(self.store, [event], p.actor, version)
         p.session.password_hash = encoded  # this session goes on; the others end
         self.auth.end_sessions(p.user, keep=p.session)
-        return 200, {"name": p.user, "password_changed": True}
+        return 200, OwnPasswordChanged(name=p.user, password_changed=True)
 
-    async def list_tokens(self, call: Call) -> Reply:
+    async def list_tokens(self, call: Call) -> tuple[int, TokenList]:
         """GET tokens."""
         users = await self.auth.users()
         now = self.auth.clock.wall()
-        return 200, {"tokens": token_rows(users, now, self.auth.token_uses())}
+        rows = token_rows(users, now, self.auth.token_uses())
+        return 200, TokenList(tokens=msgspec.convert(rows, list[TokenRow]))
 
-    async def create_token(self, call: Call) -> Reply:
+    async def create_token(self, call: Call) -> tuple[int, TokenCreated]:
         """POST tokens {user?, name?, expires_in_s?, role?}; the token is shown only here."""
         p = self._who(call)
         body = bodies.decode(call.body, bodies.TokenBody, bodies.ACCOUNT_RULES)
@@ -220,18 +306,18 @@ class AccountRoutes:
         token, token_id = await self.auth.create_token(
             user, p.actor, label=body.name, expires_at=expires_at, role=body.role
         )
-        return 201, {
-            "user": user,
-            "token_id": token_id,
-            "token": token,
-            "name": body.name,
-            "role": body.role,
-            "expires_at": expires_at,
-        }
+        return 201, TokenCreated(
+            user=user,
+            token_id=token_id,
+            token=token,
+            name=body.name,
+            role=body.role,
+            expires_at=expires_at,
+        )
 
-    async def revoke_token(self, call: Call) -> Reply:
+    async def revoke_token(self, call: Call) -> tuple[int, TokenGone]:
         """DELETE tokens/{id}: it stops working at once."""
         users, version = await self._decided()
         event = token_revoked(users, call.params["id"])
         await append_users(self.store, [event], self._who(call).actor, version)
-        return 200, {"token_id": event.token_id, "user": event.name, "revoked": True}
+        return 200, TokenGone(token_id=event.token_id, user=event.name, revoked=True)

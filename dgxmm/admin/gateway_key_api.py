@@ -9,15 +9,23 @@ them (or the wait ran out); the old key is refused `previous_until` at the lates
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
 
 from dgxmm.admin.errors import ApiError
-from dgxmm.litellm.gateway_key import GatewayKeys
+from dgxmm.litellm.gateway_key import GatewayKeys, Rotation
 
-Reply = tuple[int, Any]
 REGISTER_WAIT_S = 120.0  # LiteLLM's worker restart takes 7-42 s; the API call must end
+
+
+class KeyStatus(msgspec.Struct, kw_only=True):
+    """`GET gateway-key`: the key's fingerprint, the previous one's while it is still
+    accepted (until `previous_until`, wall clock), and whether loopback callers need none."""
+
+    key_id: str
+    previous_key_id: str | None
+    previous_until: float | None
+    loopback_open: bool
 
 
 class KeyRoutes:
@@ -29,11 +37,11 @@ class KeyRoutes:
         self.keys = keys
         self.register = register
 
-    async def show(self, call: object) -> Reply:
+    async def show(self, call: object) -> tuple[int, KeyStatus]:
         """GET gateway-key: fingerprints, the overlap, the mode."""
-        return 200, self.keys.statistics()
+        return 200, msgspec.convert(self.keys.statistics(), KeyStatus)
 
-    async def rotate(self, call: object) -> Reply:
+    async def rotate(self, call: object) -> tuple[int, Rotation]:
         """POST gateway-key/rotate."""
         register = self.register
 
@@ -42,16 +50,16 @@ class KeyRoutes:
             return await register(min(timeout_s, REGISTER_WAIT_S))
 
         rotation = await self.keys.rotate(bounded if register is not None else None)
-        return 200, msgspec.to_builtins(rotation)
+        return 200, rotation
 
 
 class NoKeyRoutes:
     """No gateway in this process: the routes answer 404."""
 
-    async def show(self, call: object) -> Reply:
+    async def show(self, call: object) -> tuple[int, KeyStatus]:
         """GET gateway-key."""
         raise ApiError(404, "no_gateway", "this DGXMM runs no gateway")
 
-    async def rotate(self, call: object) -> Reply:
+    async def rotate(self, call: object) -> tuple[int, Rotation]:
         """POST gateway-key/rotate."""
         raise ApiError(404, "no_gateway", "this DGXMM runs no gateway")

@@ -1,11 +1,13 @@
 """Calibration of `dgxmm whatif` on logs DGXMM really wrote.
 
 Two real `dgxmm serve` (process runtime, simulated engines) get the same scripted Poisson
-traffic at the same time: four on-demand models that do not all fit (3+3+3+2 GiB in 8), some
-requests streaming, some waiting for memory; one box with the seed's rule for making room,
-the other with `ondemand_make_room_after_s = 0`.  Then `whatif` replays the first log with
-its recorded settings (the calibration: it should reproduce the first box) and with make-room
-at once (the counterfactual: it should predict the second box).
+traffic at the same time: five on-demand models that do not all fit (3+3+3+2+2 GiB in 8),
+each quiet often enough that a request for another may evict it, some requests streaming,
+some waiting for memory; one box making room with a model idle for 20 s
+(`ondemand_make_room_after_s = 20`), the other at once (`= 0`).  Then `whatif` replays the
+first log with its recorded settings (the calibration: it should reproduce the first box,
+its cold starts and evictions among them) and with make-room at once (the counterfactual:
+it should predict the second box).
 
     python -m tests.whatif_calibration --minutes 20      # the table in docs/what-if.md
 
@@ -28,6 +30,10 @@ from tests.serve_support import Serve, chat_body
 
 TOTAL_GIB = 8
 IDLE_S = 60  # the smallest idle timeout DGXMM accepts: a 3-minute run sees models idle out
+# The first box's rule for making room.  Under the seed's rule (the full idle timeout) a
+# model idle that long stops by its idle timer, so that box evicts next to nothing and its
+# replay would test no eviction at all; 20 s lets the requests evict idle models.
+ROOM_AFTER_S = 20
 TOKEN_DELAY_S = 0.05
 
 
@@ -43,9 +49,10 @@ class TrafficModel:
 
 MODELS = (
     TrafficModel("chat", 3, 0.25, 2.0),
-    TrafficModel("coder", 3, 0.12, 3.0),
+    TrafficModel("coder", 3, 0.08, 3.0),
     TrafficModel("vision", 3, 0.04, 4.0),
     TrafficModel("embed", 2, 0.06, 1.0),
+    TrafficModel("rerank", 2, 0.04, 1.5),
 )
 
 
@@ -196,6 +203,7 @@ class Comparison:
         """Markdown table rows."""
         r, s = self.recorded, self.simulated
         return [
+            f"| {self.label} | requests | {r.requests} | {s.requests} |",
             f"| {self.label} | cold starts | {r.cold_starts} | {s.cold_starts} |",
             f"| {self.label} | evictions | {r.evictions} | {s.evictions} |",
             f"| {self.label} | wait p50 (s) | {r.waits.p50:.2f} | {s.waits.p50:.2f} |",
@@ -209,20 +217,21 @@ class Comparison:
 async def calibrate(root: Path, seconds: float, seed: int = 1) -> list[Comparison]:
     """Both boxes for real, then both predictions from the first box's log."""
     arrivals = script(seconds, seed)
-    seed_db, now_db = await asyncio.gather(
-        record(root / "seed-rule", arrivals, None), record(root / "at-once", arrivals, 0)
+    first_db, now_db = await asyncio.gather(
+        record(root / f"room-after-{ROOM_AFTER_S}s", arrivals, ROOM_AFTER_S),
+        record(root / "at-once", arrivals, 0),
     )
-    seed_log: History = await load_history(seed_db)
+    first_log: History = await load_history(first_db)
     at_once_log: History = await load_history(now_db)
-    calibration = await simulate(seed_log, {}, label="calibration")
+    calibration = await simulate(first_log, {}, label="calibration")
     predicted = await simulate(
-        seed_log, {"ondemand_make_room_after_s": 0}, label="make room after 0 s"
+        first_log, {"ondemand_make_room_after_s": 0}, label="make room after 0 s"
     )
     at_once = measure_recorded(at_once_log)
-    same = same_requests(at_once_log, seed_log)
+    same = same_requests(at_once_log, first_log)
     at_once.waited_ids = sorted(same.get(i, -i) for i in at_once.waited_ids)
     return [
-        Comparison("recorded settings", measure_recorded(seed_log), calibration),
+        Comparison("recorded settings", measure_recorded(first_log), calibration),
         Comparison("make room after 0 s", at_once, predicted),
     ]
 

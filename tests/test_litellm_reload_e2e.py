@@ -10,6 +10,12 @@ answered completely (none failed, none reset), each new entry served within 30 s
 and one reload per write, never one started while the previous one's workers were booting
 (read from gunicorn's log).
 
+Clients that keep their connection alive meet what a fresh connection never does: the stopping
+worker holds their connection.  One test runs a client with a new connection per request, a
+pooled one with one retry (like the openai SDK) and a pooled one without retries through 3
+creates and 3 removes, and none may fail; another stops the workers under two idle kept
+connections and looks at what happens to each.
+
 Set `DGXMM_RELOAD_OUTAGE=1` to run the same load against LiteLLM's `--reload` (no command) and
 print the outage it causes (the figures in docs/litellm.md); it asserts only that the changes
 are served, and is skipped otherwise (it takes minutes: each write restarts LiteLLM's worker).
@@ -17,12 +23,17 @@ are served, and is skipped otherwise (it takes minutes: each write restarts Lite
 
 from __future__ import annotations
 
+import functools
+import http.client
 import json
 import os
 import re
+import select
+import signal
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,12 +49,21 @@ from tests.litellm_support import (
     REPO,
     AppInThread,
     LiteLLMProxy,
+    Response,
     free_port,
     http_request,
     require_litellm,
+    sse_data,
     stop_leftover_engines,
 )
-from tests.test_litellm_e2e import LOAD_MAX_REQUESTS, Load, _load_request
+from tests.test_litellm_e2e import (
+    LOAD_MAX_REQUESTS,
+    Load,
+    Outcome,
+    _load_request,
+    message_text,
+    stream_text,
+)
 
 pytestmark = pytest.mark.litellm
 
@@ -379,3 +399,306 @@ def test_creating_reconfiguring_and_removing_under_load_fail_no_request(
     assert len(hups) == reloads, log
     assert all(len(workers) == WORKERS for workers in hups), hups
     assert status["loaded"] is True or stack.served() == stack.wanted()
+
+
+# --------------------------------------------------------------------------------------------
+# Kept-alive connections across reloads: a stopping worker answers what is already on its way
+
+
+ROUNDS = 3  # each: a model created, then removed (two reloads)
+POOLED = 1  # pooled clients without retries
+CLOSE_SEEN_S = 10.0  # how long a client waits for the server's close after `Connection: close`
+CONNECTION_ERRORS = (OSError, http.client.HTTPException)
+
+
+@dataclass
+class Tally:
+    """What one client of `KeptAliveLoad` did."""
+
+    kind: str
+    requests: int = 0
+    failed: list[str] = field(default_factory=list)
+    retried: int = 0  # connection errors that a retry on a new connection answered
+    connections: int = 0  # connections opened
+    idle_closed: int = 0  # kept connections found closed by the server before reuse
+    close_answers: int = 0  # answers that said `Connection: close`
+    closed_after: int = 0  # ... after which the server closed the connection
+
+    def line(self) -> str:
+        """What the client did, in one line."""
+        return (
+            f"{self.kind}: {self.requests} requests, {len(self.failed)} failed, "
+            f"{self.retried} retried, {self.connections} connections, "
+            f"{self.close_answers} `Connection: close` answers (then closed: "
+            f"{self.closed_after}), {self.idle_closed} found closed before reuse"
+        )
+
+
+def _verdict(status: int, data: bytes, stream: bool) -> str:
+    """'' for a complete 200 answer, else what was wrong."""
+    if status != 200:
+        return f"HTTP {status}: {data[:300]!r}"
+    try:
+        if stream:
+            payloads = sse_data(data)
+            if payloads[-1:] == ["[DONE]"] and stream_text(payloads):
+                return ""
+            return f"incomplete stream: {data[-300:]!r}"
+        return "" if message_text(Response(200, {}, data)) else f"no text: {data[:300]!r}"
+    except (ValueError, LookupError) as exc:
+        return f"{type(exc).__name__}: {exc}: {data[:300]!r}"
+
+
+class PooledClient:
+    """One connection kept alive across requests, as the pools of httpx, urllib3 and aiohttp
+    keep it: a new one only after the server closed it, that is after an answer that said
+    `Connection: close`, or when the kept one is readable before reuse (at EOF: the server
+    closed it while it was idle).  `retries` connection errors are retried on a new connection
+    (the openai SDK retries them; a plain integration does not)."""
+
+    def __init__(self, stack: Stack, tally: Tally, retries: int) -> None:
+        self._port = stack.proxy.port
+        self._headers = {"content-type": "application/json", **stack.proxy.auth}
+        self._tally = tally
+        self._retries = retries
+        self._conn: http.client.HTTPConnection | None = None
+        self._watch: socket.socket | None = None  # a duplicate of the socket, to see its EOF
+
+    def request(self, body: dict[str, Any]) -> tuple[bool, str]:
+        """POST `body` to /v1/chat/completions: (answered, '' or what was wrong)."""
+        for attempt in range(self._retries + 1):
+            try:
+                conn = self._kept()
+                conn.request(
+                    "POST", "/v1/chat/completions", json.dumps(body).encode(), self._headers
+                )
+                answer = conn.getresponse()
+                data = answer.read()
+            except CONNECTION_ERRORS as exc:
+                self.close()
+                if attempt < self._retries:
+                    self._tally.retried += 1
+                    continue
+                return False, f"{type(exc).__name__}: {exc}"
+            if answer.will_close:  # http.client has already closed its side
+                self._tally.close_answers += 1
+                self._tally.closed_after += self._server_closed()
+                self.close()
+            return True, _verdict(answer.status, data, bool(body.get("stream")))
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def close(self) -> None:
+        """Close the kept connection, if any."""
+        if self._conn is not None:
+            self._conn.close()
+        if self._watch is not None:
+            self._watch.close()
+        self._conn = self._watch = None
+
+    def _kept(self) -> http.client.HTTPConnection:
+        if self._conn is not None and self._conn.sock is not None:
+            if not select.select([self._conn.sock], [], [], 0)[0]:
+                return self._conn
+            self._tally.idle_closed += 1  # readable while idle: EOF, the server closed it
+        self.close()
+        self._conn = http.client.HTTPConnection("127.0.0.1", self._port, timeout=120)
+        self._conn.connect()
+        assert self._conn.sock is not None
+        self._watch = self._conn.sock.dup()
+        self._tally.connections += 1
+        return self._conn
+
+    def _server_closed(self) -> bool:
+        """Whether the server closes the connection (EOF) within `CLOSE_SEEN_S`."""
+        watch = self._watch
+        if watch is None or not select.select([watch], [], [], CLOSE_SEEN_S)[0]:
+            return False
+        try:
+            return watch.recv(1) == b""
+        except OSError:  # a reset is not the orderly close that `Connection: close` promises
+            return False
+
+
+class KeptAliveLoad(Load):
+    """Three kinds of client at once, each calling the load models in turn until stopped: a
+    new connection per request (like curl), a kept-alive one with one retry on a connection
+    error (like the openai SDK), and `POOLED` kept-alive ones without retries."""
+
+    def __init__(self, stack: Stack) -> None:
+        super().__init__(stack, (), 0)  # type: ignore[arg-type]
+        self.tallies = [Tally("new connection per request"), Tally("pooled, one retry")]
+        self.tallies += [Tally(f"pooled, no retry #{n + 1}") for n in range(POOLED)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(stack, n), daemon=True)
+            for n in range(len(self.tallies))
+        ]
+
+    def _run(self, stack: Stack, n: int) -> None:
+        tally = self.tallies[n]
+        pooled = None if n == 0 else PooledClient(stack, tally, retries=1 if n == 1 else 0)
+        try:
+            for index in range(LOAD_MAX_REQUESTS):
+                if self._stop.is_set():
+                    return
+                model = LOAD_MODELS[(n + index) % len(LOAD_MODELS)]
+                if pooled is None:
+                    outcome = _load_request(stack, model, n, index)  # type: ignore[arg-type]
+                    tally.connections += 1
+                else:
+                    outcome = self._pooled_request(stack, pooled, model, n, index)
+                tally.requests += 1
+                if not outcome.ok:
+                    tally.failed.append(outcome.detail)
+                self.outcomes.append(outcome)
+        finally:
+            if pooled is not None:
+                pooled.close()
+
+    @staticmethod
+    def _pooled_request(
+        stack: Stack, pooled: PooledClient, model: str, n: int, index: int
+    ) -> Outcome:
+        stream = index % 2 == 1
+        started = time.monotonic()
+        answered, detail = pooled.request(stack.chat_body(model, f"kept {n} {index}", stream))
+        ok = answered and not detail
+        return Outcome(model, n, stream, started, time.monotonic(), answered, ok, detail)
+
+
+def test_kept_alive_clients_lose_no_request_while_models_are_created_and_removed(
+    stack: Stack, tried: Callable[[str], None]
+) -> None:
+    """Clients that keep their connection alive, with and without a retry, and one that opens
+    a connection per request, through 3 creates and 3 removes (a reload each): none fails.
+
+    Each reload stops the workers that hold the kept connections; a stopping worker answers
+    what is already on its way there, with `Connection: close`, and then closes."""
+    if stack.mode == "watch":
+        pytest.skip("--reload restarts its only worker: no kept connection can survive that")
+    controller = stack.app.controller
+    assert controller is not None
+
+    def create(spec: DeploymentSpec) -> None:
+        stack.ids[spec.name] = stack.dgxmm.run(controller.create(spec, ADMIN)).id
+
+    def remove(name: str) -> None:
+        stack.dgxmm.run(controller.remove(stack.ids.pop(name), ADMIN))
+
+    log_from = stack.proxy.log_path.stat().st_size
+    before = stack.status()["reload"]
+    started = time.monotonic()
+    load = KeptAliveLoad(stack)
+    with load:
+        load.wait_for_more(2 * len(load.tallies))
+        for n in range(1, ROUNDS + 1):
+            new = DeploymentSpec(
+                name=f"rl-kept-{n}",
+                engine="sim",
+                model=f"rl/kept-{n}",
+                memory_bytes=GIB,
+                mode="on_demand",
+            )
+            _change(stack, "create", functools.partial(create, new))
+            load.wait_for_more(len(load.tallies))
+            _change(stack, "remove", functools.partial(remove, new.name))
+            load.wait_for_more(len(load.tallies))
+        deadline = time.monotonic() + READY_S
+        while (status := stack.status())["reload"]["pending"]:  # the last reload settles
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)  # poll interval; the deadline bounds the wait
+    reloads = status["reload"]["reloads"] - before["reloads"]
+    log = stack.proxy.log_path.read_bytes()[log_from:].decode(errors="replace")
+    hups = _reloads_in_log(log)
+    print(f"\n{reloads} reloads, {len(hups)} HUPs, {time.monotonic() - started:.0f} s")
+    for tally in load.tallies:
+        print(tally.line())
+        tried(tally.line())
+    assert [t.failed for t in load.tallies] == [[] for _ in load.tallies]
+    assert 2 * ROUNDS <= reloads <= 4 * ROUNDS and len(hups) == reloads, status["reload"]
+    for tally in load.tallies[1:]:
+        # Every reload stopped the worker that held the kept connection: it answered the
+        # next request with `Connection: close`, then closed the connection.
+        assert tally.close_answers >= len(hups), tally
+        assert tally.closed_after == tally.close_answers, tally
+
+
+def _wait_log(stack: Stack, offset: int, done: Callable[[str], bool], what: str) -> None:
+    """Poll LiteLLM's log from `offset` until `done(text)`; fails after `READY_S`."""
+    deadline = time.monotonic() + READY_S
+    while not done(stack.proxy.log_path.read_bytes()[offset:].decode(errors="replace")):
+        assert time.monotonic() < deadline, f"no {what}:\n{stack.proxy.log_tail()}"
+        time.sleep(0.05)  # poll interval; the deadline bounds the wait
+
+
+def _ask(stack: Stack, conn: http.client.HTTPConnection, model: str) -> tuple[int, str, bytes]:
+    """One chat request on `conn`: status, the answer's Connection header, body."""
+    body = json.dumps(stack.chat_body(model)).encode()
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        body,
+        {"content-type": "application/json", **stack.proxy.auth},
+    )
+    answer = conn.getresponse()
+    data = answer.read()
+    return answer.status, (answer.getheader("connection") or "").lower(), data
+
+
+def _closed_within(watch: socket.socket, timeout_s: float) -> bool:
+    """Whether the server closes the connection (EOF, not a reset) within `timeout_s`."""
+    if not select.select([watch], [], [], timeout_s)[0]:
+        return False
+    try:
+        return watch.recv(1) == b""
+    except OSError:
+        return False
+
+
+def test_a_stopping_worker_answers_on_an_idle_kept_connection_and_closes_an_unused_one_late(
+    stack: Stack, tried: Callable[[str], None]
+) -> None:
+    """Two connections kept alive and idle when the workers holding them are stopped (a HUP):
+    neither is closed at once; a request sent on one afterwards is answered, with
+    `Connection: close`, and then the connection is closed; the other is closed only after it
+    has been idle longer than clients keep an idle connection (httpx: 5 s)."""
+    if stack.mode == "watch":
+        pytest.skip("--reload restarts its only worker: no kept connection can survive that")
+    assert isinstance(stack.proxy, GunicornLiteLLM)
+    conns = [http.client.HTTPConnection("127.0.0.1", stack.proxy.port, timeout=READY_S)]
+    conns.append(http.client.HTTPConnection("127.0.0.1", stack.proxy.port, timeout=READY_S))
+    watches: list[socket.socket] = []  # duplicates of the sockets, to see the server's close
+    try:
+        for conn in conns:
+            conn.connect()
+            assert conn.sock is not None
+            watches.append(conn.sock.dup())
+            status, connection, data = _ask(stack, conn, ALWAYS_1)
+            assert (status, connection) == (200, ""), data
+        last_answer = time.monotonic()
+        log_from = stack.proxy.log_path.stat().st_size
+        os.kill(int(stack.proxy.pidfile.read_text()), signal.SIGHUP)
+        # uvicorn logs one of these in each old worker after `shutdown()` on each connection:
+        # the first while connections remain open, the second when none did.
+        _wait_log(
+            stack,
+            log_from,
+            lambda text: (
+                text.count("Waiting for connections to close") + text.count("Finished server")
+                >= WORKERS
+            ),
+            "shutdown of both old workers",
+        )
+        assert select.select(watches, [], [], 0)[0] == [], "an idle connection was closed"
+        status, connection, data = _ask(stack, conns[0], ALWAYS_2)
+        assert (status, connection) == (200, "close"), data
+        assert _closed_within(watches[0], CLOSE_SEEN_S), "not closed after `Connection: close`"
+        assert _closed_within(watches[1], READY_S), "the unused connection was never closed"
+        idle_s = time.monotonic() - last_answer
+        tried(f"the unused kept connection was closed after {idle_s:.1f} s idle")
+        print(f"\nthe unused kept connection was closed after {idle_s:.1f} s idle")
+        assert 5.0 < idle_s < 15.0, idle_s
+    finally:
+        for conn in conns:
+            conn.close()
+        for watch in watches:
+            watch.close()

@@ -220,13 +220,24 @@ class Memory(msgspec.Struct, kw_only=True):
     gpu: bool
 
 
+def _litellm(key: str) -> Any:
+    return msgspec.field(default=msgspec.UNSET, name=f"litellm.{key}")
+
+
 class Settings(msgspec.Struct, kw_only=True):
-    """The settings in force (`ondemand_make_room_after_s` null: the full idle timeout)."""
+    """The settings in force (`ondemand_make_room_after_s` null: the full idle timeout).
+    The LiteLLM integration's settings (`PATCH /litellm`) share their record, so they
+    come too once changed."""
 
     ondemand_idle_timeout_s: int
     ondemand_queue_timeout_s: int
     ondemand_max_queued: int
     ondemand_make_room_after_s: int | None
+    litellm_enabled: bool | msgspec.UnsetType = _litellm("enabled")
+    litellm_url: str | msgspec.UnsetType = _litellm("url")
+    litellm_backend: str | msgspec.UnsetType = _litellm("backend")
+    litellm_config_path: str | msgspec.UnsetType = _litellm("config_path")
+    litellm_master_key_env: str | msgspec.UnsetType = _litellm("master_key_env")
 
 
 Unset = msgspec.UnsetType

@@ -2,7 +2,8 @@
 #
 #   make demo   project venv only, then `dgxmm serve --demo`
 #   make test   full bootstrap (Debian packages, Docker engine, venvs, sim image), then pytest
-#   make lint   ruff check, ruff format --check, mypy --strict (configured in pyproject.toml)
+#   make lint   ruff check, ruff format --check, mypy --strict (configured in pyproject.toml),
+#               scripts/unused-code (vulture: functions nothing calls)
 #
 # PYTEST_ARGS adds pytest arguments: make test PYTEST_ARGS='-k runtime -x'
 
@@ -35,7 +36,7 @@ export VLLM_PYTHON VLLM_MODEL
 .PHONY: help demo test lint bootstrap venv
 
 help:
-	@sed -n '2,8p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,9p' Makefile | sed 's/^# \{0,1\}//'
 
 venv:
 	@scripts/bootstrap --venv-only
@@ -50,6 +51,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(PY) scripts/unused-code
 
 # Two lanes (tests/conftest.py, scripts/test-lanes): the tests that mostly wait in real time
 # run beside the rest, which run in file order.  A run that collects no test is a failure.

@@ -7,7 +7,7 @@ start-up queue (`launch_slot`), which lets an engine launch only when its memory
 physically free (the models stopped to make room for it are gone) and only as many at once
 as configured.
 
-Decisions are the pure functions `plan_make_room` and `max_freeable`.
+The decision is the pure function `plan_make_room`.
 """
 
 from __future__ import annotations
@@ -45,11 +45,6 @@ def plan_make_room(need: int, free: int, candidates: Iterable[Candidate]) -> lis
         if free + freed >= need:
             return chosen
     return None
-
-
-def max_freeable(usable: int, always_on_held: int) -> int:
-    """What stopping every on-demand model could give an on-demand model at most."""
-    return max(0, usable - always_on_held)
 
 
 def gib(n: int) -> str:
@@ -123,11 +118,6 @@ class MemoryBroker:
         }
 
     # --- deciding and reserving ----------------------------------------------------------
-
-    def can_ever_fit(self, need: int) -> tuple[bool, int]:
-        """Whether an on-demand model of `need` bytes could fit if every on-demand model slept."""
-        most = max_freeable(self.usable_bytes, self.always_on_held())
-        return need <= most, most
 
     def reserve(
         self,

@@ -146,14 +146,6 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     deployment_id: str = ""
 
 
-class LiteLLMSync(Protocol):
-    """Makes LiteLLM's model list equal to `entries` (adds before it removes)."""
-
-    async def sync(self, entries: list[ModelEntry]) -> None:
-        """Raise `actors.errors.SyncFailed` with a readable reason on failure."""
-        ...
-
-
 class MemorySource(Protocol):
     """Real free memory, for the watchdog (MemAvailable, or the GPU's free memory)."""
 

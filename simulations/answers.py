@@ -81,11 +81,6 @@ EMPTY_OK = Full(200, b"", b"application/json")
 SGLANG_UNHEALTHY = Full(503, b"", b"application/json")
 
 
-def not_found(flavour: Flavour) -> Full:
-    """The flavour's answer to an unknown path."""
-    return LLAMA_NOT_FOUND if flavour == "llamacpp" else NOT_FOUND_DETAIL
-
-
 def error(flavour: Flavour, status: int, message: str, kind: str | None = None) -> Full:
     """An error body in the flavour's own format."""
     if flavour == "llamacpp":

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 
-from actors.memory_broker import GIB
-
 
 def _meminfo(path: str, key: str) -> int:
     with open(path, encoding="ascii") as f:
@@ -104,8 +102,3 @@ async def detect_gpu() -> bool:
     except (OSError, TimeoutError):
         return False
     return proc.returncode == 0 and bool(out.strip())
-
-
-def gib_to_bytes(gib: float) -> int:
-    """GiB (possibly fractional) to bytes."""
-    return int(gib * GIB)

@@ -1,7 +1,7 @@
 """LiteLLM sync: the two ways to put DGXMM's model entries (`dgxmm.litellm.entries`) into LiteLLM,
 and the choice between them.
 
-Two back-ends implement `actors.ports.LiteLLMSync`, both on `dgxmm.litellm.backend.Backend`:
+Two back-ends, both on `dgxmm.litellm.backend.Backend` (`status`, `sync`, `close`):
 
 - `ApiSync` (here) talks to LiteLLM's model-management API (`/model/info`, `/model/new`,
   `PATCH /model/{id}/update`, `/model/delete`; LiteLLM needs its database for the writes).  It

@@ -15,7 +15,7 @@ import msgspec
 
 from actors.controller import DEFAULT_SETTINGS
 from actors.memory_broker import GIB, MemoryBroker
-from dgxmm.admin import accounts, api, bodies, openapi
+from dgxmm.admin import accounts, api, bodies, openapi, sse
 from dgxmm.admin.gateway_key_api import KeyStatus
 from dgxmm.admin.openapi import JSON, SCHEMA_REF, document
 from dgxmm.admin.ops import MemoryBytes
@@ -68,8 +68,14 @@ def test_every_admin_answer_is_documented_as_the_type_its_handler_returns() -> N
         op = doc["paths"]["/dgxmm/api/" + "/".join(route.pattern)][route.method.lower()]
         kind = openapi._answer(route.handler)
         content = _ok(op)["content"]
-        if kind is None:  # a stream only
+        if kind is None:  # a stream only: the UI's, each event the type the hub sends it as
             assert set(content) == {"text/event-stream"}, route.handler
+            events = content["text/event-stream"]["schema"]["oneOf"]
+            sent = {e["properties"]["event"]["const"]: e["properties"]["data"] for e in events}
+            assert {name: data["contentSchema"] for name, data in sent.items()} == {
+                name: {"$ref": SCHEMA_REF.format(name=kind.__name__)}
+                for name, kind in sse.EVENTS.items()
+            }
             continue
         if kind is Any or content[JSON]["schema"] == {"type": "object"}:
             untyped.append(route.handler)
@@ -104,6 +110,8 @@ def test_the_dicts_answered_through_a_struct_lose_no_key(tmp_path: Path) -> None
     litellm = {f"litellm.{key}": sample[key] for key in bridge._SETTING_KEYS}
     _same_json({**load_config(None).ondemand_defaults(), **litellm}, api.Settings)
     _same_json({**DEFAULT_SETTINGS}, api.Settings)
+    queue = {"waiting": 1, "max_queued": 64, "counters": {"served": 3, "waiting": 1}}
+    _same_json(queue, sse.QueueCounts)
     _same_json(GatewayKeys(tmp_path, Access()).statistics(), KeyStatus)
     controller = types.SimpleNamespace(system=SystemState())
     status = bridge.LiteLLMBridge(load_config(None), controller, None, None).status()  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ from dgxmm.admin.accounts import AccountRoutes
 from dgxmm.admin.auth import Auth, AuthError, Principal
 from dgxmm.admin.errors import ApiError, error_body, from_refusal
 from dgxmm.admin.gateway_key_api import NoKeyRoutes
-from dgxmm.admin.guards import MAX_JSON_DEPTH, json_too_deep, memory_problem, redact_record
+from dgxmm.admin.guards import MAX_JSON_DEPTH, json_too_deep, memory_problem
 from dgxmm.admin.histograms import Latencies
 from dgxmm.admin.ops import LOG_TAIL_DEFAULT, LOG_TAIL_MAX, LogTail, OpsApi, Progress, Queue
 from dgxmm.admin.routes import (
@@ -52,7 +52,16 @@ from dgxmm.admin.routes import (
     match_route,
     parse_time_query,
 )
-from dgxmm.admin.sse import EventHub, HubConfig, TooManyStreams, memory_json, record_json
+from dgxmm.admin.sse import (
+    Deployment,
+    EventHub,
+    HubConfig,
+    MemoryBudget,
+    Settings,
+    TooManyStreams,
+    deployment,
+    memory_json,
+)
 from dgxmm.admin.timeline import TimelineRoutes
 from dgxmm.admin.tuning import Tuned, TuneFailed, TuneRunner
 from dgxmm.config import http_url_problem
@@ -144,12 +153,6 @@ class LogoutAnswer(msgspec.Struct, kw_only=True):
     logged_out: bool
 
 
-class Deployment(DeploymentRecord, frozen=True, kw_only=True):
-    """A deployment as the API shows it (`args` with secrets redacted for viewers)."""
-
-    memory_gib: float | None = None
-
-
 class DeploymentList(msgspec.Struct, kw_only=True):
     """`GET /deployments`."""
 
@@ -204,40 +207,10 @@ class AuditPage(msgspec.Struct, kw_only=True):
     next_before: int | None
 
 
-class Memory(msgspec.Struct, kw_only=True):
+class Memory(MemoryBudget, kw_only=True):
     """`GET /memory`: the budget in bytes and GiB; `gpu`: nvidia-smi listed a GPU."""
 
-    total_bytes: int
-    usable_bytes: int
-    always_on_bytes: int
-    on_demand_bytes: int
-    free_bytes: int
-    total_gib: float
-    usable_gib: float
-    always_on_gib: float
-    on_demand_gib: float
-    free_gib: float
     gpu: bool
-
-
-def _litellm(key: str) -> Any:
-    return msgspec.field(default=msgspec.UNSET, name=f"litellm.{key}")
-
-
-class Settings(msgspec.Struct, kw_only=True):
-    """The settings in force (`ondemand_make_room_after_s` null: the full idle timeout).
-    The LiteLLM integration's settings (`PATCH /litellm`) share their record, so they
-    come too once changed."""
-
-    ondemand_idle_timeout_s: int
-    ondemand_queue_timeout_s: int
-    ondemand_max_queued: int
-    ondemand_make_room_after_s: int | None
-    litellm_enabled: bool | msgspec.UnsetType = _litellm("enabled")
-    litellm_url: str | msgspec.UnsetType = _litellm("url")
-    litellm_backend: str | msgspec.UnsetType = _litellm("backend")
-    litellm_config_path: str | msgspec.UnsetType = _litellm("config_path")
-    litellm_master_key_env: str | msgspec.UnsetType = _litellm("master_key_env")
 
 
 Unset = msgspec.UnsetType
@@ -268,12 +241,6 @@ class LiteLLMIntegration(msgspec.Struct, kw_only=True):
     load_error: str | Unset | None = msgspec.UNSET
     reload: ReloadStatus | Unset | None = msgspec.UNSET
     synced: bool | Unset = msgspec.UNSET
-
-
-def deployment(record: DeploymentRecord, reveal: bool = True) -> Deployment:
-    """A record as the API answers it: secrets in args only when `reveal`."""
-    data = record_json(record)
-    return msgspec.convert(data if reveal else redact_record(data), Deployment)
 
 
 # --- the API --------------------------------------------------------------------------------

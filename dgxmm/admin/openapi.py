@@ -22,9 +22,10 @@ import msgspec
 
 from dgxmm.admin import bodies
 from dgxmm.admin.accounts import AccountRoutes
-from dgxmm.admin.api import AdminApi, Deployment
+from dgxmm.admin.api import AdminApi
 from dgxmm.admin.gateway_key_api import KeyRoutes
 from dgxmm.admin.routes import ROUTES, Access, Route
+from dgxmm.admin.sse import EVENTS
 from dgxmm.admin.timeline import TimelineRoutes
 
 SCHEMA_REF = "#/components/schemas/{name}"
@@ -60,15 +61,6 @@ class EngineError(Error, kw_only=True):
     """An error answer of the engine, relayed by the gateway."""
 
     error: EngineErrorDetail
-
-
-class Snapshot(msgspec.Struct, kw_only=True):
-    """The first event of the UI's stream: the whole picture (later events update a part)."""
-
-    deployments: list[Deployment]
-    memory: dict[str, Any]
-    queue: dict[str, Any]
-    settings: dict[str, Any]
 
 
 class ModelObject(msgspec.Struct, kw_only=True):
@@ -141,18 +133,11 @@ _ADMIN: dict[str, tuple[str, Any, int]] = {
     "timeline.story": ("One request's story (the replay --request text)", None, 200),
 }  # fmt: skip
 
-# The routes that answer with server-sent events: event name -> the schema of its `data` (one
+# The routes that answer with server-sent events: event name -> the type of its `data` (one
 # line of JSON).  Heartbeats are SSE comments, and `retry:` comes alone first.
-_STREAMS: dict[str, dict[str, dict[str, Any]]] = {
-    "event_stream": {
-        "snapshot": {"$ref": SCHEMA_REF.format(name="Snapshot")},
-        "deployment": {"$ref": SCHEMA_REF.format(name="Deployment")},
-        "removed": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]},
-        "memory": {"type": "object"},
-        "queue": {"type": "object"},
-        "settings": {"type": "object"},
-    },
-    "deployment_logs": {"line": {"type": "string"}},
+_STREAMS: dict[str, dict[str, Any]] = {
+    "event_stream": EVENTS,  # the UI's stream sends each type under its name only
+    "deployment_logs": {"line": str},
 }
 
 _QUERIES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
@@ -311,7 +296,8 @@ def _admin_operation(route: Route, schemas: dict[Any, dict[str, Any]]) -> dict[s
     if answer is not None:
         ok = _json(schemas[answer])
     if route.handler in _STREAMS:
-        ok["content"]["text/event-stream"] = _events(_STREAMS[route.handler])
+        events = {name: schemas[kind] for name, kind in _STREAMS[route.handler].items()}
+        ok["content"]["text/event-stream"] = _events(events)
     op["responses"] = {
         str(status): {"description": "Done", **ok},
         "default": {"description": _ERRORS, **_json(_ref(Error))},
@@ -364,12 +350,12 @@ def _gateway_operation(method: str, path: str, summary: str) -> dict[str, Any]:
 
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of both listeners."""
-    answers = {_answer(r.handler) for r in ROUTES} - {None, Any}
-    kinds = [
-        Error, ModelList, InferenceBody, EngineError, Snapshot,
-        *{b for _, b, _ in _ADMIN.values() if isinstance(b, type)},
-    ]  # fmt: skip
-    kinds += sorted(answers - set(kinds), key=repr)
+    # Every type the document names, once each, in an order that does not vary between runs.
+    named = {_answer(r.handler) for r in ROUTES} - {None, Any}
+    named |= {kind for events in _STREAMS.values() for kind in events.values()}
+    named |= {b for _, b, _ in _ADMIN.values() if isinstance(b, type)}
+    named |= {Error, ModelList, InferenceBody, EngineError}
+    kinds = sorted(named, key=repr)
     found, components = msgspec.json.schema_components(kinds, ref_template=SCHEMA_REF)
     schemas: dict[Any, dict[str, Any]] = {
         Any: {"type": "object"},

@@ -6,6 +6,10 @@ the window schedules one trailing push at its end that carries the state of that
 so the latest state always arrives and a burst of changes costs one message.  Each client
 has a bounded buffer; a client that cannot keep up is dropped (its EventSource reconnects
 and starts again from a fresh snapshot) instead of being buffered without bound.
+
+Each event's data is one type (`EVENTS`), sent under its name only (`ui_event`); the OpenAPI
+document describes the stream from that table.  A deployment, the settings and the memory
+budget are the types the API's routes answer with too.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from actors.controller import Controller
+from actors.controller import Controller, DeploymentRecord
 from actors.memory_broker import GIB
 from actors.runtime import Clock, TimerHandle
 from dgxmm.admin.guards import redact_record
@@ -50,6 +54,96 @@ def memory_json(snapshot: dict[str, int]) -> dict[str, Any]:
         if key.endswith("_bytes"):
             out[key[: -len("_bytes")] + "_gib"] = round(value / GIB, 3)
     return out
+
+
+# --- what the stream sends: one type per event (`EVENTS`; dgxmm.admin.openapi documents it) ---
+
+
+class Deployment(DeploymentRecord, frozen=True, kw_only=True):
+    """A deployment as the API shows it (`args` with secrets redacted for viewers)."""
+
+    memory_gib: float | None = None
+
+
+class Gone(msgspec.Struct, kw_only=True):
+    """A deployment that was removed."""
+
+    id: str
+
+
+class MemoryBudget(msgspec.Struct, kw_only=True):
+    """The memory budget in bytes and GiB."""
+
+    total_bytes: int
+    usable_bytes: int
+    always_on_bytes: int
+    on_demand_bytes: int
+    free_bytes: int
+    total_gib: float
+    usable_gib: float
+    always_on_gib: float
+    on_demand_gib: float
+    free_gib: float
+
+
+class QueueCounts(msgspec.Struct, kw_only=True):
+    """Requests waiting now, the cap, and the queue's counters since start."""
+
+    waiting: int
+    max_queued: int
+    counters: dict[str, int]
+
+
+def _litellm(key: str) -> Any:
+    return msgspec.field(default=msgspec.UNSET, name=f"litellm.{key}")
+
+
+class Settings(msgspec.Struct, kw_only=True):
+    """The settings in force (`ondemand_make_room_after_s` null: the full idle timeout).
+    The LiteLLM integration's settings (`PATCH /litellm`) share their record, so they
+    come too once changed."""
+
+    ondemand_idle_timeout_s: int
+    ondemand_queue_timeout_s: int
+    ondemand_max_queued: int
+    ondemand_make_room_after_s: int | None
+    litellm_enabled: bool | msgspec.UnsetType = _litellm("enabled")
+    litellm_url: str | msgspec.UnsetType = _litellm("url")
+    litellm_backend: str | msgspec.UnsetType = _litellm("backend")
+    litellm_config_path: str | msgspec.UnsetType = _litellm("config_path")
+    litellm_master_key_env: str | msgspec.UnsetType = _litellm("master_key_env")
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    """The first event of the UI's stream: the whole picture (later events update a part)."""
+
+    deployments: list[Deployment]
+    memory: MemoryBudget
+    queue: QueueCounts
+    settings: Settings
+
+
+# The stream's events by name: the hub sends each type under its name only (`ui_event`).
+EVENTS: dict[str, type[msgspec.Struct]] = {
+    "snapshot": Snapshot,
+    "deployment": Deployment,
+    "removed": Gone,
+    "memory": MemoryBudget,
+    "queue": QueueCounts,
+    "settings": Settings,
+}
+_NAMES = {kind: name for name, kind in EVENTS.items()}
+
+
+def ui_event(data: msgspec.Struct) -> bytes:
+    """One message of the UI's stream, named for its type."""
+    return sse_message(_NAMES[type(data)], data)
+
+
+def deployment(record: DeploymentRecord, reveal: bool = True) -> Deployment:
+    """A record as the API answers it: secrets in args only when `reveal`."""
+    data = record_json(record)
+    return msgspec.convert(data if reveal else redact_record(data), Deployment)
 
 
 @dataclass(frozen=True)
@@ -157,38 +251,42 @@ class EventHub:
                 slot = self._slots.pop(key, None)
                 if slot is not None and slot.timer is not None:
                     slot.timer.cancel()
-                return sse_message("removed", {"id": dep_id})
-            data = record_json(c.record(actor))
-            return sse_message("deployment", data if reveal else redact_record(data))
+                return ui_event(Gone(id=dep_id))
+            return ui_event(deployment(c.record(actor), reveal))
         if key == "memory":
-            return sse_message("memory", memory_json(c.memory()))
+            return ui_event(self.memory())
         if key == "queue":
-            return sse_message("queue", self.queue_json())
+            return ui_event(self.queue_counts())
         if key == "settings":
-            return sse_message("settings", c.settings())
+            return ui_event(self.settings())
         return None
 
-    def queue_json(self) -> dict[str, Any]:
+    def memory(self) -> MemoryBudget:
+        """The memory budget now."""
+        return msgspec.convert(memory_json(self.controller.memory()), MemoryBudget)
+
+    def settings(self) -> Settings:
+        """The settings in force."""
+        return msgspec.convert(self.controller.settings(), Settings)
+
+    def queue_counts(self) -> QueueCounts:
         """Requests waiting now, the cap, and the queue's counters."""
         c = self.controller
-        return {
-            "waiting": len(c.queue),
-            "max_queued": int(c.setting("ondemand_max_queued")),
-            "counters": c.queue.queue_statistics(),
-        }
+        return QueueCounts(
+            waiting=len(c.queue),
+            max_queued=int(c.setting("ondemand_max_queued")),
+            counters=c.queue.queue_statistics(),
+        )
 
     def snapshot(self, *, reveal: bool = True) -> bytes:
         """The first message of every stream: the whole picture."""
-        c = self.controller
-        records = [record_json(r) for r in c.records()]
-        return sse_message(
-            "snapshot",
-            {
-                "deployments": records if reveal else [redact_record(r) for r in records],
-                "memory": memory_json(c.memory()),
-                "queue": self.queue_json(),
-                "settings": c.settings(),
-            },
+        return ui_event(
+            Snapshot(
+                deployments=[deployment(r, reveal) for r in self.controller.records()],
+                memory=self.memory(),
+                queue=self.queue_counts(),
+                settings=self.settings(),
+            )
         )
 
     # --- clients -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import msgspec
 
 from actors.controller import DEFAULT_SETTINGS
 from actors.memory_broker import GIB, MemoryBroker
-from dgxmm.admin import accounts, api, bodies, openapi, sse
+from dgxmm.admin import accounts, api, bodies, errors, openapi, sse
 from dgxmm.admin.gateway_key_api import KeyStatus
 from dgxmm.admin.openapi import JSON, SCHEMA_REF, document
 from dgxmm.admin.ops import MemoryBytes
@@ -34,7 +34,10 @@ T0 = 1_700_000_000.0
 
 
 def test_every_admin_route_is_documented_with_its_error_answer() -> None:
-    paths = document()["paths"]
+    doc = document()
+    _, components = msgspec.json.schema_components([errors.Error], ref_template=SCHEMA_REF)
+    assert {name: doc["components"]["schemas"][name] for name in components} == components
+    paths = doc["paths"]
     for route in ROUTES:
         op = paths["/dgxmm/api/" + "/".join(route.pattern)][route.method.lower()]
         assert op["responses"]["default"]["content"]["application/json"]["schema"] == {

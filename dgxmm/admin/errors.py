@@ -1,11 +1,10 @@
 """Errors of the admin API: an `ApiError` is an answer, `{"error": {"message", "type", "code"}}`.
 
-One place maps the layers' refusals to answers (`from_refusal`); `error_body` renders them.
+One place maps the layers' refusals to answers (`from_refusal`); `error_body` renders them
+as an `Error` (the type the OpenAPI document gives every error answer of both listeners).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import msgspec
 
@@ -26,6 +25,22 @@ _ERROR_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    """What went wrong: `code` is for programs, `message` for people; `param` names the
+    field at fault, when one is."""
+
+    message: str
+    type: str
+    code: str
+    param: str | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class Error(msgspec.Struct, kw_only=True):
+    """Every error answer of both listeners, OpenAI style."""
+
+    error: ErrorDetail
 
 
 class ApiError(Exception):
@@ -50,14 +65,11 @@ class ApiError(Exception):
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> bytes:
     """`{"error": {"message", "type", "code"}}`, OpenAI style."""
-    err: dict[str, Any] = {
-        "message": message,
-        "type": _ERROR_TYPES.get(status, "server_error" if status >= 500 else "api_error"),
-        "code": code,
-    }
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "api_error")
+    detail = ErrorDetail(message=message, type=kind, code=code)
     if param is not None:
-        err["param"] = param
-    return _encoder.encode({"error": err})
+        detail.param = param
+    return _encoder.encode(Error(error=detail))
 
 
 def _field_of(message: str) -> str | None:

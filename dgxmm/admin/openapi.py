@@ -4,9 +4,10 @@ the on-demand gateway (`/d/{deployment}/v1/...`).
 It owns the document only.  Request bodies are the msgspec types the API validates with
 (`dgxmm.admin.bodies`); each answer is the type its handler returns, read from the
 handler's return annotation (`tuple[int, T]`: `_answer`), so the document cannot drift from
-what is sent: their JSON Schemas come from `msgspec.json.schema_components`.  Declared here
-are only what no handler of ours returns: the error body, the gateway's (the engine answers
-there), and the events of the two streams.  The admin API serves it at
+what is sent: their JSON Schemas come from `msgspec.json.schema_components`.  So do the
+error answers (`errors.Error`) and the UI stream's events (`sse.EVENTS`).  Declared here are
+only the gateway's answers (the engine answers there; `gateway` is not ours to type here)
+and the engine log stream's lines.  The admin API serves it at
 `GET /dgxmm/api/openapi.json`; `scripts/gen-api-docs` renders it as `docs/api.md` (a test
 keeps that file current).
 """
@@ -23,6 +24,7 @@ import msgspec
 from dgxmm.admin import bodies
 from dgxmm.admin.accounts import AccountRoutes
 from dgxmm.admin.api import AdminApi
+from dgxmm.admin.errors import Error, ErrorDetail
 from dgxmm.admin.gateway_key_api import KeyRoutes
 from dgxmm.admin.routes import ROUTES, Access, Route
 from dgxmm.admin.sse import EVENTS
@@ -33,21 +35,6 @@ JSON = "application/json"
 
 
 # --- answers no handler of ours returns ---------------------------------------------------
-
-
-class ErrorDetail(msgspec.Struct, kw_only=True):
-    """What went wrong: `code` is for programs, `message` for people."""
-
-    message: str
-    type: str
-    code: str
-    param: str | None = None
-
-
-class Error(msgspec.Struct, kw_only=True):
-    """Every error answer of both listeners, OpenAI style."""
-
-    error: ErrorDetail
 
 
 class EngineErrorDetail(ErrorDetail, kw_only=True):

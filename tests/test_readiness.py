@@ -41,9 +41,15 @@ from tests.runtime_support import run
 # --- the schedule ------------------------------------------------------------------------------
 
 
-def test_a_young_engine_is_probed_every_25_ms() -> None:
-    assert [probe_interval_s(age) for age in (0.0, 1.0, 4.99)] == [FAST_PROBE_S] * 3
-    assert FAST_PROBE_S == 0.025
+def test_a_young_engine_is_probed_every_25_ms_for_its_first_five_seconds_then_less_often() -> None:
+    age, probes = 0.0, []
+    while age < 6.0:
+        age = next_probe_age(age)
+        probes.append(age)
+    young = [p for p in probes if p <= 5.0 + 1e-9]
+    assert len(young) == 200 and young[-1] == pytest.approx(5.0)
+    assert [b - a for a, b in itertools.pairwise([0.0, *young])] == pytest.approx([0.025] * 200)
+    assert all(b - a > 0.025 + 1e-9 for a, b in itertools.pairwise(probes[199:]))
 
 
 def test_the_probe_period_grows_with_age_and_never_exceeds_one_second() -> None:

@@ -98,7 +98,9 @@ def test_a_batch_decodes_to_the_requests_it_was_made_of() -> None:
     assert abs(records[1].arrived - (OFFSET + T0 + 0.25)) < 1e-6
     assert abs(records[1].wait_s - 12.5) < 1e-4
     assert records[1].streamed and not records[0].streamed
-    assert abs(records[1].service_s - (2.0 - 12.5)) < 1e-3 or records[1].service_s == 0.0
+    assert abs(records[0].service_s - 2.0) < 1e-3  # no wait: arrival to end
+    # Its row ends 2 s after arrival, before its 12.5 s wait would: no negative service time.
+    assert records[1].service_s == 0.0
     assert records[2].ttfb_s is None and records[2].outcome == "client_gone"
     assert records[0].ttfb_s is not None and abs(records[0].ttfb_s - 0.05) < 1e-4
 

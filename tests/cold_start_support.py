@@ -70,15 +70,12 @@ ENGINE_TOLERANCE_S = 0.3
 _LLAMA_STAMP = re.compile(r"^(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) ")
 
 
-def llama_log_moments(lines: Iterable[str], started_at: float) -> dict[str, float]:
-    """The moments of one llama.cpp start on its own clock, from its `--log-timestamps` lines
-    (minutes.seconds.ms.us since its start) and its process's start time (epoch seconds).
-
-    Keyed by the phase each moment ends: `loading_model` and `ready` ("model loaded": the
-    server turns healthy as it prints it), `server_start` ("listening on"), `first_byte` (the
-    first task released: a plain answer is sent as its generation ends).
-    """
-    moments: dict[str, float] = {}
+def llama_log_times(lines: Iterable[str], started_at: float) -> dict[str, float]:
+    """What one llama.cpp start did when, on its own clock, from its `--log-timestamps` lines
+    (minutes.seconds.ms.us since its start) and its process's start time (epoch seconds):
+    `model_loaded`, `server_listening`, and for its first request `task_launched` and
+    `task_released` (generation began, ended)."""
+    times: dict[str, float] = {}
     for line in lines:
         stamp = _LLAMA_STAMP.match(line)
         if stamp is None:
@@ -86,14 +83,28 @@ def llama_log_moments(lines: Iterable[str], started_at: float) -> dict[str, floa
         minutes, seconds, millis, micros = (int(g) for g in stamp.groups())
         at = started_at + minutes * 60 + seconds + millis / 1e3 + micros / 1e6
         found = milestone_of("llamacpp", line)
-        if found is not None and found.name == "model_loaded":
-            moments.setdefault("loading_model", at)
-            moments.setdefault("ready", at)
-        elif found is not None and found.name == "server_listening":
-            moments.setdefault("server_start", at)
+        if found is not None:
+            times.setdefault(found.name, at)
+        elif " launch_slot_: " in line and "processing task" in line:
+            times.setdefault("task_launched", at)
         elif " release: " in line and "stop processing" in line:
-            moments.setdefault("first_byte", at)
-    return moments
+            times.setdefault("task_released", at)
+    return times
+
+
+def llama_log_moments(lines: Iterable[str], started_at: float) -> dict[str, float]:
+    """The moments of one llama.cpp start on its own clock (`llama_log_times`), keyed by the
+    phase each ends: `loading_model` and `ready` ("model loaded": the server turns healthy as
+    it prints it), `server_start` ("listening on"), `first_byte` (the first task released: a
+    plain answer is sent as its generation ends)."""
+    times = llama_log_times(lines, started_at)
+    ends = {
+        "loading_model": "model_loaded",
+        "ready": "model_loaded",
+        "server_start": "server_listening",
+        "first_byte": "task_released",
+    }
+    return {phase: times[name] for phase, name in ends.items() if name in times}
 
 
 def process_started_at(runtime_id: str) -> float:

@@ -38,7 +38,7 @@ from gateway.classify import (
     body_traits,
     classify_route,
 )
-from gateway.errors import ClientDisconnected, UpstreamClosed, UpstreamError
+from gateway.errors import BodyTooDeep, ClientDisconnected, UpstreamClosed, UpstreamError
 from gateway.express import Exchange, Forwarding
 from gateway.messages import (
     NOT_FORWARDED,
@@ -333,6 +333,9 @@ class Gateway:
         row = _Row(arrived)
         try:
             await self._lease_then_relay(request, responder, view, route, body, target, row)
+        except BodyTooDeep as exc:  # found decoding the body, before anything was sent
+            row.outcome = REFUSED
+            await _reply(responder, queued.bad_body(str(exc)))
         except ClientDisconnected:
             row.outcome = CLIENT_GONE
             raise

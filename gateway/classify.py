@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from gateway.errors import BodyTooDeep
+
 
 class Endpoint(enum.Enum):
     """Inference endpoints under /v1 that count as traffic (the seed's list)."""
@@ -155,6 +157,8 @@ def _structured(fields: _RawObject, endpoint: Endpoint) -> bool:
             inner = _decode_object(extra)
         except msgspec.MsgspecError:
             inner = {}
+        except RecursionError:
+            raise BodyTooDeep from None
         if _structured(inner, endpoint):
             return True
     if endpoint is Endpoint.RESPONSES:
@@ -164,6 +168,8 @@ def _structured(fields: _RawObject, endpoint: Endpoint) -> bool:
                 value = _decode_any(text)
             except msgspec.MsgspecError:
                 return True
+            except RecursionError:
+                raise BodyTooDeep from None
             fmt = value.get("format") if isinstance(value, dict) else None
             if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
                 return True
@@ -171,20 +177,24 @@ def _structured(fields: _RawObject, endpoint: Endpoint) -> bool:
 
 
 def body_traits(endpoint: Endpoint | None, body: bytes) -> BodyTraits:
-    """Streaming and structured-output flags from a request body (bad JSON: neither)."""
+    """Streaming and structured-output flags from a request body (bad JSON: neither; JSON
+    nested too deeply to decode: `BodyTooDeep`)."""
     if endpoint is None or endpoint not in _JSON_ENDPOINTS or not body:
         return BodyTraits()
     try:
         fields = _decode_object(body)
     except msgspec.MsgspecError:
         return BodyTraits()
+    except RecursionError:  # nested deeper than msgspec decodes: the client's request is bad
+        raise BodyTooDeep from None
     stream_raw = fields.get("stream")
     stream = stream_raw is not None and bytes(stream_raw) == b"true"
     return BodyTraits(stream=stream, structured=_structured(fields, endpoint))
 
 
 def body_model(endpoint: Endpoint | None, body: bytes) -> str | None:
-    """The `model` a JSON request body names (None: none, or not JSON)."""
+    """The `model` a JSON request body names (None: none, or not JSON; JSON nested too
+    deeply to decode: `BodyTooDeep`)."""
     if endpoint is None or endpoint not in _JSON_ENDPOINTS or not body:
         return None
     try:
@@ -192,6 +202,8 @@ def body_model(endpoint: Endpoint | None, body: bytes) -> str | None:
         named = None if raw is None else _decode_any(bytes(raw))
     except msgspec.MsgspecError:
         return None
+    except RecursionError:
+        raise BodyTooDeep from None
     return named if isinstance(named, str) else None
 
 

@@ -43,6 +43,25 @@ class BodyTimeout(ClientError):
     status = 408
 
 
+# msgspec decodes nested JSON recursively, within Python's recursion limit (1,000 frames)
+# less the frames below the decode: on the gateway's handler path a body nested about 980
+# levels deep decodes (measured), a deeper one raises RecursionError.  This many always do.
+JSON_DEPTH = 900
+
+
+class BodyTooDeep(ClientError):
+    """The request body's JSON nests arrays and objects deeper than the gateway decodes:
+    `gateway.classify` turns msgspec's RecursionError into this (a 400, not a 500)."""
+
+    status = 400
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"the request body's JSON nests arrays and objects more than {JSON_DEPTH} levels "
+            f"deep; the gateway reads up to {JSON_DEPTH}"
+        )
+
+
 class ResponseStateError(GatewayError):
     """The handler used its responder out of order (e.g. `send` before `start`)."""
 

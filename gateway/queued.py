@@ -206,6 +206,11 @@ def too_large(limit: int) -> ErrorReply:
     )
 
 
+def bad_body(message: str) -> ErrorReply:
+    """A request body the gateway cannot read (JSON nested too deeply: `BodyTooDeep`)."""
+    return ErrorReply(400, "invalid_json", message)
+
+
 def deployment_not_found(deployment_id: str) -> ErrorReply:
     """No deployment with this id behind the gateway."""
     return ErrorReply(404, "deployment_not_found", f"no on-demand deployment {deployment_id}")

@@ -1,7 +1,9 @@
-"""The admin API's bodies: msgspec Structs, and their errors as 422s naming the field."""
+"""The admin API's bodies: msgspec Structs, and their errors as 422s naming the field; JSON
+nested too deeply is a 400 naming the limit on every route that takes a body."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -9,6 +11,11 @@ import pytest
 
 from dgxmm.admin import bodies
 from dgxmm.admin.errors import ApiError
+from dgxmm.admin.guards import MAX_JSON_DEPTH
+from dgxmm.admin.routes import ROUTES, SAFE_METHODS
+from tests.api_support import Box, error_of, run_box
+
+API = "/dgxmm/api"
 
 SPEC = {"name": "chat", "engine": "sim", "model": "m", "memory_gib": 8}
 
@@ -89,3 +96,48 @@ def test_login_answers_required_for_any_bad_field() -> None:
     assert (err.code, err.message) == ("missing_field", "name: required")
     err = refusal({"name": "a", "password": 3}, bodies.LoginBody, bodies.LOGIN_RULES)
     assert (err.code, err.message) == ("missing_field", "password: required")
+
+
+def _nested(depth: int, shape: str) -> bytes:
+    if shape == "arrays":
+        return b"[" * depth + b"]" * depth
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+# As deep as the body bound (1 MiB) lets each shape nest.
+@pytest.mark.parametrize(("shape", "depth"), [("arrays", 200_000), ("objects", 100_000)])
+def test_a_body_nested_far_too_deep_is_a_400_naming_the_limit_on_every_route_that_takes_one(
+    tmp_path: Path, shape: str, depth: int
+) -> None:
+    deep = b'{"name":' + _nested(depth, shape) + b"}"
+    targets = [
+        "/".join((API, *("x" if part.startswith("{") else part for part in route.pattern)))
+        for route in ROUTES
+        if route.method not in SAFE_METHODS
+    ]
+    methods = [route.method for route in ROUTES if route.method not in SAFE_METHODS]
+
+    async def t(box: Box) -> None:
+        admin = await box.login("alice")
+        for method, target in zip(methods, targets, strict=True):
+            reply = await admin.call(method, target, deep)
+            assert reply.status == 400, (method, target, reply.body[:200])
+            error = error_of(reply)
+            assert error["code"] == "invalid_json"
+            assert error["message"] == f"the body nests deeper than {MAX_JSON_DEPTH} levels"
+            assert b"ecursion" not in reply.body
+        assert (await admin.call("GET", f"{API}/session")).status == 200  # nothing ran
+
+    run_box(tmp_path, t)
+
+
+def test_a_body_at_the_nesting_limit_is_read_and_one_level_more_is_not(tmp_path: Path) -> None:
+    async def t(box: Box) -> None:
+        admin = await box.login("alice")
+        at_limit = b'{"name":' + _nested(MAX_JSON_DEPTH - 1, "arrays") + b"}"
+        reply = await admin.call("POST", f"{API}/deployments", at_limit)
+        assert (reply.status, error_of(reply)["param"]) == (422, "name")  # read, then judged
+        reply = await admin.call("POST", f"{API}/deployments", b"[" + at_limit + b"]")
+        assert (reply.status, error_of(reply)["code"]) == (400, "invalid_json")
+
+    run_box(tmp_path, t)

@@ -974,3 +974,35 @@ def test_a_request_for_a_model_the_deployment_does_not_serve_starts_nothing() ->
             assert r.controller.enqueued == 0 and r.engine.seen == []
 
     run(main())
+
+
+@pytest.mark.parametrize("state", ["stopped", "ready"])
+@pytest.mark.parametrize("shape", ["arrays", "objects"])
+def test_a_body_nested_200000_deep_is_a_400_naming_the_limit_that_starts_and_reaches_nothing(
+    state: str, shape: str
+) -> None:
+    depth = 200_000
+    deep = (
+        b"[" * depth + b"]" * depth if shape == "arrays" else b'{"a":' * depth + b"1" + b"}" * depth
+    )
+    # No "model" key: the express lane (a warm pool) relays a plain body that names the model
+    # once without reading it, and leaves this one to the handler, which reads every body.
+    body = b'{"messages":' + deep + b"}"
+
+    async def main() -> None:
+        async with rig(state) as r:
+            client = await Client.connect(r.port)
+            try:
+                reply = await client.request("POST", CHAT, body)
+                assert reply.status == 400
+                error = reply.json()["error"]
+                assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_json")
+                assert "more than 900 levels deep" in error["message"]
+                assert b"ecursion" not in reply.body and b"Error" not in reply.body
+                assert r.controller.enqueued == r.controller.acquired == 0 and r.engine.seen == []
+                # The body was read whole: the connection serves the next request.
+                assert (await client.request("GET", "/d/a/v1/models")).status == 200
+            finally:
+                client.close()
+
+    run(main())

@@ -7,9 +7,13 @@ nothing *of its own*.  So the gateway keeps one row per request in memory (`reco
 object made, no arithmetic, no I/O) and every `flush_every_s` turns them into one
 `TrafficRecorded` event for the log's group commit (`sink`).  The stored columns are
 `events.traffic`'s (layout 1): the flush computes them with numpy (`_columns`), a few
-instructions a value, where Python would make and free a float per subtraction.  The
-batch also says when each of its deployments was last used (`last_used_at`, read off the
-last rows at the flush, never per request), which the folded state keeps across restarts.
+instructions a value, where Python makes and frees a float per subtraction (the standard
+library's best, `tests.perf.bench_trace_flush`, takes about 20 times the instructions a
+row, which would double what the trace costs a request; `tests/test_traffic_trace.py`
+holds the two to the same bytes).  numpy is imported when a trace is made (`_rows`), not
+with this module, which every process importing `gateway` loads.  The batch also says
+when each of its deployments was last used (`last_used_at`, read off the last rows at the
+flush, never per request), which the folded state keeps across restarts.
 
 The express lane packs its row itself, in `Exchange._end`, with no check of its own: a
 deployment new to the batch (a `KeyError`) or a full batch (`pack_into` past the buffer's
@@ -32,16 +36,16 @@ import os
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-# numpy's BLAS would start a thread per core that spins after use; the trace does no
-# linear algebra (set before numpy is first imported, as `dgxmm serve` does here).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-import numpy as np
-
 from events import model as m
 from events.traffic import LAYOUT, MAX_DEPLOYMENTS, last_uses, pack_layout1
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = structlog.get_logger("gateway.trace")
 
@@ -54,20 +58,37 @@ Sink = Callable[[m.TrafficRecorded], Awaitable[object]]
 # and from the batch's base) with numpy, a few instructions a value, instead of Python's
 # arithmetic on each row (a float made and freed per subtraction).
 ROW = struct.Struct("<BB?qdddd")
-_ROWS = np.dtype(
-    {
-        "names": ["index", "outcome", "streamed", "id", "arrived", "admitted", "first", "end"],
-        "formats": ["u1", "u1", "u1", "<i8", "<f8", "<f8", "<f8", "<f8"],
-        "offsets": [0, 1, 2, 3, 11, 19, 27, 35],
-        "itemsize": ROW.size,
-    }
-)
+
+
+@cache
+def _rows() -> np.dtype[Any]:
+    """`ROW` as numpy sees it, numpy imported on the first call.
+
+    Only a process that makes a `TrafficTrace` (`dgxmm serve`) loads numpy (0.2 s and
+    15 MB): `gateway` is imported by LiteLLM's workers (`dgxmm.litellm`), the admin and
+    the engines' adapters too, which never flush a trace.  Loaded when the trace is made
+    rather than at its first flush, which would stall the event loop that long."""
+    # numpy's BLAS would start a thread per core that spins after use; the trace does no
+    # linear algebra (set before numpy is first imported, as `dgxmm serve` does here).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    import numpy as np
+
+    return np.dtype(
+        {
+            "names": ["index", "outcome", "streamed", "id", "arrived", "admitted", "first", "end"],
+            "formats": ["u1", "u1", "u1", "<i8", "<f8", "<f8", "<f8", "<f8"],
+            "offsets": [0, 1, 2, 3, 11, 19, 27, 35],
+            "itemsize": ROW.size,
+        }
+    )
 
 
 def _columns(buf: bytearray, n: int, base: float) -> tuple[int, list[bytes]]:
     """The batch's first id and its layout-1 columns (index, outcome, streamed, id
     differences, wait, arrival from `base`, time to first byte or -1, duration)."""
-    rows = np.frombuffer(buf, dtype=_ROWS, count=n)
+    import numpy as np  # loaded by `_rows` when the trace was made: a lookup here
+
+    rows = np.frombuffer(buf, dtype=_rows(), count=n)
     ids, arrived, first = rows["id"], rows["arrived"], rows["first"]
     with np.errstate(over="ignore"):  # a clock gone wrong: inf, not an error
         times = [
@@ -103,6 +124,7 @@ class TrafficTrace:
         wall: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        _rows()  # numpy, now rather than at the first flush
         self._sink = sink
         self.flush_every_s = flush_every_s
         self.max_in_flight = max_in_flight

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from actors.admission import Refused
 from events import model as m
@@ -23,7 +27,8 @@ from events.traffic import (
     encode_batch,
 )
 from gateway.express import Exchange
-from gateway.trace import TrafficTrace
+from gateway.trace import ROW, TrafficTrace
+from gateway.trace import _columns as numpy_columns
 from storage.eventlog import EventStore
 from tests.gateway_support import (
     Client,
@@ -33,6 +38,7 @@ from tests.gateway_support import (
     run,
     running_gateway,
 )
+from tests.perf.bench_trace_flush import stdlib_columns
 
 T0 = 1000.0  # monotonic seconds in the rows below
 OFFSET = 1_767_225_600.0 - T0
@@ -225,6 +231,43 @@ def test_the_express_lane_keeps_the_bound_drops_beyond_it_and_counts() -> None:
         assert [e.count for e in written] == [8]
 
     run(main())
+
+
+_times = st.floats(-1e300, 1e300, allow_nan=False)  # far beyond float32: infinity there
+_packed_rows = st.lists(
+    st.tuples(
+        st.integers(0, 254), st.integers(0, 255), st.booleans(),
+        st.integers(-(2**63), 2**63 - 1),  # ids a whole int64 apart: differences wrap
+        _times, st.one_of(st.none(), _times), st.one_of(st.just(0.0), _times), _times,
+    ),
+    min_size=1, max_size=40,
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(_packed_rows, _times)
+def test_the_flush_writes_the_bytes_a_plain_python_encoding_of_its_rows_would(
+    rows: list[tuple[int, int, bool, int, float, float | None, float, float]], base: float
+) -> None:
+    """numpy's columns (`gateway.trace._columns`) against the standard library's, byte for byte: the
+    float32 of each difference, infinity past its range, -1 without an answer, the ids'
+    differences modulo 2**64 (a lease at the arrival: None)."""
+    buf = bytearray(len(rows) * ROW.size)
+    for i, (index, outcome, streamed, rid, arrived, admitted, first, end) in enumerate(rows):
+        at = arrived if admitted is None else admitted
+        ROW.pack_into(buf, i * ROW.size, index, outcome, streamed, rid, arrived, at, first, end)
+    assert numpy_columns(buf, len(rows), base) == stdlib_columns(buf, len(rows), base)
+
+
+def test_importing_the_gateway_loads_numpy_only_once_a_trace_is_made() -> None:
+    """LiteLLM's workers import `gateway` (`dgxmm.litellm`) and never flush a trace."""
+    script = (
+        "import sys, gateway, gateway.trace, dgxmm.litellm.backend\n"
+        "assert 'numpy' not in sys.modules, 'imported'\n"
+        "gateway.trace.TrafficTrace(print)\n"
+        "assert 'numpy' in sys.modules, 'not made'\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
 def _no_answer(row: Row) -> Row:

@@ -8,12 +8,13 @@ object made, no arithmetic, no I/O) and every `flush_every_s` turns them into on
 `TrafficRecorded` event for the log's group commit (`sink`).  The stored columns are
 `events.traffic`'s (layout 1): the flush computes them with numpy (`_columns`), a few
 instructions a value, where Python makes and frees a float per subtraction (the standard
-library's best, `tests.perf.bench_trace_flush`, takes about 20 times the instructions a
-row, which would double what the trace costs a request; `tests/test_traffic_trace.py`
-holds the two to the same bytes).  numpy is imported when a trace is made (`_rows`), not
-with this module, which every process importing `gateway` loads.  The batch also says
-when each of its deployments was last used (`last_used_at`, read off the last rows at the
-flush, never per request), which the folded state keeps across restarts.
+library's best, `tests.perf.bench_trace_flush`, takes 5 to 20 times the instructions a
+row, in batches of 500 to 4,096, which would double what the trace costs a request;
+`tests/test_traffic_trace.py` holds the two to the same bytes).  numpy is imported when a
+trace is made (`_rows`), not with this module, which every process importing `gateway`
+loads.  The batch also says when each of its deployments was last used (`last_used_at`,
+read off the last rows at the flush, never per request), which the folded state keeps
+across restarts.
 
 The express lane packs its row itself, in `Exchange._end`, with no check of its own: a
 deployment new to the batch (a `KeyError`) or a full batch (`pack_into` past the buffer's
@@ -65,7 +66,7 @@ def _rows() -> np.dtype[Any]:
     """`ROW` as numpy sees it, numpy imported on the first call.
 
     Only a process that makes a `TrafficTrace` (`dgxmm serve`) loads numpy (0.2 s and
-    15 MB): `gateway` is imported by LiteLLM's workers (`dgxmm.litellm`), the admin and
+    11 MB): `gateway` is imported by LiteLLM's workers (`dgxmm.litellm`), the admin and
     the engines' adapters too, which never flush a trace.  Loaded when the trace is made
     rather than at its first flush, which would stall the event loop that long."""
     # numpy's BLAS would start a thread per core that spins after use; the trace does no

@@ -55,6 +55,7 @@ from typing import Any
 
 from dgxmm.engines.runtimes import free_port
 from tests.cold_start_support import llama_log_times, process_started_at
+from tests.perf.bench_cold_start import HealthPoller
 from tests.real_engine_support import ENGINE_ARGS, Serve, llama_build, poll
 from tests.vllm_support import VLLM_ARGS, VLLM_ENV, vllm_serving
 
@@ -73,6 +74,7 @@ class Subject:
     env: dict[str, str]
     deadline_s: float
     engine_clock: bool = False  # llama.cpp's --log-timestamps: its own work is timed
+    stream: bool = False  # vLLM: a stream, whose first byte does not wait for the token
     direct: list[dict[str, float]] = field(default_factory=list)
     dgxmm: list[dict[str, float]] = field(default_factory=list)
 
@@ -135,7 +137,7 @@ def direct_start(subject: Subject, workdir: Path) -> dict[str, float]:
                 raise RuntimeError(f"{subject.name} direct: not healthy (see {workdir})")
             time.sleep(HEALTH_POLL_S)
         health_at = time.perf_counter()
-        body = {"model": subject.model, **ONE_TOKEN}
+        body = {"model": subject.model, **ONE_TOKEN, "stream": subject.stream}
         at, status, _ = first_byte(port, "/v1/chat/completions", body, {}, subject.deadline_s)
         if status != 200:
             raise RuntimeError(f"{subject.name} direct answered {status}")
@@ -174,15 +176,22 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 def dgxmm_start(subject: Subject, serve: Serve) -> dict[str, float]:
     """One request to the sleeping deployment through the gateway; the times from sending."""
+    dep_id = serve.deployments[subject.name]
+    # Without the engine's clock, its first healthy answer as a 10 ms poller sees it.
+    poller = None if subject.engine_clock else HealthPoller(serve, dep_id)
     sent_wall = time.time()
     sent = time.perf_counter()
-    at, status, headers = first_byte(
-        serve.gateway_port,
-        serve.gateway_path(subject.name),
-        {"model": subject.model, **ONE_TOKEN},
-        serve.gateway_auth,
-        subject.deadline_s,
-    )
+    try:
+        at, status, headers = first_byte(
+            serve.gateway_port,
+            serve.gateway_path(subject.name),
+            {"model": subject.model, **ONE_TOKEN, "stream": subject.stream},
+            serve.gateway_auth,
+            subject.deadline_s,
+        )
+    finally:
+        if poller is not None:
+            poller.stop()
     if status != 200:
         raise RuntimeError(f"{subject.name} through DGXMM answered {status}")
     total = at - sent
@@ -203,8 +212,9 @@ def dgxmm_start(subject: Subject, serve: Serve) -> dict[str, float]:
     ready = [e for e in mine if e["type"] == "EngineReady"][-1]
     arrived = float(queued["arrived_at"])
     launch_began = float(starting["data"]["launch_began_at"])
-    dep_id = serve.deployments[subject.name]
     own = {}
+    if poller is not None and poller.first_200 is not None:
+        own["engine healthy -> first byte"] = at - poller.first_200
     if subject.engine_clock:
         own = engine_own(
             lambda: list(serve.api("GET", f"/deployments/{dep_id}/logs?tail=5000")["lines"]),
@@ -339,6 +349,15 @@ def report(subject: Subject) -> None:
         print("  the same without the engine's own work (its loading and its first request, on")
         print("  its own clock), so without the start-to-start spread of the engine:")
         print(f"  difference        {spread(outside)}   {verdict(outside)}")
+    elif "engine healthy -> first byte" in subject.dgxmm[0]:
+        within = [
+            g["send -> arrival"] + g["admission"] + g["memory grant"]
+            + g["engine healthy -> first byte"] - d["healthy -> first byte"]
+            for d, g in zip(subject.direct, subject.dgxmm, strict=True)
+        ]  # fmt: skip
+        print("  the same within each start: DGXMM's time before the launch, plus its engine's")
+        print("  first healthy answer (a 10 ms poller) to the first byte, minus the direct one's:")
+        print(f"  difference        {spread(within)}   {verdict(within)}")
         for key in (k for k in subject.dgxmm[0] if k.startswith("  ")):
             part = [g[key] - d[key] for d, g in zip(subject.direct, subject.dgxmm, strict=True)]
             print(f"  {key:32} {spread(part)}")
@@ -381,7 +400,8 @@ def vllm(workdir: Path) -> Iterator[tuple[Subject, Serve]]:
     with vllm_serving(workdir, litellm=False) as stack:
         listen = ["--host", "127.0.0.1", "--port", "{port}"]
         argv = [*stack.vllm.command, "--model", stack.model, *listen, *VLLM_ARGS]
-        yield Subject("vllm", stack.model, argv, dict(VLLM_ENV), 600.0), stack.serve
+        subject = Subject("vllm", stack.model, argv, dict(VLLM_ENV), 600.0, stream=True)
+        yield subject, stack.serve
 
 
 def main() -> None:

@@ -81,8 +81,11 @@ EMPTY_OK = Full(200, b"", b"application/json")
 SGLANG_UNHEALTHY = Full(503, b"", b"application/json")
 
 
-def error(flavour: Flavour, status: int, message: str, kind: str | None = None) -> Full:
-    """An error body in the flavour's own format."""
+def error(
+    flavour: Flavour, status: int, message: str, kind: str | None = None, param: str | None = None
+) -> Full:
+    """An error body in the flavour's own format (`param`: the field at fault, where the
+    format has one)."""
     if flavour == "llamacpp":
         err_type = kind or {
             400: "invalid_request_error",
@@ -99,9 +102,9 @@ def error(flavour: Flavour, status: int, message: str, kind: str | None = None) 
         503: "ServiceUnavailableError",
     }.get(status, "InternalServerError")
     if flavour == "sglang":
-        flat = {"object": "error", "message": message, "type": err_type, "param": None}
+        flat = {"object": "error", "message": message, "type": err_type, "param": param}
         return Full(status, _encode({**flat, "code": status}))
-    nested = {"message": message, "type": err_type, "param": None, "code": status}
+    nested = {"message": message, "type": err_type, "param": param, "code": status}
     return Full(status, _encode({"error": nested}))
 
 

@@ -5,8 +5,9 @@ with `await serve(SimOptions(...))`.  It mimics each engine where DGXMM can tell
 difference (see notes/engines.md): how it starts (connection refused, 503 while loading or
 warming up), its `/health`, `/metrics` and 404 bodies, vLLM's sleep endpoints, and the
 streaming formats of chat/completions, completions, the Responses API and Anthropic
-messages.  Answers are deterministic for a given request body, so a test can compare the
-bytes seen through a proxy with the bytes seen directly.
+messages, and its 400 for a body that is not a valid request (`simulations.refusals`), on a
+connection that stays open.  Answers are deterministic for a given request body, so a test
+can compare the bytes seen through a proxy with the bytes seen directly.
 
 The rendering functions (`simulations.answers`) are pure and build the whole answer before a
 byte is written; the connection task here only parses (h11), routes, waits for a slot and
@@ -67,6 +68,7 @@ from simulations.answers import (
     tokenize_answer,
     transcription_answer,
 )
+from simulations.refusals import refusal
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -606,6 +608,9 @@ class SimServer:
         parsed = _parse_object(body)
         if parsed is None:
             return Plan(error(flavour, 400, "malformed JSON body: expected a JSON object"), False)
+        refused = refusal(flavour, kind, parsed)  # checked before the model, as vLLM does
+        if refused is not None:
+            return Plan(refused, False)
         requested = parsed.get("model")
         if flavour == "vllm" and isinstance(requested, str) and requested != model:
             return Plan(error(flavour, 404, f"The model `{requested}` does not exist."), False)
@@ -629,13 +634,9 @@ class SimServer:
                 else:
                     answer = chat_answer(flavour, model, g, stream, usage, delay)
             case "completions":
-                if "prompt" not in parsed:
-                    return Plan(error(flavour, 400, "prompt is required"), False)
                 g = generate(_encode(parsed["prompt"]), parsed.get("max_tokens"), opts.tokens)
                 answer = completion_answer(flavour, model, g, stream, usage, delay)
             case "responses":
-                if "input" not in parsed:
-                    return Plan(error(flavour, 400, "input is required"), False)
                 limit = parsed.get("max_output_tokens")
                 g = generate(_encode(parsed["input"]), limit, opts.tokens)
                 answer = responses_answer(model, g, stream, limit)

@@ -53,6 +53,10 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("rerank", {"model": MODEL, "query": "q", "documents": ["a", "b"]}),
     ("score", {"model": MODEL, "text_1": "a", "text_2": "b"}),
     ("chat/completions", {"model": MODEL, "messages": []}),
+    # Not valid requests: each engine's own 400, relayed on connections that stay (issue 47).
+    ("chat/completions", {"model": MODEL, "stream": True, "messages": 5}),
+    ("chat/completions", {"model": MODEL, "messages": [5]}),
+    ("completions", {"model": MODEL, "prompt": 5, "stream": True}),
 ]
 
 

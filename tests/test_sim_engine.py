@@ -720,3 +720,110 @@ def test_subprocess_crash_after_dies_in_the_middle_of_the_stream() -> None:
             assert await asyncio.wait_for(proc.wait(), 5) == 1
 
     run(body())
+
+
+# --- bodies that are not valid requests ----------------------------------------------------------
+
+OK_MESSAGES = [{"role": "user", "content": "hi"}]
+BAD_BODIES: list[tuple[str, bytes]] = [
+    ("/v1/chat/completions", b'{"stream": true, "messages": 5}'),  # issue 47: was a dropped line
+    ("/v1/chat/completions", b'{"stream": true}'),
+    ("/v1/chat/completions", b'{"messages": "hi"}'),
+    ("/v1/chat/completions", b'{"messages": [5]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}'),
+    ("/v1/chat/completions", json.dumps({"messages": OK_MESSAGES, "max_tokens": "x"}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": OK_MESSAGES, "stream": "yes"}).encode()),
+    ("/v1/completions", b'{"stream": true}'),
+    ("/v1/completions", b'{"prompt": 5}'),
+    ("/v1/completions", b'{"prompt": null}'),
+    ("/v1/completions", b'{"max_tokens": -1}'),  # llama.cpp takes -1, not the missing prompt
+    ("/v1/responses", b'{"stream": true}'),
+    ("/v1/responses", b'{"input": 5}'),
+    ("/v1/messages", b'{"max_tokens": 8, "messages": 5}'),
+    ("/v1/chat/completions", b"{not json"),
+]
+
+
+def error_of(flavour: Flavour, body: bytes) -> str:
+    """The message of an error body, after checking its shape is the flavour's: vLLM's
+    `{"error": {message, type, param, code}}`, llama.cpp's `{"error": {code, message, type}}`
+    (type `invalid_request_error`), SGLang's flat `{"object": "error", ...}`."""
+    parsed = json.loads(body)
+    if flavour == "sglang":
+        assert set(parsed) == {"object", "message", "type", "param", "code"}, parsed
+        assert (parsed["object"], parsed["code"]) == ("error", 400)
+        return str(parsed["message"])
+    assert set(parsed) == {"error"}, parsed
+    error = parsed["error"]
+    if flavour == "llamacpp":
+        assert set(error) == {"code", "message", "type"}, error
+        assert (error["code"], error["type"]) == (400, "invalid_request_error")
+    else:
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert error["code"] == 400 and error["type"] in ("BadRequestError", "Bad Request")
+    return str(error["message"])
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "llamacpp", "sglang"])
+@pytest.mark.parametrize(("path", "body"), BAD_BODIES, ids=[b.decode() for _, b in BAD_BODIES])
+def test_a_body_that_is_not_a_valid_request_is_the_flavours_400_on_a_connection_that_stays(
+    flavour: Flavour, path: str, body: bytes
+) -> None:
+    async def main() -> None:
+        async with engine(flavour=flavour) as server:
+            await server.wait_ready()
+            head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n"
+            after = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+            data = await read_until_eof(server.port, head.encode() + body + after)
+            first, _, second = data.partition(b"HTTP/1.1 200 OK\r\n")
+            assert first.startswith(b"HTTP/1.1 400 Bad Request\r\n"), data[:200]
+            assert b'"object":"list"' in second  # the next request, on the same connection
+            assert error_of(flavour, first.partition(b"\r\n\r\n")[2])
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("flavour", "message"),
+    [
+        ("vllm", "'int' object is not iterable"),
+        ("llamacpp", "Expected 'messages' to be an array"),
+    ],
+)
+def test_messages_that_are_not_a_list_get_the_real_engines_words(
+    flavour: Flavour, message: str
+) -> None:
+    # Both answers as the real engines gave them (vLLM 0.32 CPU, llama.cpp 0.3.36).
+    async def main() -> None:
+        async with engine(flavour=flavour) as server:
+            await server.wait_ready()
+            reply = await call(
+                server, "POST", "/v1/chat/completions", {"stream": True, "messages": 5}
+            )
+            assert reply.status == 400
+            assert error_of(flavour, reply.body) == message
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("flavour", "body"),
+    [
+        ("vllm", {"messages": [{"role": "user"}]}),  # vLLM asks no content of a user message
+        ("llamacpp", {"messages": OK_MESSAGES, "max_tokens": -1}),  # llama.cpp: no limit
+        ("llamacpp", {"messages": OK_MESSAGES, "max_tokens": 1.5}),
+        ("vllm", {"prompt": [[1, 2], [3]]}),  # token ids
+        ("llamacpp", {"prompt": ["a", 5]}),  # strings and tokens mixed
+    ],
+)
+def test_what_a_real_engine_takes_the_simulator_takes_too(
+    flavour: Flavour, body: dict[str, Any]
+) -> None:
+    async def main() -> None:
+        async with engine(flavour=flavour, tokens=3) as server:
+            await server.wait_ready()
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            reply = await call(server, "POST", path, body)
+            assert reply.status == 200, reply.body
+
+    run(main())

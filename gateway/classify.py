@@ -207,35 +207,31 @@ def body_model(endpoint: Endpoint | None, body: bytes) -> str | None:
     return named if isinstance(named, str) else None
 
 
-class ModelNames:
-    """The model names a deployment answers to (the name its engine serves, and the name
-    clients use), as a JSON body spells them: for the express lane, which must give the
-    answer `body_model`'s check gives on the handler's path without decoding the body."""
+class _TopModel(msgspec.Struct):
+    """A request body's top-level `model`; everything else is skipped unread."""
 
-    __slots__ = ("keys", "name", "served")
+    model: str | None = None
 
-    def __init__(self, served: str, name: str) -> None:
-        self.served = served
-        self.name = name
-        keys: list[bytes] = []
-        for model in dict.fromkeys((served, name)):
-            quoted = msgspec.json.encode(model)
-            keys += (b'"model":' + quoted, b'"model": ' + quoted)
-        self.keys = tuple(keys)
 
-    def named(self, endpoint: Endpoint | None, body: bytes) -> bool:
-        """True when `body_model` surely finds one of these names or none: the body carries
-        no model (not a JSON endpoint), or one key `"model"` and it names one of these.
-        False: only decoding the body can tell (a JSON string's quotes are escaped, so a key
-        found is one of the object's, and a key counted once is the top level's if any)."""
-        if endpoint is None or endpoint not in _JSON_ENDPOINTS:
-            return True
-        if body.count(b'"model"') != 1:
-            return False
-        for key in self.keys:  # noqa: SIM110 - a generator costs the lane more
-            if key in body:
-                return True
+_decode_top_model = msgspec.json.Decoder(_TopModel).decode
+
+
+def carries_model(endpoint: Endpoint | None) -> bool:
+    """Whether requests to `endpoint` name their model in a JSON body (`body_model`)."""
+    return endpoint is not None and endpoint in _JSON_ENDPOINTS
+
+
+def names_one_of(body: bytes, served: str, name: str) -> bool:
+    """True when `body_model` surely finds `served`, `name` or no model in a JSON `body`;
+    False when it finds another, or only decoding as `body_model` does can tell (not a JSON
+    object, a model that is not a string): for the express lane, which must give the answer
+    the handler's check gives.  One decode of the top level, in C: 2,600 instructions for a
+    small chat request against 6,300 for two byte searches (callgrind)."""
+    try:
+        model = _decode_top_model(body).model
+    except (msgspec.MsgspecError, RecursionError):  # too deep: the handler says so
         return False
+    return model is None or model in (served, name)
 
 
 def classify_request(

@@ -43,7 +43,7 @@ import structlog
 
 from actors.admission import Controller, DeploymentView, Lease
 from events.traffic import CLIENT_GONE, ENGINE_ERROR, SERVED
-from gateway.classify import Endpoint, ModelNames
+from gateway.classify import Endpoint, carries_model, names_one_of
 from gateway.errors import (
     ClientDisconnected,
     ResponseStateError,
@@ -81,7 +81,7 @@ class Forwarding(EngineHead):
     head (`LengthMemo.derived`, see `ServerSession.known`): a head alike but for its length
     has the same of both, so the next request on the connection is routed and sent from it."""
 
-    __slots__ = ("checked", "deployment_id", "endpoint", "names")
+    __slots__ = ("checked", "deployment_id", "endpoint", "json_body")
 
     def __init__(
         self, deployment_id: str, target: bytes, endpoint: Endpoint | None, drop: frozenset[bytes]
@@ -91,8 +91,8 @@ class Forwarding(EngineHead):
         self.endpoint = endpoint
         # The gateway keys (`Access.keys`) the head's Authorization passed under, if any.
         self.checked: tuple[bytes, ...] | None = None
-        # The deployment's model names, as its view had them when last asked.
-        self.names: ModelNames | None = None
+        # Its body names the model (`names_one_of` checks it).
+        self.json_body = carries_model(endpoint)
 
 
 class Host(Protocol):
@@ -200,19 +200,22 @@ class Exchange:
 
     def start(self, body: bytes) -> None:
         """The whole body is in: send the request, or hand it to the handler (which also
-        judges a model name the lane cannot vouch for: `ModelNames.named`)."""
+        judges a model name the lane cannot vouch for: `names_one_of`)."""
         gateway = self._gateway
         view = self._view
         hint = view.engine_handle  # as the head found it: no lease without a chance
         pool = gateway.upstream
         lease = None
-        if hint is not None and len(body) <= MAX_BODY_BYTES and pool.can_send(hint.host, hint.port):
-            forwarding = self._forwarding
-            names = forwarding.names
-            if names is None or names.served != view.served_model or names.name != view.model_name:
-                names = forwarding.names = ModelNames(view.served_model, view.model_name)
-            if names.named(forwarding.endpoint, body):
-                lease = gateway.controller.try_acquire(view.deployment_id)
+        if (
+            hint is not None
+            and len(body) <= MAX_BODY_BYTES
+            and pool.can_send(hint.host, hint.port)
+            and (
+                not self._forwarding.json_body
+                or names_one_of(body, view.served_model, view.model_name)
+            )
+        ):
+            lease = gateway.controller.try_acquire(view.deployment_id)
         if lease is None:
             self._conn.hand_over(self.head, self.request_id, body)
             return

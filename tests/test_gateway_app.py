@@ -976,18 +976,19 @@ def test_a_request_for_a_model_the_deployment_does_not_serve_starts_nothing() ->
     run(main())
 
 
+@pytest.mark.parametrize("depth", [200_000, 5_000])  # over and under the express lane's bound
+@pytest.mark.parametrize("named", [False, True])
 @pytest.mark.parametrize("state", ["stopped", "ready"])
 @pytest.mark.parametrize("shape", ["arrays", "objects"])
-def test_a_body_nested_200000_deep_is_a_400_naming_the_limit_that_starts_and_reaches_nothing(
-    state: str, shape: str
+def test_a_body_nested_too_deep_is_a_400_naming_the_limit_that_starts_and_reaches_nothing(
+    state: str, shape: str, named: bool, depth: int
 ) -> None:
-    depth = 200_000
     deep = (
         b"[" * depth + b"]" * depth if shape == "arrays" else b'{"a":' * depth + b"1" + b"}" * depth
     )
-    # No "model" key: the express lane (a warm pool) relays a plain body that names the model
-    # once without reading it, and leaves this one to the handler, which reads every body.
-    body = b'{"messages":' + deep + b"}"
+    # With and without the served model named first: the express lane (a warm pool) reads
+    # the top level for the model, and leaves what it cannot read to the handler.
+    body = (b'{"model":"served-a","messages":' if named else b'{"messages":') + deep + b"}"
 
     async def main() -> None:
         async with rig(state) as r:

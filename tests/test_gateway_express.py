@@ -44,6 +44,7 @@ CLIENT_NAME_BODY = b'{"model": "model-a", "messages": [{"role": "user", "content
 ESCAPED_BODY = JSON_BODY.replace(b'"served-a"', b'"served\\u002da"')
 NESTED_BODY = b'{"model":"g","metadata":{"model":"served-a"},"messages":[]}'
 NO_MODEL_BODY = b'{"messages":[{"role":"user","content":"hi"}]}'
+NUMBER_MODEL_BODY = b'{"model":5,"messages":[]}'
 ANSWER = json.dumps({"id": "chatcmpl-1", "choices": [{"message": {"content": "Hi"}}]}).encode()
 EVENT = b'data: {"choices":[{"delta":{"content":"t"}}]}\n\n'
 SSE_HEAD = (
@@ -407,9 +408,11 @@ SEQUENCES = {
         1,
     ),
     "the client's name, spaced": (["ok"], [request(CLIENT_NAME_BODY)], 1),
-    "the served name, escaped": (["ok"], [request(ESCAPED_BODY), request()], 1),
+    "the served name, escaped": (["ok"], [request(ESCAPED_BODY), request()], 2),
     "another model's name, the served one nested": (["ok"], [request(NESTED_BODY)], 0),
-    "no model named": (["ok"], [request(NO_MODEL_BODY), request()], 1),
+    "no model named": (["ok"], [request(NO_MODEL_BODY), request()], 2),
+    "a model that is not a name": (["ok"], [request(NUMBER_MODEL_BODY), request()], 1),
+    "not JSON": (["ok"], [request(b'{"model":"served-a",'), request()], 1),
     "garbage head": (["garbage", "ok"], [request(), request()], 2),
     "stream cut mid-event": (["cut-stream", "ok"], [request(STREAM_BODY), request()], 2),
     "connection: close": (["ok"], [request(extra=b"connection: close\r\n")], 1),

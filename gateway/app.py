@@ -4,6 +4,15 @@ A request for a ready model is relayed at once (no JSON parsing, no logging); on
 that is not ready waits on the controller, holding its body, and may get the queued line.
 The engine's answer goes through byte for byte except for a queued non-streaming answer, whose
 text gets the queued line in front.
+
+A request on this path is one `_InFlight`, which each step of its walk takes: `_inference`,
+`_lease_then_relay`, `_wait_then_relay` and `_wait_once`, `_relay`, and one of the three ways
+an answer goes out (`_pass`, `_continue_sse`, `_rewrite`).  The module is long (about 900
+lines) because that walk, with the error each step can end in, is one story best read in the
+order a request lives it; what is not the walk has rooms of its own: the express lane
+(`gateway.express`), the gateway's own answers and texts (`gateway.queued`), probes
+(`gateway.health`), routing and body reading (`gateway.classify`), the engine connections
+(`gateway.upstream`).
 """
 
 from __future__ import annotations
@@ -97,17 +106,49 @@ class _Mode(enum.Enum):
     CONTINUE_SSE = "continue_sse"  # the 200 head and queued chunk went out; body only
 
 
-class _Row:
-    """What the traffic trace records of a request on the handler's path (`gateway.trace`)."""
+class _InFlight:
+    """A request on the handler's path, from its whole body to the end of its answer: what
+    each step of its walk reads (lease or wait, relay, answer), and what the traffic trace
+    records of it (`gateway.trace`).  The express lane's `Exchange` is this for its path.
+    Lookups and probes that go to an engine without a lease are one too, untraced."""
 
-    __slots__ = ("admitted", "arrived", "first", "outcome", "streamed")
+    __slots__ = (
+        "admitted",
+        "arrived",
+        "body",
+        "chunk_sent",
+        "endpoint",
+        "first",
+        "outcome",
+        "request",
+        "responder",
+        "streamed",
+        "target",
+        "view",
+    )
 
-    def __init__(self, arrived: float) -> None:
-        self.arrived = arrived
+    def __init__(
+        self,
+        request: Request,
+        responder: Responder,
+        view: DeploymentView,
+        target: bytes,
+        body: bytes = b"",
+        endpoint: Endpoint | None = None,
+        arrived: float = 0.0,
+    ) -> None:
+        self.request = request
+        self.responder = responder
+        self.view = view
+        self.target = target  # for the engine: the path after /d/<id>
+        self.body = body
+        self.endpoint = endpoint
+        self.arrived = arrived  # monotonic; 0: not an inference request (no first byte timed)
         self.admitted = 0.0  # when it got its lease (0: never)
         self.first = 0.0  # when the engine's answer head came (0: none)
         self.outcome = ENGINE_ERROR  # set as the request goes on
         self.streamed = False
+        self.chunk_sent = False  # the queued line's 200 head and chunk went out
 
 
 class _WaitDeadline(Exception):
@@ -310,7 +351,7 @@ class Gateway:
             await _reply(responder, queued.not_ready(view.model_name))
             return
         # Not a lease: looking a model up is not traffic and must not keep it awake.
-        await self._relay(engine.host, engine.port, request, b"", responder, view, target)
+        await self._relay(_InFlight(request, responder, view, target), engine)
 
     # --- inference -----------------------------------------------------------------------
 
@@ -330,51 +371,37 @@ class Gateway:
                 return
             await self._health(responder, view, route, body)
             return
-        row = _Row(arrived)
+        ex = _InFlight(request, responder, view, target, body, route.endpoint, arrived)
         try:
-            await self._lease_then_relay(request, responder, view, route, body, target, row)
+            await self._lease_then_relay(ex)
         except BodyTooDeep as exc:  # found decoding the body, before anything was sent
-            row.outcome = REFUSED
+            ex.outcome = REFUSED
             await _reply(responder, queued.bad_body(str(exc)))
         except ClientDisconnected:
-            row.outcome = CLIENT_GONE
+            ex.outcome = CLIENT_GONE
             raise
         finally:
             if self.trace is not None:
                 self.trace.record(
-                    view.deployment_id, request.request_id, arrived, row.admitted or arrived,
-                    row.first, time.monotonic(), row.outcome, row.streamed,
+                    view.deployment_id, request.request_id, arrived, ex.admitted or arrived,
+                    ex.first, time.monotonic(), ex.outcome, ex.streamed,
                 )  # fmt: skip
 
-    async def _lease_then_relay(
-        self,
-        request: Request,
-        responder: Responder,
-        view: DeploymentView,
-        route: Route,
-        body: bytes,
-        target: bytes,
-        row: _Row,
-    ) -> None:
+    async def _lease_then_relay(self, ex: _InFlight) -> None:
         """Relay at once to a ready model, else (or when it never reached the engine) wait.
         A request naming a model the deployment does not serve gets 404 in every state, and
         starts nothing (the express lane leaves every other name to this check)."""
-        arrived = row.arrived
-        named = body_model(route.endpoint, body)
+        view = ex.view
+        named = body_model(ex.endpoint, ex.body)
         if named is not None and named not in (view.served_model, view.model_name):
-            row.outcome = REFUSED
-            await _reply(responder, queued.model_not_found(named, view.served_model))
+            ex.outcome = REFUSED
+            await _reply(ex.responder, queued.model_not_found(named, view.served_model))
             return
         lease = self.controller.try_acquire(view.deployment_id)
         if lease is not None:
-            row.admitted = arrived
+            ex.admitted = ex.arrived
             try:
-                handle = lease.handle
-                sent = await self._relay(
-                    handle.host, handle.port, request, body, responder, view, target,
-                    _Mode.PASS, route.endpoint,
-                    arrived=arrived, resend=True, engine=handle, row=row,
-                )  # fmt: skip
+                sent = await self._relay(ex, lease.handle, resend=True)
             finally:
                 lease.release()
             if sent:
@@ -382,11 +409,9 @@ class Gateway:
                 return
             # It never reached the engine, which is being checked (and restarted if lost):
             # the request waits for it like one for a stopped model, from its arrival.
-            await self._wait_then_relay(
-                request, responder, view, route, body, target, row, missed=True
-            )
+            await self._wait_then_relay(ex, missed=True)
             return
-        await self._wait_then_relay(request, responder, view, route, body, target, row)
+        await self._wait_then_relay(ex)
 
     async def _health(
         self, responder: Responder, view: DeploymentView, route: Route, body: bytes
@@ -433,53 +458,41 @@ class Gateway:
             await responder.respond(reply.status, [*reply.headers(), state], reply.body())
             return
         self.health_checks_relayed += 1
-        await self._relay(engine.host, engine.port, request, body, responder, view, target)
+        await self._relay(_InFlight(request, responder, view, target, body), engine)
 
-    async def _wait_then_relay(
-        self,
-        request: Request,
-        responder: Responder,
-        view: DeploymentView,
-        route: Route,
-        body: bytes,
-        target: bytes,
-        row: _Row,
-        *,
-        missed: bool = False,
-    ) -> None:
+    async def _wait_then_relay(self, ex: _InFlight, *, missed: bool = False) -> None:
         """Wait for the model, then relay.  `missed`: the request was sent to its engine
         and never reached it; it waits from its arrival, for the queue's deadline."""
-        arrived = row.arrived
-        endpoint = route.endpoint
-        traits = body_traits(endpoint, body)
+        arrived = ex.arrived
+        endpoint = ex.endpoint
+        responder = ex.responder
+        traits = body_traits(endpoint, ex.body)
         line_in_stream = (
             traits.stream
             and not traits.structured
             and endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS)
         )
         line_in_answer = not traits.stream and not traits.structured and queued.may_prefix(endpoint)
-        rid = str(request.request_id)
-        chunk_sent = False
+        rid = str(ex.request.request_id)
         for attempt in range(1 if missed else 0, MAX_SENDS):  # `attempt` sends went before
             waited_s = time.monotonic() - arrived if attempt and arrived else 0.0
             try:
-                waiter = self.controller.enqueue(view.deployment_id, rid, waited_s=waited_s)
+                waiter = self.controller.enqueue(ex.view.deployment_id, rid, waited_s=waited_s)
             except Refused as refused:
                 self.refused += 1
-                row.outcome = QUEUE_FULL if refused.code == "ondemand_queue_full" else REFUSED
+                ex.outcome = QUEUE_FULL if refused.code == "ondemand_queue_full" else REFUSED
                 reply = _from_refused(refused)
-                if chunk_sent:
+                if ex.chunk_sent:
                     await responder.send(reply.sse())
                     await responder.end()
                 else:
                     await _reply(responder, reply)
                 return
             self.waited += 1
-            sent, chunk_sent = await self._wait_once(
-                request, responder, view, endpoint, body, target, row, waiter,
-                line_in_stream=line_in_stream and not chunk_sent,
+            sent = await self._wait_once(
+                ex, waiter,
+                line_in_stream=line_in_stream and not ex.chunk_sent,
                 line_in_answer=line_in_answer,
-                chunk_sent=chunk_sent,
                 resend=attempt + 1 < MAX_SENDS,
             )  # fmt: skip
             if sent:
@@ -487,32 +500,25 @@ class Gateway:
 
     async def _wait_once(
         self,
-        request: Request,
-        responder: Responder,
-        view: DeploymentView,
-        endpoint: Endpoint | None,
-        body: bytes,
-        target: bytes,
-        row: _Row,
+        ex: _InFlight,
         waiter: Waiter,
         *,
         line_in_stream: bool,
         line_in_answer: bool,
-        chunk_sent: bool,
         resend: bool,
-    ) -> tuple[bool, bool]:
-        """Wait with `waiter`, then relay: (answered, the queued chunk went out); not
-        answered when the request never reached the engine and may be sent again."""
-        rid = str(request.request_id)
+    ) -> bool:
+        """Wait with `waiter`, then relay: whether it was answered; not when the request
+        never reached the engine and may be sent again."""
+        view, responder = ex.view, ex.responder
 
         async def send_queued_chunk() -> None:
-            nonlocal chunk_sent
-            assert endpoint is not None
+            assert ex.endpoint is not None
             chunk = queued.queued_chunk(
-                endpoint, view.model_name, view.served_model, rid, int(self.clock())
-            )
+                ex.endpoint, view.model_name, view.served_model, str(ex.request.request_id),
+                int(self.clock()),
+            )  # fmt: skip
             await responder.start(200, list(queued.SSE_HEADERS))
-            chunk_sent = True
+            ex.chunk_sent = True
             self.queued_lines += 1
             await responder.send(chunk)
 
@@ -521,35 +527,31 @@ class Gateway:
         except (Refused, _WaitDeadline) as exc:
             self.refused += 1
             timed_out = isinstance(exc, _WaitDeadline) or exc.code == "ondemand_queue_timeout"
-            row.outcome = QUEUE_TIMEOUT if timed_out else REFUSED
+            ex.outcome = QUEUE_TIMEOUT if timed_out else REFUSED
             reply = (
                 _from_refused(exc)
                 if isinstance(exc, Refused)
                 else queued.queue_timeout(view.model_name)
             )
-            if chunk_sent:
+            if ex.chunk_sent:
                 await responder.send(reply.sse())
                 await responder.end()
             else:
                 await _reply(responder, reply)
-            return True, chunk_sent
-        row.admitted = time.monotonic()
+            return True
+        ex.admitted = time.monotonic()
         try:
-            if chunk_sent:
+            if ex.chunk_sent:
                 mode = _Mode.CONTINUE_SSE
             elif line_in_answer and waiter.queued.is_set():
                 mode = _Mode.REWRITE
             else:
                 mode = _Mode.PASS
-            handle = lease.handle
-            sent = await self._relay(
-                handle.host, handle.port, request, body, responder, view, target, mode, endpoint,
-                arrived=row.arrived, on_head=waiter.first_byte, resend=resend, engine=handle,
-                row=row,
-            )  # fmt: skip
+            return await self._relay(
+                ex, lease.handle, mode, on_head=waiter.first_byte, resend=resend
+            )
         finally:
             lease.release()
-        return sent, chunk_sent
 
     async def _wait(self, waiter: Waiter, on_queued: Callable[[], Awaitable[None]] | None) -> Lease:
         """The lease once the model serves; cancels the waiter if we stop waiting first."""
@@ -587,32 +589,25 @@ class Gateway:
 
     async def _relay(
         self,
-        host: str,
-        port: int,
-        request: Request,
-        body: bytes,
-        responder: Responder,
-        view: DeploymentView,
-        target: bytes,
+        ex: _InFlight,
+        engine: EngineHandle,
         mode: _Mode = _Mode.PASS,
-        endpoint: Endpoint | None = None,
         *,
-        arrived: float = 0.0,
         on_head: Callable[[], None] | None = None,
         resend: bool = False,
-        engine: EngineHandle | None = None,
-        row: _Row | None = None,
     ) -> bool:
-        """Relay the request and the engine's answer; False (nothing said to the client)
-        when `resend` allows it and the request provably never reached the engine
-        (`UpstreamError.unsent`, or its `engine` had exited before it was sent): the engine
-        is being checked, and the caller has the request wait for it (`_wait_then_relay`)."""
+        """Relay the request to `engine` and its answer to the client; False (nothing said
+        to the client) when `resend` allows it and the request provably never reached the
+        engine (`UpstreamError.unsent`, or the engine had exited before it was sent): the
+        engine is being checked, and the caller has the request wait for it
+        (`_wait_then_relay`)."""
+        request, responder, view = ex.request, ex.responder, ex.view
         headers = request.headers
         sent_at = self.clock()  # before connecting: an engine gone before it never saw it
         try:
             # Method, target and headers came out of an HTTP parser: no need to validate again.
             answer = await self.upstream.request(
-                host, port, request.method, target, headers, body,
+                engine.host, engine.port, request.method, ex.target, headers, ex.body,
                 drop=not_forwarded(headers, NOT_FORWARDED), checked=True,
             )  # fmt: skip
         except UpstreamError as exc:
@@ -620,8 +615,7 @@ class Gateway:
                 self.engine_missed(view, exc)
                 return False
             reply = self.engine_unreachable(view, exc)
-            if row is not None:
-                row.outcome = ENGINE_ERROR
+            ex.outcome = ENGINE_ERROR
             if mode is _Mode.CONTINUE_SSE:
                 await responder.send(reply.sse())
                 await responder.end()
@@ -629,26 +623,24 @@ class Gateway:
                 await _reply(responder, reply)
             return True
         self._answers.add(answer)
-        if row is not None:
-            row.first = time.monotonic()
-            row.streamed = mode is _Mode.CONTINUE_SSE or (
-                header_value(answer.headers, b"content-length") is None
-            )
-            row.outcome = ENGINE_ERROR  # until the answer is through
-        if arrived and self.on_first_byte is not None:
-            self.on_first_byte(view.deployment_id, time.monotonic() - arrived)
+        ex.first = time.monotonic()
+        ex.streamed = mode is _Mode.CONTINUE_SSE or (
+            header_value(answer.headers, b"content-length") is None
+        )
+        ex.outcome = ENGINE_ERROR  # until the answer is through
+        if ex.arrived and self.on_first_byte is not None:
+            self.on_first_byte(view.deployment_id, ex.first - ex.arrived)
         if on_head is not None:
             on_head()
         try:
             if mode is _Mode.PASS:
-                await self._pass(answer, responder, view, endpoint)
+                await self._pass(answer, responder, view, ex.endpoint)
             elif mode is _Mode.CONTINUE_SSE:
                 await self._continue_sse(answer, responder, view)
             else:
-                assert endpoint is not None
-                await self._rewrite(answer, responder, view, endpoint)
-            if row is not None:
-                row.outcome = SERVED
+                assert ex.endpoint is not None
+                await self._rewrite(answer, responder, view, ex.endpoint)
+            ex.outcome = SERVED
         finally:
             self._answers.discard(answer)
             answer.close()

@@ -9,7 +9,7 @@ append so one bad append never fails its neighbours.
 
 The read models (`storage.readmodels`) are written in the same transactions as the events;
 snapshots (`storage.snapshots`) go through the same writer, between two transactions.  The
-module is longer than most (~700 lines) because writing, reading, snapshots and read-model
+module is longer than most because writing, reading, snapshots and read-model
 pages share one connection, its writer task and its error mapping; a split would have to
 hand the connection around.
 """

@@ -1,5 +1,6 @@
-"""The `dgxmm` command: serve, ps, start, stop, logs, user, token, replay, events, audit,
-archive.
+"""The `dgxmm` command line: its subcommands' arguments, and which code runs each.
+
+The subcommands: serve, ps, start, stop, logs, user, token, replay, events, audit, archive.
 
 Every command takes `--config FILE` (or `DGXMM_CONFIG`): the database and the admin
 address follow from it; `--db` overrides the database.  `ps`, `start`, `stop` and `logs`

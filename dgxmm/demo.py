@@ -1,5 +1,4 @@
-"""What `dgxmm serve --demo` does differently from a real install, and the banner lines that
-say so.
+"""What `dgxmm serve --demo` does differently from a real install, and its banner lines.
 
 The demo swaps at once: `ondemand_make_room_after_s = 0`, so a model asked for puts an idle
 one to sleep without waiting for its idle timeout (the seed's default, which real installs

@@ -1,5 +1,6 @@
-"""The what-if's history: what an event log says about one window of the box, and the
-settings an alternative may change.
+"""The what-if's history: what an event log says about one window of the box, and the overrides.
+
+The overrides are the settings an alternative may change (`parse_overrides`).
 
 `load_history` reads an event log: the box as it was at `since` (its memory budget and
 configured defaults from `TraceStarted`, its deployments, modes and settings), the

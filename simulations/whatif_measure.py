@@ -1,7 +1,9 @@
-"""The what-if's measure: one column of the table (`Report`) from the requests' outcomes
-and the lifecycle events, the same code for the recorded column (`measure_recorded`) and
-the simulated ones (`whatif_run.simulate` hands its outcomes and events to `build_report`),
-so that a difference between them is one of behaviour, never of counting.
+"""The what-if's measure: one column of the table (`Report`), counted alike on both sides.
+
+A column comes from the requests' outcomes and the lifecycle events, by the same code for the
+recorded column (`measure_recorded`) and the simulated ones (`whatif_run.simulate` hands its
+outcomes and events to `build_report`), so that a difference between them is one of
+behaviour, never of counting.
 
 Its own room because both sides need it and neither owns it: what counts as a cold start,
 an eviction, an idle GiB-hour or a request that waited is decided here once.

@@ -1,5 +1,6 @@
-"""The what-if's run: a `History`'s traffic replayed on the virtual clock through the real
-controller (deployment actors, queue, broker) with simulated engines, under other settings.
+"""The what-if's run: a `History`'s traffic replayed on the virtual clock under other settings.
+
+It runs through the real controller (deployment actors, queue, broker) with simulated engines.
 
 `simulate` replays the same arrivals, each holding its model for its recorded service time
 (arrival to end less its wait), and each model's swaps taking the medians of its own

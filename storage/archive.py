@@ -1,5 +1,4 @@
-"""Moving old queue events and traffic-trace batches out of the log into an archive file
-(`dgxmm archive`).
+"""The archive (`dgxmm archive`): old queue events and traffic-trace batches moved out of the log.
 
 The queue's events are the bulk of a busy log and matter for incident replay of their time
 only.  What moves: `RequestQueued`, `RequestAdmitted` and `RequestLeftQueue` other than

@@ -1,5 +1,6 @@
-"""The snapshot blob's format: what the store (`storage.eventlog`) writes for a folded state
-and reads back.
+"""The snapshot blob's format: what the store writes for a folded state and reads back.
+
+The store is `storage.eventlog`; this module is the format alone.
 
 A blob starts with the snapshot format, which changes by itself when `SystemState`'s schema
 changes (a hash of its JSON schema) and by hand (`STATE_SEMANTICS`) when `evolve` changes

@@ -1,5 +1,6 @@
-"""The OpenAPI 3.1 document of DGXMM's two listeners: the admin API (`/dgxmm/api/...`) and
-the on-demand gateway (`/d/{deployment}/v1/...`).
+"""The OpenAPI 3.1 document of DGXMM's two listeners: the admin API and the on-demand gateway.
+
+The admin API is `/dgxmm/api/...`; the gateway is `/d/{deployment}/v1/...`.
 
 It owns the document only.  Request bodies are the msgspec types the API validates with
 (`dgxmm.admin.bodies`); each answer is the type its handler returns, read from the

@@ -1,5 +1,6 @@
-"""Engine adapters: how to launch vLLM, llama.cpp, SGLang and the simulated engine, and how
-to read their health, load and sleep state (facts in notes/engines.md).
+"""Engine adapters: how to launch vLLM, llama.cpp, SGLang and the simulated engine, and probe them.
+
+A probe reads an engine's health, load and sleep state (facts in notes/engines.md).
 
 The launch side and the parsers are pure functions; `HttpEngineProbe` is the only part that
 does I/O, and it maps every transport failure to `actors.errors.EngineUnreachable`.

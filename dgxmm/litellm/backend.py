@@ -1,5 +1,6 @@
-"""What both LiteLLM back-ends share: the client of LiteLLM's model-management API, and the base
-class that holds it with the master-key check and the outcome of the last sync.
+"""What both LiteLLM back-ends share: the model-management API's client, and their base class.
+
+The base class holds the client, with the master-key check and the outcome of the last sync.
 
 The api back-end (`dgxmm.litellm.sync.ApiSync`) writes through this client; the file back-end
 (`dgxmm.litellm.filesync.ConfigFileSync`) only reads with it, to see whether LiteLLM loaded its

@@ -1,5 +1,6 @@
-"""LiteLLM sync: the two ways to put DGXMM's model entries (`dgxmm.litellm.entries`) into LiteLLM,
-and the choice between them.
+"""LiteLLM sync: the two ways to put DGXMM's model entries into LiteLLM, and the choice.
+
+The entries are `dgxmm.litellm.entries`'s; this module chooses the back-end that writes them.
 
 Two back-ends, both on `dgxmm.litellm.backend.Backend` (`status`, `sync`, `close`):
 

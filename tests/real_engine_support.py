@@ -37,7 +37,7 @@ import pytest
 
 from tests.e2e_support import docker_problem, remove_containers_of
 from tests.gateway_support import gateway_auth
-from tests.litellm_support import LiteLLMProxy, Response, http_request
+from tests.litellm_support import LiteLLMProxy, Response, http_request, require_litellm
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA_IMAGE = "dgxmm-llama:local"
@@ -543,3 +543,19 @@ def serving(tmp_path: Path, runtime: RuntimeKind, **kwargs: Any) -> Iterator[Ser
         raise
     finally:
         serve.close()
+
+
+def litellm_file_backed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[LiteLLMProxy, Path, str]:
+    """A real LiteLLM (not started) reading the config file DGXMM writes: the proxy, that
+    file, and the `[litellm]` configuration that makes DGXMM write it (`Serve.extra_config`)."""
+    litellm_config = tmp_path / "litellm.yaml"
+    proxy = LiteLLMProxy(require_litellm(), litellm_config, tmp_path / "litellm-run")
+    proxy.workdir.mkdir()
+    monkeypatch.setenv("LITELLM_MASTER_KEY", proxy.master_key)
+    extra = (
+        '[litellm]\nenabled = true\nbackend = "file"\n'
+        f'url = "{proxy.url}"\nconfig_path = "{litellm_config}"\n'
+    )
+    return proxy, litellm_config, extra

@@ -26,8 +26,14 @@ from pathlib import Path
 import pytest
 
 from tests.keepalive_support import GAPS_S, Pooled, fresh, series
-from tests.litellm_support import LiteLLMProxy, require_litellm
-from tests.real_engine_support import call, chat_body, models_of, poll, serving
+from tests.real_engine_support import (
+    call,
+    chat_body,
+    litellm_file_backed,
+    models_of,
+    poll,
+    serving,
+)
 
 BACK_TO_BACK = int(os.environ.get("DGXMM_KEEPALIVE_BACK_TO_BACK", "100"))
 # Gaps around the LiteLLM -> gateway hop's own timeouts (its pool drops a connection idle 15 s,
@@ -54,15 +60,7 @@ def body(model: str, stream: bool) -> dict[str, object]:
 def test_streamed_and_plain_requests_back_to_back_and_across_keep_alive_gaps_all_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tried: Callable[[str], None]
 ) -> None:
-    binary = require_litellm()
-    litellm_config = tmp_path / "litellm.yaml"
-    proxy = LiteLLMProxy(binary, litellm_config, tmp_path / "litellm-run")
-    proxy.workdir.mkdir()
-    monkeypatch.setenv("LITELLM_MASTER_KEY", proxy.master_key)
-    extra = (
-        '[litellm]\nenabled = true\nbackend = "file"\n'
-        f'url = "{proxy.url}"\nconfig_path = "{litellm_config}"\n'
-    )
+    proxy, litellm_config, extra = litellm_file_backed(tmp_path, monkeypatch)
     with serving(tmp_path, "process", extra_config=extra) as serve:
         # The issue's engine: llama.cpp's own thread count (both cores), whose busy threads
         # delay the HTTP thread's close after a stream by milliseconds (with `-t 1` the close

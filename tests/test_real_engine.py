@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 
-from tests.litellm_support import LiteLLMProxy, require_litellm
 from tests.real_engine_support import (
     READY_S,
     RuntimeKind,
@@ -36,6 +35,7 @@ from tests.real_engine_support import (
     chat_body,
     comparable,
     data_of,
+    litellm_file_backed,
     models_of,
     poll,
     serving,
@@ -192,15 +192,7 @@ def test_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_starts_
 def test_a_request_through_a_real_litellm_for_a_sleeping_real_model_gets_real_tokens(
     tmp_path: Path, runtime: RuntimeKind, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    binary = require_litellm()
-    litellm_config = tmp_path / "litellm.yaml"
-    proxy = LiteLLMProxy(binary, litellm_config, tmp_path / "litellm-run")
-    proxy.workdir.mkdir()
-    monkeypatch.setenv("LITELLM_MASTER_KEY", proxy.master_key)
-    extra = (
-        '[litellm]\nenabled = true\nbackend = "file"\n'
-        f'url = "{proxy.url}"\nconfig_path = "{litellm_config}"\n'
-    )
+    proxy, litellm_config, extra = litellm_file_backed(tmp_path, monkeypatch)
     with serving(tmp_path, runtime, extra_config=extra) as serve:
         ready_then_asleep(serve, "gemma")
         poll(

@@ -3,7 +3,8 @@
 #   make demo   project venv only, then `dgxmm serve --demo`
 #   make test   full bootstrap (Debian packages, Docker engine, venvs, sim image), then pytest
 #   make lint   ruff check, ruff format --check, mypy --strict (configured in pyproject.toml),
-#               scripts/unused-code (vulture: functions nothing calls)
+#               scripts/unused-code (vulture: functions nothing calls),
+#               scripts/import-cycles (product modules that import each other)
 #
 # PYTEST_ARGS adds pytest arguments: make test PYTEST_ARGS='-k runtime -x'
 
@@ -36,7 +37,7 @@ export VLLM_PYTHON VLLM_MODEL
 .PHONY: help demo test lint bootstrap venv
 
 help:
-	@sed -n '2,9p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '2,10p' Makefile | sed 's/^# \{0,1\}//'
 
 venv:
 	@scripts/bootstrap --venv-only
@@ -52,6 +53,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) scripts/unused-code
+	$(PY) scripts/import-cycles
 
 # Two lanes (tests/conftest.py, scripts/test-lanes): the tests that mostly wait in real time
 # run beside the rest, which run in file order.  A run that collects no test is a failure.

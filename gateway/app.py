@@ -7,9 +7,9 @@ text gets the queued line in front.
 
 A request on this path is one `_InFlight`, which each step of its walk takes: `_inference`,
 `_lease_then_relay`, `_wait_then_relay` and `_wait_once`, `_relay`, and one of the three ways
-an answer goes out (`_pass`, `_continue_sse`, `_rewrite`).  The module is long (about 900
-lines) because that walk, with the error each step can end in, is one story best read in the
-order a request lives it; what is not the walk has rooms of its own: the express lane
+an answer goes out (`_pass`, `_continue_sse`, `_rewrite`).  The module is long because that
+walk, with the error each step can end in, is one story best read in the order a request
+lives it; what is not the walk has rooms of its own: the express lane
 (`gateway.express`), the gateway's own answers and texts (`gateway.queued`), probes
 (`gateway.health`), routing and body reading (`gateway.classify`), the engine connections
 (`gateway.upstream`).

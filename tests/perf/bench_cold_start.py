@@ -143,11 +143,15 @@ def llama_engine(build: LlamaBuild) -> Engine:
 # --- HTTP, timed -------------------------------------------------------------------------------
 
 
-def post(port: int, path: str, body: dict[str, object]) -> bytes:
-    """POST JSON; the whole answer body (raises on a non-200)."""
+def post(
+    port: int, path: str, body: dict[str, object], headers: dict[str, str] | None = None
+) -> bytes:
+    """POST JSON (with `headers`: the gateway's key); the whole answer body (raises on a
+    non-200)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE_S)
     try:
-        conn.request("POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
+        head = {"content-type": "application/json", **(headers or {})}
+        conn.request("POST", path, json.dumps(body).encode(), head)
         answer = conn.getresponse()
         data = answer.read()
         if answer.status != 200:
@@ -171,8 +175,10 @@ def health(port: int) -> int | None:
         conn.close()
 
 
-def stream_timing(port: int, path: str, model: str) -> tuple[float, float]:
-    """(TTFT s, decode tokens/s) of one 64-token stream."""
+def stream_timing(
+    port: int, path: str, model: str, headers: dict[str, str] | None = None
+) -> tuple[float, float]:
+    """(TTFT s, decode tokens/s) of one 64-token stream (with `headers`: the gateway's key)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Tell me a story."}],
@@ -185,7 +191,8 @@ def stream_timing(port: int, path: str, model: str) -> tuple[float, float]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE_S)
     try:
         sent = time.perf_counter()
-        conn.request("POST", path, json.dumps(body).encode(), {"content-type": "application/json"})
+        head = {"content-type": "application/json", **(headers or {})}
+        conn.request("POST", path, json.dumps(body).encode(), head)
         answer = conn.getresponse()
         stamps: list[float] = []
         for raw in iter(answer.readline, b""):
@@ -235,7 +242,8 @@ def through_dgxmm(engine: Engine, serve: Serve) -> tuple[float, dict[str, float]
     seen = len(serve.events(engine.name))
     sent_wall = time.time()
     start = time.perf_counter()
-    post(serve.gateway_port, serve.gateway_path(engine.name), {"model": engine.model, **ONE_TOKEN})
+    path = serve.gateway_path(engine.name)
+    post(serve.gateway_port, path, {"model": engine.model, **ONE_TOKEN}, serve.gateway_auth)
     took = time.perf_counter() - start
     answered_wall = sent_wall + took
     events = serve.events(engine.name)[seen:]
@@ -319,17 +327,17 @@ def warm_streams(serve: Serve, engine: Engine, pairs: int) -> None:
     gateway = serve.gateway_path(engine.name)
     for _ in range(2):  # warm both paths
         stream_timing(direct_port, "/v1/chat/completions", engine.model)
-        stream_timing(serve.gateway_port, gateway, engine.model)
+        stream_timing(serve.gateway_port, gateway, engine.model, serve.gateway_auth)
     results: dict[str, list[tuple[float, float]]] = {"direct": [], "gateway": []}
     for pair in range(pairs):
         order = ["direct", "gateway"] if pair % 2 == 0 else ["gateway", "direct"]
         for which in order:
-            port, path = (
-                (direct_port, "/v1/chat/completions")
+            port, path, key = (
+                (direct_port, "/v1/chat/completions", None)
                 if which == "direct"
-                else (serve.gateway_port, gateway)
+                else (serve.gateway_port, gateway, serve.gateway_auth)
             )
-            results[which].append(stream_timing(port, path, engine.model))
+            results[which].append(stream_timing(port, path, engine.model, key))
     ttft = {k: statistics.median(t for t, _ in v) for k, v in results.items()}
     rate = {k: statistics.median(r for _, r in v) for k, v in results.items()}
     ttft_pairs = [g[0] - d[0] for d, g in zip(results["direct"], results["gateway"], strict=True)]
@@ -397,7 +405,7 @@ def vllm_cold_start(serve: VllmServe, model: str) -> dict[str, float]:
             "POST",
             serve.gateway_path("vllm"),
             json.dumps(body).encode(),
-            {"content-type": "application/json"},
+            {"content-type": "application/json", **serve.gateway_auth},
         )
         sock = conn.sock
         assert sock is not None

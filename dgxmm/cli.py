@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -83,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         if "--config" not in action._option_string_actions:
             action.add_argument("--config", metavar="FILE", help=config_help)
 
-    when = "ISO 8601 (naive = local time) or epoch seconds"
+    when = (
+        "ISO 8601 (naive = local time), a time of today (17:30), a time ago (-2h: s, m, h, d) "
+        "or epoch seconds"
+    )
     relative = "show times as distances from now"
     replay = sub.add_parser(
         "replay",
@@ -226,8 +230,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.umask(old_umask)  # for callers in the same process (tests)
 
 
+# `--since -2h`: argparse takes a value that starts with "-" for an option unless it looks
+# like a negative number, so a time ago is joined to its option before parsing.
+_TIME_AGO = re.compile(r"-\d+(\.\d+)?[smhd]")
+
+
+def _times_ago_joined(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in ("--since", "--until") and _TIME_AGO.fullmatch(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_times_ago_joined(sys.argv[1:] if argv is None else argv))
     problem = _configure(args)
     if problem is not None:
         _error(problem)

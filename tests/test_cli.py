@@ -571,9 +571,32 @@ def test_times_are_iso_8601_with_or_without_zone_or_epoch_seconds() -> None:
     naive = dt.datetime(2026, 11, 30, 10, 42).timestamp()
     assert parse_time("2026-11-30T10:42:00") == naive
     assert parse_time("2026-11-30 10:42") == naive
-    for bad in ("yesterday", "nan", "inf", ""):
+    for bad in ("yesterday", "nan", "inf", "", "-h", "-xh", "-2w", "25:00", "-infh", "--2h"):
         with pytest.raises(ValueError):
-            parse_time(bad)
+            parse_time(bad, now=T0)
+
+
+def test_a_time_of_today_and_a_time_ago_are_times_too() -> None:
+    """`--since 17:30` and `--since -2h` (a new user's first tries, refused before)."""
+    now = dt.datetime(2026, 11, 30, 18, 5, 7).timestamp()
+    assert parse_time("17:30", now=now) == dt.datetime(2026, 11, 30, 17, 30).timestamp()
+    assert parse_time("17:30:15", now=now) == dt.datetime(2026, 11, 30, 17, 30, 15).timestamp()
+    assert parse_time("-2h", now=now) == now - 7200
+    assert parse_time("-30m", now=now) == now - 1800
+    assert parse_time("-90s", now=now) == now - 90
+    assert parse_time("-1d", now=now) == now - 86400
+    assert parse_time("-1.5h", now=now) == now - 5400
+
+
+def test_a_time_ago_and_a_time_of_today_work_as_options(
+    incident: tuple[Path, list[m.Recorded]],
+) -> None:
+    path, _ = incident  # recorded in 2026-11: long before any time ago of now
+    for since in ("-2h", "-1.5d", "00:00"):
+        done = dgxmm("audit", "--db", str(path), "--since", since)
+        assert done.returncode == 0 and done.stdout == "", (since, done.stderr)
+    done = dgxmm("replay", "--db", str(path), "--until", "-1d", "--all")
+    assert done.returncode == 0 and done.stdout, done.stderr
 
 
 def test_a_bad_time_is_a_usage_error(incident: tuple[Path, list[m.Recorded]]) -> None:

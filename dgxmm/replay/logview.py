@@ -46,8 +46,13 @@ class NotInLog(Exception):
 # --- time -----------------------------------------------------------------------------------
 
 
-def parse_time(text: str) -> float:
-    """ISO 8601 (`2026-11-30T10:42:00`, zone optional, naive = local) or epoch seconds."""
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_time(text: str, now: float | None = None) -> float:
+    """ISO 8601 (`2026-11-30T10:42:00`, zone optional, naive = local), epoch seconds, a time
+    of today (`17:30`, `17:30:15`, local), or a time before `now` (default: the clock):
+    `-2h`, `-30m`, `-90s`, `-1d`."""
     text = text.strip()
     try:
         value = float(text)
@@ -57,11 +62,28 @@ def parse_time(text: str) -> float:
         if not math.isfinite(value):
             raise ValueError(f"not a time: {text!r}")
         return value
+    if now is None:
+        now = time.time()
+    if text[:1] == "-" and text[-1:] in _UNIT_S:
+        try:
+            amount = float(text[1:-1])
+        except ValueError:
+            amount = math.nan
+        if math.isfinite(amount) and amount >= 0:
+            return now - amount * _UNIT_S[text[-1]]
+    try:
+        of_day = dt.time.fromisoformat(text) if ":" in text and len(text) <= 8 else None
+    except ValueError:
+        of_day = None
+    if of_day is not None:
+        today = dt.datetime.fromtimestamp(now).date()
+        return dt.datetime.combine(today, of_day).timestamp()  # local, as a naive time
     try:
         parsed = dt.datetime.fromisoformat(text)
     except ValueError:
         raise ValueError(
-            f"not a time: {text!r} (use ISO 8601 like 2026-11-30T10:42:00, or epoch seconds)"
+            f"not a time: {text!r} (use ISO 8601 like 2026-11-30T10:42:00, a time of today "
+            "like 17:30, a time ago like -2h (s, m, h, d), or epoch seconds)"
         ) from None
     return parsed.timestamp()  # a naive time is taken as local time
 

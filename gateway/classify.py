@@ -192,21 +192,6 @@ def body_traits(endpoint: Endpoint | None, body: bytes) -> BodyTraits:
     return BodyTraits(stream=stream, structured=_structured(fields, endpoint))
 
 
-def body_model(endpoint: Endpoint | None, body: bytes) -> str | None:
-    """The `model` a JSON request body names (None: none, or not JSON; JSON nested too
-    deeply to decode: `BodyTooDeep`)."""
-    if endpoint is None or endpoint not in _JSON_ENDPOINTS or not body:
-        return None
-    try:
-        raw = _decode_object(body).get("model")
-        named = None if raw is None else _decode_any(bytes(raw))
-    except msgspec.MsgspecError:
-        return None
-    except RecursionError:
-        raise BodyTooDeep from None
-    return named if isinstance(named, str) else None
-
-
 class _TopModel(msgspec.Struct):
     """A request body's top-level `model`; everything else is skipped unread."""
 
@@ -216,17 +201,28 @@ class _TopModel(msgspec.Struct):
 _decode_top_model = msgspec.json.Decoder(_TopModel).decode
 
 
-def carries_model(endpoint: Endpoint | None) -> bool:
-    """Whether requests to `endpoint` name their model in a JSON body (`body_model`)."""
-    return endpoint is not None and endpoint in _JSON_ENDPOINTS
+def body_model(endpoint: Endpoint | None, body: bytes) -> str | None:
+    """The `model` a JSON request body names (None: none, not a string, or not JSON; JSON
+    nested too deeply to decode: `BodyTooDeep`)."""
+    if endpoint is None or endpoint not in _JSON_ENDPOINTS or not body:
+        return None
+    try:
+        return _decode_top_model(body).model
+    except msgspec.MsgspecError:
+        return None
+    except RecursionError:
+        raise BodyTooDeep from None
 
 
-def names_one_of(body: bytes, served: str, name: str) -> bool:
-    """True when `body_model` surely finds `served`, `name` or no model in a JSON `body`;
-    False when it finds another, or only decoding as `body_model` does can tell (not a JSON
-    object, a model that is not a string): for the express lane, which must give the answer
-    the handler's check gives.  One decode of the top level, in C: 2,600 instructions for a
-    small chat request against 6,300 for two byte searches (callgrind)."""
+def names_one_of(endpoint: Endpoint | None, body: bytes, served: str, name: str) -> bool:
+    """True when `body_model` surely finds `served`, `name` or no model in `body` (one
+    `endpoint` takes no JSON body); False when it finds another, or only decoding as
+    `body_model` does can tell (not a JSON object, a model that is not a string): for the
+    express lane, which must give the answer the handler's check gives.  One decode of the
+    top level, in C: 2,600 instructions for a small chat request against 6,300 for two byte
+    searches (callgrind)."""
+    if endpoint is None or endpoint not in _JSON_ENDPOINTS:
+        return True
     try:
         model = _decode_top_model(body).model
     except (msgspec.MsgspecError, RecursionError):  # too deep: the handler says so

@@ -43,7 +43,7 @@ import structlog
 
 from actors.admission import Controller, DeploymentView, Lease
 from events.traffic import CLIENT_GONE, ENGINE_ERROR, SERVED
-from gateway.classify import Endpoint, carries_model, names_one_of
+from gateway.classify import Endpoint, names_one_of
 from gateway.errors import (
     ClientDisconnected,
     ResponseStateError,
@@ -81,7 +81,7 @@ class Forwarding(EngineHead):
     head (`LengthMemo.derived`, see `ServerSession.known`): a head alike but for its length
     has the same of both, so the next request on the connection is routed and sent from it."""
 
-    __slots__ = ("checked", "deployment_id", "endpoint", "json_body")
+    __slots__ = ("checked", "deployment_id", "endpoint")
 
     def __init__(
         self, deployment_id: str, target: bytes, endpoint: Endpoint | None, drop: frozenset[bytes]
@@ -91,8 +91,6 @@ class Forwarding(EngineHead):
         self.endpoint = endpoint
         # The gateway keys (`Access.keys`) the head's Authorization passed under, if any.
         self.checked: tuple[bytes, ...] | None = None
-        # Its body names the model (`names_one_of` checks it).
-        self.json_body = carries_model(endpoint)
 
 
 class Host(Protocol):
@@ -210,10 +208,7 @@ class Exchange:
             hint is not None
             and len(body) <= MAX_BODY_BYTES
             and pool.can_send(hint.host, hint.port)
-            and (
-                not self._forwarding.json_body
-                or names_one_of(body, view.served_model, view.model_name)
-            )
+            and names_one_of(self._forwarding.endpoint, body, view.served_model, view.model_name)
         ):
             lease = gateway.controller.try_acquire(view.deployment_id)
         if lease is None:

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.real_engine_support import call
+
 # Around the engines' 5 s keep-alive timeout (llama.cpp's and uvicorn's), and well past it.
 GAPS_S = (0.1, 4.9, 5.1, 10.0)
 IDLE_S = 4.0  # a pooled client's idle expiry (httpx: 5 s)
@@ -50,17 +52,12 @@ def verdict(status: int, body: bytes, *, stream: bool) -> str | None:
 
 
 def fresh(port: int, path: str, body: dict[str, Any], headers: dict[str, str]) -> str | None:
-    """One request on a new connection; its verdict (a connection error is one too)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    """One request on a new connection (`call`); its verdict (a connection error is one too)."""
     try:
-        headers = {"content-type": "application/json", **headers}
-        conn.request("POST", path, json.dumps(body), headers)
-        answer = conn.getresponse()
-        return verdict(answer.status, answer.read(), stream=bool(body.get("stream")))
+        answer = call(port, "POST", path, body, headers, timeout_s=120)
     except (OSError, http.client.HTTPException) as exc:
         return f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
+    return verdict(answer.status, answer.body, stream=bool(body.get("stream")))
 
 
 class Pooled:

@@ -69,8 +69,8 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 class InferenceBody(msgspec.Struct, kw_only=True):
     """An inference request: passed to the engine as it is.  `model` is the model the engine
-    serves (what LiteLLM sends); another name gets 404 `model_not_found` while the model
-    does not run, instead of starting it."""
+    serves (what LiteLLM sends) or the deployment's name; another name gets 404
+    `model_not_found` in every state, and starts nothing."""
 
     model: str | None = None
     stream: bool | None = None

@@ -11,9 +11,10 @@ model name the express lane had relayed.
 
 Here: 100 streamed and 100 plain requests back to back, then across gaps of 0.1, 4.9, 5.1
 and 10 s (the engine's keep-alive timeout is 5 s), each kind after each kind, straight to
-the gateway on a new connection per request; the same through a real LiteLLM with a pooled
-client that never retries (LiteLLM pools its own connections to the gateway, whose idle
-timeout of 75 s is far above its pool's 15 s).  Every answer must be a complete 200.
+the gateway, on a new connection per request and on one kept-alive connection (as LiteLLM's
+pool holds one); the same through a real LiteLLM with a pooled client that never retries
+(LiteLLM pools its own connections to the gateway, whose idle timeout of 75 s is far above
+its pool's 15 s).  Every answer must be a complete 200.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def test_streamed_and_plain_requests_back_to_back_and_across_keep_alive_gaps_all
 
         direct = series(to_gateway, BACK_TO_BACK)
         tried(direct.line("straight to the gateway, a new connection each"))
+        # As LiteLLM's pool holds it: one kept-alive connection to the gateway, no retry.
+        kept = Pooled(port)
+        try:
+            pooled = series(
+                lambda stream: kept.send(path, body("gemma", stream), auth), BACK_TO_BACK
+            )
+        finally:
+            kept.close()
+        tried(
+            pooled.line("straight to the gateway, one kept-alive client without retries")
+            + f" ({kept.connections} client connections)"
+        )
 
         # Another model's name: the gateway's 404 every time, after a stream as after a
         # plain answer (the same answer on both of its paths, in every state).
@@ -106,5 +119,5 @@ def test_streamed_and_plain_requests_back_to_back_and_across_keep_alive_gaps_all
             proxy.stop()
         gaps = ", ".join(f"{g:g}" for g in GAPS_S + LONG_GAPS_S)
         tried(f"gaps of {gaps} s; {TOKENS} tokens an answer")
-        assert direct.failed == [] and through.failed == []
+        assert direct.failed == [] and pooled.failed == [] and through.failed == []
         assert named == [(404, "model_not_found")] * 4

@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -60,51 +61,87 @@ def fresh(port: int, path: str, body: dict[str, Any], headers: dict[str, str]) -
     return verdict(answer.status, answer.body, stream=bool(body.get("stream")))
 
 
-class Pooled:
-    """One kept-alive connection, no retry: a request that fails is the client's failure."""
+class Kept:
+    """One connection kept alive across requests, as the pools of httpx, urllib3 and aiohttp
+    keep one: a new one only when none is open, when the kept one has been idle `idle_s`
+    (None: no limit), or when it is readable before reuse (at EOF: the server closed it
+    while it was idle; counted in `idle_closed`).  `watch` is a duplicate of its socket, to
+    see the server's close after an answer."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, idle_s: float | None = None) -> None:
         self.port = port
+        self.idle_s = idle_s
         self.conn: http.client.HTTPConnection | None = None
+        self.watch: socket.socket | None = None
         self.idle_since = 0.0
         self.connections = 0
-        self.lock = threading.Lock()
+        self.idle_closed = 0
 
-    def _usable(self) -> http.client.HTTPConnection:
+    def connection(self) -> http.client.HTTPConnection:
+        """The kept connection, or a new one."""
         conn = self.conn
         if conn is not None and conn.sock is not None:
-            expired = time.monotonic() - self.idle_since >= IDLE_S
-            closed = bool(select.select([conn.sock], [], [], 0)[0])  # EOF (or stray bytes)
-            if not expired and not closed:
-                return conn
-            conn.close()
+            idle = self.idle_s is not None and time.monotonic() - self.idle_since >= self.idle_s
+            if not idle:
+                if not select.select([conn.sock], [], [], 0)[0]:
+                    return conn
+                self.idle_closed += 1
+        self.close()
+        conn = self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        conn.connect()
+        assert conn.sock is not None
+        self.watch = conn.sock.dup()
         self.connections += 1
-        self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        return self.conn
+        return conn
+
+    def answered(self) -> None:
+        """An answer was read whole: the connection is idle from now."""
+        self.idle_since = time.monotonic()
+
+    def close(self) -> None:
+        """Close the kept connection, if any."""
+        if self.conn is not None:
+            self.conn.close()
+        if self.watch is not None:
+            self.watch.close()
+        self.conn = self.watch = None
+
+
+class Pooled:
+    """One kept-alive connection (`Kept`, idle at most `IDLE_S`), no retry: a request that
+    fails is the client's failure."""
+
+    def __init__(self, port: int) -> None:
+        self.kept = Kept(port, IDLE_S)
+        self.lock = threading.Lock()
+
+    @property
+    def connections(self) -> int:
+        """Connections opened so far."""
+        return self.kept.connections
 
     def send(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> str | None:
         """One request on the kept connection (a new one only when it was closed or idle too
         long); its verdict."""
         with self.lock:
-            conn = self._usable()
+            conn = self.kept.connection()
             try:
                 conn.request(
                     "POST", path, json.dumps(body), {"content-type": "application/json", **headers}
                 )
                 answer = conn.getresponse()
                 data = answer.read()
-                if answer.will_close:
-                    conn.close()
-                self.idle_since = time.monotonic()
-                return verdict(answer.status, data, stream=bool(body.get("stream")))
             except (OSError, http.client.HTTPException) as exc:
-                conn.close()
+                self.kept.close()
                 return f"{type(exc).__name__}: {exc}"
+            if answer.will_close:
+                self.kept.close()
+            self.kept.answered()
+            return verdict(answer.status, data, stream=bool(body.get("stream")))
 
     def close(self) -> None:
         """Close the kept connection."""
-        if self.conn is not None:
-            self.conn.close()
+        self.kept.close()
 
 
 @dataclass

@@ -45,6 +45,7 @@ from actors.memory_broker import GIB
 from dgxmm.app import App
 from dgxmm.config import Config, LiteLLMConfig, MemoryConfig, RuntimeConfig, ServerConfig
 from dgxmm.litellm.filesync import DEFAULT_CONFIG
+from tests.keepalive_support import Kept
 from tests.litellm_support import (
     REPO,
     AppInThread,
@@ -450,25 +451,24 @@ def _verdict(status: int, data: bytes, stream: bool) -> str:
 
 
 class PooledClient:
-    """One connection kept alive across requests, as the pools of httpx, urllib3 and aiohttp
-    keep it: a new one only after the server closed it, that is after an answer that said
-    `Connection: close`, or when the kept one is readable before reuse (at EOF: the server
-    closed it while it was idle).  `retries` connection errors are retried on a new connection
-    (the openai SDK retries them; a plain integration does not)."""
+    """One connection kept alive across requests (`Kept`: a new one only after the server
+    closed it, that is after an answer that said `Connection: close`, or when the kept one is
+    readable before reuse).  `retries` connection errors are retried on a new connection (the
+    openai SDK retries them; a plain integration does not)."""
 
     def __init__(self, stack: Stack, tally: Tally, retries: int) -> None:
-        self._port = stack.proxy.port
+        self._kept = Kept(stack.proxy.port)
         self._headers = {"content-type": "application/json", **stack.proxy.auth}
         self._tally = tally
         self._retries = retries
-        self._conn: http.client.HTTPConnection | None = None
-        self._watch: socket.socket | None = None  # a duplicate of the socket, to see its EOF
 
     def request(self, body: dict[str, Any]) -> tuple[bool, str]:
         """POST `body` to /v1/chat/completions: (answered, '' or what was wrong)."""
+        kept = self._kept
         for attempt in range(self._retries + 1):
+            before = kept.connections, kept.idle_closed
             try:
-                conn = self._kept()
+                conn = kept.connection()
                 conn.request(
                     "POST", "/v1/chat/completions", json.dumps(body).encode(), self._headers
                 )
@@ -480,6 +480,9 @@ class PooledClient:
                     self._tally.retried += 1
                     continue
                 return False, f"{type(exc).__name__}: {exc}"
+            finally:
+                self._tally.connections += kept.connections - before[0]
+                self._tally.idle_closed += kept.idle_closed - before[1]
             if answer.will_close:  # http.client has already closed its side
                 self._tally.close_answers += 1
                 self._tally.closed_after += self._server_closed()
@@ -489,28 +492,11 @@ class PooledClient:
 
     def close(self) -> None:
         """Close the kept connection, if any."""
-        if self._conn is not None:
-            self._conn.close()
-        if self._watch is not None:
-            self._watch.close()
-        self._conn = self._watch = None
-
-    def _kept(self) -> http.client.HTTPConnection:
-        if self._conn is not None and self._conn.sock is not None:
-            if not select.select([self._conn.sock], [], [], 0)[0]:
-                return self._conn
-            self._tally.idle_closed += 1  # readable while idle: EOF, the server closed it
-        self.close()
-        self._conn = http.client.HTTPConnection("127.0.0.1", self._port, timeout=120)
-        self._conn.connect()
-        assert self._conn.sock is not None
-        self._watch = self._conn.sock.dup()
-        self._tally.connections += 1
-        return self._conn
+        self._kept.close()
 
     def _server_closed(self) -> bool:
         """Whether the server closes the connection (EOF) within `CLOSE_SEEN_S`."""
-        watch = self._watch
+        watch = self._kept.watch
         if watch is None or not select.select([watch], [], [], CLOSE_SEEN_S)[0]:
             return False
         try:

@@ -486,9 +486,10 @@ class Serve:
         assert done.returncode == 0, (args, done.stdout, done.stderr)
         return done.stdout
 
-    def kill_engine(self, name: str) -> None:
-        """SIGKILL the deployment's engine behind DGXMM's back."""
-        runtime_id = self.engine_runtime_id(name)
+    def kill_engine(self, name: str, runtime_id: str | None = None) -> None:
+        """SIGKILL the deployment's engine behind DGXMM's back (`runtime_id`: looked up
+        beforehand, since reading the log takes seconds on a long one)."""
+        runtime_id = runtime_id or self.engine_runtime_id(name)
         if runtime_id.startswith("pid:"):
             os.killpg(int(runtime_id.removeprefix("pid:")), signal.SIGKILL)
         else:

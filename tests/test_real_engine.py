@@ -165,6 +165,7 @@ def test_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_starts_
     with serving(tmp_path, runtime) as serve:
         serve.deploy("gemma")
         serve.wait_state("gemma", "ready")
+        runtime_id = serve.engine_runtime_id("gemma")  # before the stream: it reads the log
         stream = SseStream(
             serve.gateway_port,
             serve.gateway_path("gemma"),
@@ -173,7 +174,7 @@ def test_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_starts_
         )
         for _ in range(3):
             assert stream.next_event() is not None
-        serve.kill_engine("gemma")
+        serve.kill_engine("gemma", runtime_id)
         rest = stream.rest()
         assert data_of(rest[-1]) == "[DONE]", rest[-3:]
         error = json.loads(data_of(rest[-2]))
@@ -276,10 +277,9 @@ def test_an_idle_real_engine_killed_then_a_request_is_answered_after_one_cold_st
         failed, waits = [], []
         for n in range(rounds):
             serve.wait_state("gemma", "ready")
-            gone = functools.partial(
-                _gone, serve.engine_runtime_id("gemma"), serve.engine_port("gemma")
-            )
-            serve.kill_engine("gemma")
+            runtime_id = serve.engine_runtime_id("gemma")
+            gone = functools.partial(_gone, runtime_id, serve.engine_port("gemma"))
+            serve.kill_engine("gemma", runtime_id)
             poll(gone, "the engine to be gone", 60)
             started = time.monotonic()
             answer = serve.chat("gemma")

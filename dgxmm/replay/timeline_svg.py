@@ -13,8 +13,16 @@ PNG is not offered: no SVG rasteriser is installed with DGXMM (cairosvg needs th
 library, and ImageMagick is not a dependency); `rsvg-convert FILE.svg -o FILE.png` or any
 browser turns the SVG into a picture.
 
-The usable memory is `--usable-gib`, else the configuration's `memory.total_gib` less
-`memory.reserve_gib`, else the memory of the machine the command runs on less the reserve.
+The usable memory is `--usable-gib`, else the budget the box recorded in its log (its
+`TraceStarted`, written at each start: the newest at or before the window's end), else the
+configuration's `memory.total_gib` less `memory.reserve_gib`, else the memory of the machine
+the command runs on less the reserve.  The log comes first because the SVG is drawn for an
+incident, often on another machine: a laptop's 16 GiB beside a box's 48 GiB log drew every
+model over the line.
+
+The default window is the last hour up to now, fitted to the log: a log that ended more than
+an hour ago ends the window at its last record, and a log shorter than the window begins it
+at its first (a young box's ten minutes fill the width instead of its rightmost sixth).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
 from actors.memory_broker import GIB
+from events import model as m
 from events.timeline import Piece, Timeline, stack
 from storage.eventlog import EventStore
 from storage.windows import timeline_window
@@ -43,6 +52,7 @@ COLOURS = {  # fill, line: the web UI's light theme
 }
 GLYPHS = {"cold_start": "▶", "idle_sleep": "☾", "sleep": "☾", "make_room": "⇢", "failure": "✕"}
 DEFAULT_WINDOW_S = 3600.0
+MIN_WINDOW_S = 60.0  # a default window fitted to a log of one instant is still this wide
 
 
 def _attr(**data: object) -> str:
@@ -73,8 +83,27 @@ def _clock(ts: float, span: float) -> str:
     return local.strftime("%H:%M:%S" if span <= 600 else "%H:%M" if span <= 2 * 86400 else "%m-%d")
 
 
-def render_svg(timeline: Timeline, width: int = WIDTH) -> str:
-    """The SVG document of `timeline`."""
+def default_window(
+    since: float | None, until: float | None, log_span: tuple[float, float] | None, now: float
+) -> tuple[float, float]:
+    """The window drawn when `--since` or `--until` is left out.
+
+    `log_span` is the (first, last) record's time (None: an empty log).  The end is now,
+    unless the log ended more than an hour before (then its last record); the start is an
+    hour before the end, but not before the log's first record when the log began after it.
+    """
+    if until is None:
+        until = now if log_span is None or now - log_span[1] <= DEFAULT_WINDOW_S else log_span[1]
+    if since is None:
+        since = until - DEFAULT_WINDOW_S
+        if log_span is not None and log_span[0] < until:
+            since = max(since, log_span[0])
+        since = min(since, until - MIN_WINDOW_S)
+    return since, until
+
+
+def render_svg(timeline: Timeline, width: int = WIDTH, usable_source: str = "") -> str:
+    """The SVG document of `timeline` (`usable_source`: where its usable memory comes from)."""
     since, until = timeline.since, timeline.until
     span = max(until - since, 1e-9)
     plot_w = width - LEFT - RIGHT
@@ -103,7 +132,8 @@ def render_svg(timeline: Timeline, width: int = WIDTH) -> str:
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}"'
         f' viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Liberation Sans, sans-serif"'
-        f' font-size="12" {_attr(since=since, until=until, usable_bytes=timeline.usable_bytes)}>',
+        f' font-size="12" {_attr(since=since, until=until, usable_bytes=timeline.usable_bytes)}'
+        f" {_attr(usable_source=usable_source)}>",
         '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="8"'
         ' markerHeight="8" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z"'
         ' fill="#9a3412"/></marker></defs>',
@@ -241,18 +271,43 @@ def render_svg(timeline: Timeline, width: int = WIDTH) -> str:
     return "\n".join(out) + "\n"
 
 
-async def _usable_bytes(args: argparse.Namespace) -> int:
+async def _recorded_budget(store: EventStore, until: float) -> int | None:
+    """The usable memory the box recorded: its newest `TraceStarted` at or before `until`,
+    else its first (the window is older than the trace); None if the log has none."""
+    kind = ("TraceStarted",)
+    newest = store.iterate(
+        stream=m.STREAM_TRAFFIC, types=kind, until_ts=until, descending=True, limit=1
+    )
+    found = [rec async for rec in newest]
+    found = found or await store.read(stream=m.STREAM_TRAFFIC, types=kind, limit=1)
+    for rec in found:
+        if isinstance(rec.event, m.TraceStarted):
+            return rec.event.usable_bytes
+    return None
+
+
+async def _usable_bytes(args: argparse.Namespace, recorded: int | None) -> tuple[int, str]:
+    """The usable memory to draw, and where it comes from (see the module's doc)."""
     if getattr(args, "usable_gib", None) is not None:
-        return int(args.usable_gib * GIB)
+        return int(args.usable_gib * GIB), "--usable-gib"
+    if recorded is not None:
+        return recorded, "recorded in the log"
     config = getattr(args, "loaded_config", None)
     memory = getattr(config, "memory", None)
     reserve = float(getattr(memory, "reserve_gib", 8.0))
     total_gib = getattr(memory, "total_gib", None)
     if total_gib is not None:
-        return max(0, int((total_gib - reserve) * GIB))
+        return max(0, int((total_gib - reserve) * GIB)), "the configuration's memory.total_gib"
     # `dgxmm.cli` hands in dgxmm.engines.memory's detection (replay does not import engines).
     total, _ = await args.detect_total()
-    return max(0, int(total) - int(reserve * GIB))
+    return max(0, int(total) - int(reserve * GIB)), "this machine's memory (the log records none)"
+
+
+async def _log_span(store: EventStore) -> tuple[float, float] | None:
+    """The time of the log's first and last records (None: an empty log)."""
+    first = await store.read(limit=1)
+    last = [rec async for rec in store.iterate(descending=True, limit=1)]
+    return (first[0].ts, last[0].ts) if first and last else None
 
 
 async def timeline_command(args: argparse.Namespace) -> int:
@@ -267,20 +322,22 @@ async def timeline_command(args: argparse.Namespace) -> int:
             else "--timeline writes an SVG file: give --out FILE.svg"
         )
         raise NotInLog(why)
-    until = args.until if args.until is not None else time.time()
-    since = args.since if args.since is not None else until - DEFAULT_WINDOW_S
-    if since >= until:
-        from dgxmm.replay import NotInLog
-
-        raise NotInLog("--since must be before --until")
     store = await EventStore.open(args.db, create=False, readonly=True)
     try:
-        timeline = await timeline_window(store, since, until, await _usable_bytes(args))
+        span = None if args.since is not None and args.until is not None else await _log_span(store)
+        since, until = default_window(args.since, args.until, span, time.time())
+        if since >= until:
+            from dgxmm.replay import NotInLog
+
+            raise NotInLog("--since must be before --until")
+        usable, source = await _usable_bytes(args, await _recorded_budget(store, until))
+        timeline = await timeline_window(store, since, until, usable)
     finally:
         await store.close()
-    out.write_text(render_svg(timeline), encoding="utf-8")
+    out.write_text(render_svg(timeline, usable_source=source), encoding="utf-8")
     print(
         f"{out}: {len(timeline.lanes)} deployments, {len(timeline.marks)} marks,"
-        f" {len(timeline.waits)} queue waits"
+        f" {len(timeline.waits)} queue waits; usable {usable / GIB:.0f} GiB ({source});"
+        f" {_clock(since, 1e9)} {_clock(since, 0)} – {_clock(until, 1e9)} {_clock(until, 0)}"
     )
     return 0

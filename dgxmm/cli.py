@@ -110,10 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--timeline", action="store_true", help="draw the window's memory timeline (--out)"
     )
-    replay.add_argument("--since", metavar="TIME", type=_time, help="--timeline: from (1 h before)")
+    replay.add_argument(
+        "--since",
+        metavar="TIME",
+        type=_time,
+        help="--timeline: from (1 h before, or the log's start)",
+    )
     replay.add_argument("--out", metavar="FILE.svg", help="--timeline: the SVG file to write")
     replay.add_argument(
-        "--usable-gib", type=float, help="--timeline: the usable memory (default: the config's)"
+        "--usable-gib", type=float, help="--timeline: the usable memory (default: the log's)"
     )
 
     events = sub.add_parser(

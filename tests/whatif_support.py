@@ -40,10 +40,14 @@ async def write_log(
     batch_s: float = 10.0,
     defaults: dict[str, object] | None = None,
     poisson: bool = True,
+    traffic: Sequence[TrafficRecord] | None = None,
 ) -> int:
     """A log with a trace of `hours` of traffic in which nothing ever waited (the recorded
     column is not calibrated here: only the simulated ones are read); returns the requests.
-    Not `poisson`: each model's requests come every 1 / rate seconds, the models' in turn."""
+    Not `poisson`: each model's requests come every 1 / rate seconds, the models' in turn.
+    `traffic`: these requests instead of the models' rates (deployment ids d0, d1, ... in
+    the models' order, epoch arrivals after the deployments are made and before `hours`
+    after that; renumbered in arrival order)."""
     rng = random.Random(seed)
     now = [T0]
     store = await EventStore.open(path, wall=lambda: now[0])
@@ -69,10 +73,12 @@ async def write_log(
             await store.append(m.deployment_stream(dep), [starting], actor="ondemand")
         now[0] += start_s if model.start_s is None else model.start_s
         await store.append(m.deployment_stream(dep), [m.EngineReady()], actor="ondemand")
-    records: list[TrafficRecord] = []
+    records: list[TrafficRecord] = list(traffic or ())
     begin = now[0] + 1
     end = begin + hours * 3600
-    for i, model in enumerate(models):
+    if any(not begin <= r.arrived < end for r in records):
+        raise ValueError(f"traffic outside the trace's {begin:.0f} to {end:.0f}")
+    for i, model in enumerate(models if traffic is None else ()):
         every = 1 / model.rate_per_s
         at = begin if poisson else begin + i * every / len(models)
         while True:

@@ -43,6 +43,7 @@ from events.state import (
 HOLDING = (Lifecycle.STARTING, Lifecycle.READY, Lifecycle.ASLEEP, Lifecycle.STOPPING)
 MAX_WAITS = 2_000  # queue waits kept per window (the longest); the rest are counted
 MAX_MARKS = 5_000  # marks kept per window (the newest); the rest are counted
+MIN_FITTED_S = 30.0  # a default window fitted to a log of a few seconds is still this wide
 
 # The event types a window needs (everything else, e.g. logins and tokens, is skipped).
 # RequestAdmitted is not read: a wait runs from its RequestQueued to its RequestLeftQueue.
@@ -439,6 +440,16 @@ def _enqueue(waiting: dict[str, QueueEntry], ev: m.AnyEvent) -> None:
         )
     elif type(ev) is m.RequestLeftQueue:
         waiting.pop(ev.request_id, None)
+
+
+def fitted_since(until: float, first_ts: float | None, span_s: float) -> float:
+    """The start of a default window of `span_s` that ends at `until`, fitted to a log that
+    began later (its first record at `first_ts`; None: an empty log): a young box's minutes
+    fill the chart instead of its rightmost sliver.  At least `MIN_FITTED_S` wide."""
+    since = until - span_s
+    if first_ts is not None and first_ts < until:
+        since = max(since, first_ts)
+    return min(since, until - MIN_FITTED_S)
 
 
 def lane_at(timeline: Timeline, deployment_id: str, at: float) -> Segment | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from actors.memory_broker import GIB
 from dgxmm.replay.timeline_svg import DEFAULT_WINDOW_S, default_window, timeline_command
 from events import model as m
+from events.timeline import MIN_FITTED_S
 from storage.eventlog import EventStore
 
 LAPTOP_BYTES = 16 * GIB  # the machine the command runs on
@@ -118,4 +119,4 @@ def test_the_default_window_keeps_what_is_given_and_the_last_hour_of_a_long_log(
     assert default_window(None, 5000.0, long_log, now) == (5000.0 - DEFAULT_WINDOW_S, 5000.0)
     assert default_window(None, None, None, now) == (now - DEFAULT_WINDOW_S, now)
     # A log of one instant still gets a window of its own.
-    assert default_window(None, None, (now - 2, now - 2), now) == (now - 60, now)
+    assert default_window(None, None, (now - 2, now - 2), now) == (now - MIN_FITTED_S, now)

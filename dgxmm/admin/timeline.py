@@ -1,7 +1,8 @@
 """The timeline's API: the box over a window, and one request's story, for the web UI's chart.
 
 - `GET /api/timeline?since=T&until=T` (or `from`/`to`): `events.timeline`'s projection of the window
-  (default: the last hour up to now; at most `MAX_WINDOW_S`), read through
+  (default: the last hour up to now, from the log's first record when the log is younger,
+  so the dashboard's live chart of a young box is readable; at most `MAX_WINDOW_S`), read through
   `storage.windows` (a snapshot plus the window's events, never the whole log), with the
   stacked pieces the chart draws and the usable memory of the running box.
 - `GET /api/requests/{id}/story`: the `dgxmm replay --request` text of one request, which
@@ -22,7 +23,7 @@ from dgxmm.admin.routes import iso, parse_time_query
 from dgxmm.replay import NotInLog
 from dgxmm.replay.commands import render_story, story_view
 from dgxmm.replay.logview import time_formatter
-from events.timeline import Piece, Timeline, stack
+from events.timeline import Piece, Timeline, fitted_since, stack
 from storage.eventlog import EventStore
 from storage.windows import timeline_window
 
@@ -75,15 +76,16 @@ class TimelineRoutes:
         self.now = now
         self.usable_bytes = usable_bytes
 
-    def window(self, query: dict[str, str]) -> tuple[float, float]:
-        """(since, until) from the query (`from`/`to` are aliases); ApiError 422 naming it."""
+    async def window(self, query: dict[str, str]) -> tuple[float, float]:
+        """(since, until) from the query (`from`/`to` are aliases); ApiError 422 naming it.
+        Without `since`: the hour before `until`, fitted to a younger log."""
         query = {"since": query.get("from", ""), "until": query.get("to", ""), **query}
         until = parse_time_query(query["until"], "until") if query.get("until") else self.now()
-        since = (
-            parse_time_query(query["since"], "since")
-            if query.get("since")
-            else until - DEFAULT_WINDOW_S
-        )
+        if query.get("since"):
+            since = parse_time_query(query["since"], "since")
+        else:
+            first = await self.store.read(limit=1)
+            since = fitted_since(until, first[0].ts if first else None, DEFAULT_WINDOW_S)
         if since >= until:
             raise ApiError(422, "invalid_query", "since must be before until", param="since")
         if until - since > MAX_WINDOW_S:
@@ -94,7 +96,7 @@ class TimelineRoutes:
 
     async def timeline(self, call: _Call) -> tuple[int, TimelineWindow]:
         """GET /api/timeline."""
-        since, until = self.window(call.query)
+        since, until = await self.window(call.query)
         found = await timeline_window(self.store, since, until, self.usable_bytes())
         return 200, timeline_json(found)
 

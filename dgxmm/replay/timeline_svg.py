@@ -36,7 +36,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 from actors.memory_broker import GIB
 from events import model as m
-from events.timeline import Piece, Timeline, stack
+from events.timeline import Piece, Timeline, fitted_since, stack
 from storage.eventlog import EventStore
 from storage.windows import timeline_window
 
@@ -52,7 +52,6 @@ COLOURS = {  # fill, line: the web UI's light theme
 }
 GLYPHS = {"cold_start": "▶", "idle_sleep": "☾", "sleep": "☾", "make_room": "⇢", "failure": "✕"}
 DEFAULT_WINDOW_S = 3600.0
-MIN_WINDOW_S = 60.0  # a default window fitted to a log of one instant is still this wide
 
 
 def _attr(**data: object) -> str:
@@ -95,10 +94,7 @@ def default_window(
     if until is None:
         until = now if log_span is None or now - log_span[1] <= DEFAULT_WINDOW_S else log_span[1]
     if since is None:
-        since = until - DEFAULT_WINDOW_S
-        if log_span is not None and log_span[0] < until:
-            since = max(since, log_span[0])
-        since = min(since, until - MIN_WINDOW_S)
+        since = fitted_since(until, None if log_span is None else log_span[0], DEFAULT_WINDOW_S)
     return since, until
 
 

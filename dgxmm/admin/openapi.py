@@ -145,7 +145,8 @@ _QUERIES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
     "timeline.timeline": [
         (
             "since",
-            "from (ISO 8601 or epoch seconds; default an hour before until)",
+            "from (ISO 8601 or epoch seconds; default an hour before until, or the log's"
+            " first record if it is younger)",
             {"type": "string"},
         ),
         ("until", "to (ISO 8601 or epoch seconds; default now)", {"type": "string"}),

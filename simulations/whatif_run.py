@@ -48,7 +48,13 @@ from simulations.whatif_history import (
     start_seconds,
     stop_seconds,
 )
-from simulations.whatif_measure import Outcome, Report, build_report, deployment_memory
+from simulations.whatif_measure import (
+    SERVED_TRACED,
+    Outcome,
+    Report,
+    build_report,
+    deployment_memory,
+)
 from storage.eventlog import EventStore
 
 # Before the window: the deployments of `since` are created and warmed up this long.
@@ -286,7 +292,12 @@ async def _run(
             ci = await _changes_until(sim, changes, ci, t, ids, per_dep, own)
         await _advance(sim, t)
         dep = ids.get(rec.deployment_id)
-        if dep is None:
+        served_before = rec.outcome in SERVED_TRACED
+        if dep is None:  # its deployment does not exist here (its creation was refused)
+            sim.outcomes.append(
+                Outcome(rec.request_id, rec.deployment_id, 0.0, True, "model_not_found", None,
+                        served_before)
+            )  # fmt: skip
             continue
         hold = (
             rec.service_s
@@ -298,9 +309,10 @@ async def _run(
             _hold(sim, lease, hold)
             sim.outcomes.append(
                 Outcome(
-                    rec.request_id, dep, 0.0, False, "served", (rec.arrived, rec.arrived + hold)
+                    rec.request_id, dep, 0.0, False, "served", (rec.arrived, rec.arrived + hold),
+                    served_before,
                 )
-            )
+            )  # fmt: skip
         else:
             task = asyncio.get_running_loop().create_task(_wait(sim, dep, rec, hold))
             sim.tasks.add(task)
@@ -310,7 +322,12 @@ async def _run(
             progress(n / total)
     await _changes_until(sim, changes, ci, math.inf, ids, per_dep, own)
     await _advance(sim, history.until - sim.origin)
-    # Requests still waiting at the window's end count with their wait so far.
+    # Requests still waiting at the window's end wait on until they meet their fate: served,
+    # or their queue deadline at the latest (what happens after the window is not measured).
+    deadline = float(sim.controller.settings()["ondemand_queue_timeout_s"])
+    if sim.tasks:
+        await _advance(sim, history.until - sim.origin + deadline + 1.0)
+    # One still waiting then (none should) counts as timed out, with its wait so far.
     for task in list(sim.tasks):
         task.cancel()
     await asyncio.gather(*sim.tasks, return_exceptions=True)
@@ -373,31 +390,47 @@ async def _advance(sim: _Sim, target: float) -> None:
     clock.jump_to(target)
 
 
+def _refusal(exc: Refused) -> str:
+    """The outcome code of a refusal: an administrator's stop is a fate of its own (an
+    always-on model that could not start is refused, not stopped)."""
+    if exc.code == "ondemand_stopped" or (
+        exc.code == "deployment_stopped" and "administrator" in exc.message
+    ):
+        return "stopped"
+    return exc.code
+
+
 async def _wait(sim: _Sim, dep: str, rec: TrafficRecord, hold: float) -> None:
     arrived = rec.arrived
+    before = rec.outcome in SERVED_TRACED
     try:
         waiter = sim.controller.enqueue(dep, str(rec.request_id))
     except Refused as exc:
-        outcome = "queue_full" if exc.code == "ondemand_queue_full" else "refused"
-        sim.outcomes.append(Outcome(rec.request_id, dep, 0.0, True, outcome, None))
+        sim.outcomes.append(
+            Outcome(rec.request_id, dep, 0.0, True, _refusal(exc), None, before)
+        )
         return
     try:
         lease = await waiter.wait()
     except Refused as exc:
         now = sim.clock.wall()
         timed_out = exc.code == "ondemand_queue_timeout"
-        outcome = "queue_timeout" if timed_out else "refused"
-        sim.outcomes.append(Outcome(rec.request_id, dep, now - arrived, True, outcome, None))
+        outcome = "queue_timeout" if timed_out else _refusal(exc)
+        sim.outcomes.append(
+            Outcome(rec.request_id, dep, now - arrived, True, outcome, None, before)
+        )
         return
-    except asyncio.CancelledError:  # still waiting when the window closed
+    except asyncio.CancelledError:  # still waiting when the run ended
         waiter.cancel()
         now = sim.clock.wall()
-        sim.outcomes.append(Outcome(rec.request_id, dep, now - arrived, True, "waiting", None))
+        sim.outcomes.append(
+            Outcome(rec.request_id, dep, now - arrived, True, "queue_timeout", None, before)
+        )
         raise
     now = sim.clock.wall()
     _hold(sim, lease, hold)
     sim.outcomes.append(
-        Outcome(rec.request_id, dep, now - arrived, True, "served", (now, now + hold))
+        Outcome(rec.request_id, dep, now - arrived, True, "served", (now, now + hold), before)
     )
 
 

@@ -30,18 +30,21 @@ from simulations.whatif_history import (
     start_seconds,
     stop_seconds,
 )
-from simulations.whatif_measure import Report, build_report, measure_recorded
+from simulations.whatif_measure import FATES, Fates, Report, build_report, fate, measure_recorded
 from simulations.whatif_run import WARM_UP_S, on_probe_grid, simulate, tenths_then_seconds
 
 __all__ = [
     "DEFAULT_START_S",
     "DEPLOYMENT_KEYS",
+    "FATES",
     "WARM_UP_S",
     "Change",
+    "Fates",
     "History",
     "Report",
     "WhatIfError",
     "build_report",
+    "fate",
     "launch_seconds",
     "load_history",
     "measure_recorded",

@@ -11,7 +11,7 @@ an eviction, an idle GiB-hour or a request that waited is decided here once.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 import msgspec
@@ -21,12 +21,54 @@ from events import model as m
 from simulations.fairness import Waits, jain, waits
 from simulations.whatif_history import History
 
+# What became of a request, in every column (`fate`): it was served (with its wait), refused
+# (`refused_by` says why), it timed out in the queue (DGXMM's queue timeout, or its client
+# went away while it waited), or an administrator stopped its model while it waited.
+FATES = ("served", "refused", "timed_out", "stopped")
+# The outcome codes of a request (`Outcome.outcome`) that are not a refusal's code.
+_NOT_REFUSED = {
+    "served": "served",
+    "queue_timeout": "timed_out",
+    "gave_up": "timed_out",
+    "stopped": "stopped",
+}
+
+
+# A traced request the recorded box served (reached its engine, answered or not).
+SERVED_TRACED = ("served", "engine_error")
+
+
+def fate(outcome: str) -> str:
+    """The fate of an outcome code: a refusal's code (`does_not_fit`, `ondemand_queue_full`,
+    `start_failed`, ...) is `refused`."""
+    return _NOT_REFUSED.get(outcome, "refused")
+
+
+class Fates(msgspec.Struct, kw_only=True):
+    """How many requests met each fate; they add up to the requests."""
+
+    served: int = 0
+    refused: int = 0
+    timed_out: int = 0
+    stopped: int = 0
+
+    def total(self) -> int:
+        """Every request counted."""
+        return self.served + self.refused + self.timed_out + self.stopped
+
 
 class Report(msgspec.Struct, kw_only=True):
     """One column of the table."""
 
     label: str
     requests: int = 0
+    fates: Fates = msgspec.field(default_factory=Fates)
+    fates_per_model: dict[str, Fates] = {}
+    refused_by: dict[str, int] = {}  # a refusal's code -> requests
+    # Requests the recorded box served that this column refuses or times out, and their models:
+    # a column with any is one the operator must not take.
+    fails_served: int = 0
+    fails_served_models: list[str] = []
     waited: int = 0  # requests that waited at all
     waits: Waits = Waits()
     per_model: dict[str, Waits] = {}
@@ -51,6 +93,7 @@ class Outcome(msgspec.Struct, gc=False):
     waited: bool
     outcome: str
     busy: tuple[float, float] | None  # (admitted, end) on its model, epoch seconds
+    recorded_served: bool = False  # the recorded box served it
 
 
 def build_report(
@@ -88,25 +131,51 @@ def build_report(
             busy[o.deployment_id].append(o.busy)
     idle_bytes_s = 0.0
     for dep, spans in held.items():
-        idle = sum(b - a for a, b in _clip(spans, since, until)) - _covered(busy[dep], spans)
+        clipped = _clip(spans, since, until)
+        idle = sum(b - a for a, b in clipped) - _covered(busy[dep], clipped)
         idle_bytes_s += max(0.0, idle) * memory.get(dep, 0)
-    measured = [o for o in outcomes if o.outcome != "queue_full"]
+    # The waits: of the requests served and of those that timed out (with their wait); a
+    # refused or stopped request has no wait, it has its fate.  Counted by (model, outcome)
+    # first: a week's million outcomes are mostly served at once.
+    counted = Counter((o.deployment_id, o.outcome) for o in outcomes)
+    fates = Fates()
+    per_fates: dict[str, Fates] = defaultdict(Fates)
+    refused_by: dict[str, int] = defaultdict(int)
+    for (dep, code), n in counted.items():
+        what = fate(code)
+        mine = per_fates[names.get(dep, dep)]
+        setattr(fates, what, getattr(fates, what) + n)
+        setattr(mine, what, getattr(mine, what) + n)
+        if what == "refused":
+            refused_by[code] += n
+    measured = []
     per: dict[str, list[float]] = defaultdict(list)
-    for o in measured:
-        per[names.get(o.deployment_id, o.deployment_id)].append(o.wait)
+    failed: dict[str, int] = defaultdict(int)
+    for o in outcomes:
+        what = fate(o.outcome)
+        if what in ("served", "timed_out"):
+            measured.append(o.wait)
+            per[names.get(o.deployment_id, o.deployment_id)].append(o.wait)
+        if what in ("refused", "timed_out") and o.recorded_served:
+            failed[names.get(o.deployment_id, o.deployment_id)] += 1
     per_model = {name: waits(v) for name, v in sorted(per.items())}
     hours = max(until - since, 1.0) / 3600.0
     return Report(
         label=label,
         requests=len(outcomes),
+        fates=fates,
+        fates_per_model=dict(sorted(per_fates.items())),
+        refused_by=dict(sorted(refused_by.items())),
+        fails_served=sum(failed.values()),
+        fails_served_models=sorted(failed),
         waited=sum(o.waited for o in outcomes),
-        waits=waits([o.wait for o in measured]),
+        waits=waits(measured),
         per_model=per_model,
         cold_starts=cold,
         cold_starts_per_hour=cold / hours,
         evictions=evictions,
         queue_timeouts=max(timeouts, sum(o.outcome == "queue_timeout" for o in outcomes)),
-        queue_full=sum(o.outcome == "queue_full" for o in outcomes),
+        queue_full=refused_by.get("ondemand_queue_full", 0),
         idle_gib_hours=idle_bytes_s / GIB / 3600.0,
         jain=jain([w.mean for w in per_model.values()]),
         waited_ids=sorted(o.request_id for o in outcomes if o.waited),
@@ -159,19 +228,22 @@ def deployment_memory(history: History) -> dict[str, int]:
 
 def measure_recorded(history: History) -> Report:
     """What really happened, measured as the simulations are."""
-    outcomes = [
-        Outcome(
-            request_id=r.request_id,
-            deployment_id=r.deployment_id,
-            wait=r.wait_s if r.outcome not in ("queue_timeout",) else r.duration_s,
-            waited=r.wait_s > 0 or r.outcome == "queue_timeout",
-            outcome=r.outcome,
-            busy=(r.arrived + r.wait_s, r.arrived + r.duration_s)
-            if r.outcome in ("served", "engine_error", "client_gone")
-            else None,
+    left = _left_queue(history.records)
+    outcomes = []
+    for r in history.traffic:
+        code = recorded_outcome(r.outcome, left.get(str(r.request_id)))
+        gone = code in ("queue_timeout", "gave_up")
+        outcomes.append(
+            Outcome(
+                request_id=r.request_id,
+                deployment_id=r.deployment_id,
+                wait=r.duration_s if gone else r.wait_s,
+                waited=r.wait_s > 0 or gone,
+                outcome=code,
+                busy=(r.arrived + r.wait_s, r.arrived + r.duration_s) if code == "served" else None,
+                recorded_served=r.outcome in SERVED_TRACED,
+            )
         )
-        for r in history.traffic
-    ]
     return build_report(
         "recorded",
         outcomes,
@@ -181,3 +253,31 @@ def measure_recorded(history: History) -> Report:
         history.since,
         history.until,
     )
+
+
+def _left_queue(records: Iterable[m.Recorded]) -> dict[str, str]:
+    """Why each request that waited left the queue (by its id)."""
+    return {
+        rec.event.request_id: rec.event.reason
+        for rec in records
+        if isinstance(rec.event, m.RequestLeftQueue)
+    }
+
+
+def recorded_outcome(traced: str, left: str | None) -> str:
+    """A traced request's outcome code, its fate told apart by why it left the queue: the
+    trace says `refused` for a refusal, a start that failed and a model an administrator
+    stopped alike, and `client_gone` for a client that went away while it waited too."""
+    if traced in ("served", "engine_error"):
+        return "served"
+    if traced == "client_gone":
+        return "gave_up" if left == "client_gone" else "served"
+    if traced == "queue_full":
+        return "ondemand_queue_full"
+    if traced == "queue_timeout":
+        return "queue_timeout"
+    if left in ("stopped", "removed"):
+        return "stopped"
+    if left in ("start_failed", "does_not_fit"):
+        return left
+    return "refused"

@@ -100,7 +100,7 @@ def test_the_json_has_the_recorded_the_calibration_and_each_alternative(log: Pat
     ]
     for column in out["columns"]:
         assert column["requests"] == out["requests"] > 100
-        assert set(column["per_model"]) == {"chat", "coder", "big"}
+        assert set(column["fates_per_model"]) == {"chat", "coder", "big"}
 
 
 def test_making_room_at_once_trades_waits_for_cold_starts(log: Path) -> None:

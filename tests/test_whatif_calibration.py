@@ -27,6 +27,8 @@ def test_whatif_with_the_recorded_settings_reproduces_the_real_box(
     assert 0 < recorded.waited < recorded.requests  # not vacuous
     # The box made room several times: the replay's swaps are compared, not only its waits.
     assert recorded.cold_starts >= 3 and recorded.evictions >= 3
+    # Every request has a fate on both sides, and they are compared (problems()).
+    assert recorded.fates.total() == recorded.requests == calibration.simulated.fates.total()
     assert calibration.problems() == []
 
 
@@ -35,4 +37,5 @@ def test_whatif_predicts_the_box_that_made_room_at_once(
 ) -> None:
     calibration, counterfactual = compared
     assert counterfactual.recorded.evictions > calibration.recorded.evictions
+    assert counterfactual.simulated.fates.total() == counterfactual.simulated.requests
     assert counterfactual.problems() == []

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from simulations.whatif import History, Report, load_history, measure_recorded, simulate
+from simulations.whatif import FATES, History, Report, load_history, measure_recorded, simulate
 from tests.gateway_support import Client
 from tests.serve_support import Serve, chat_body
 
@@ -191,6 +191,12 @@ class Comparison:
             out.append(f"cold starts {s.cold_starts} vs {r.cold_starts}")
         if abs(r.evictions - s.evictions) > 1:
             out.append(f"evictions {s.evictions} vs {r.evictions}")
+        # Every request's fate: the real box's refused, timed-out and stopped requests
+        # against the prediction's (served is what is left of the same requests).
+        for fate in FATES:
+            a, b = getattr(r.fates, fate), getattr(s.fates, fate)
+            if abs(a - b) > 1:
+                out.append(f"{fate.replace('_', ' ')} {b} vs {a}")
         for q in ("p50", "p90"):
             a, b = getattr(r.waits, q), getattr(s.waits, q)
             if abs(a - b) > max(0.1 * a, 0.5):
@@ -209,6 +215,11 @@ class Comparison:
             f"| {self.label} | wait p50 (s) | {r.waits.p50:.2f} | {s.waits.p50:.2f} |",
             f"| {self.label} | wait p90 (s) | {r.waits.p90:.2f} | {s.waits.p90:.2f} |",
             f"| {self.label} | wait p99 (s) | {r.waits.p99:.2f} | {s.waits.p99:.2f} |",
+            *(
+                f"| {self.label} | {fate.replace('_', ' ')} | {getattr(r.fates, fate)}"
+                f" | {getattr(s.fates, fate)} |"
+                for fate in FATES
+            ),
             f"| {self.label} | requests that waited | {r.waited} | {s.waited} |",
             f"| {self.label} | waited: same requests | | {self.agreement():.1%} |",
         ]

@@ -20,6 +20,7 @@ import msgspec
 import structlog
 
 from simulations.whatif import (
+    Fates,
     History,
     Report,
     WhatIfError,
@@ -117,6 +118,16 @@ def as_json(history: History, columns: list[Report]) -> dict[str, Any]:
             for c in columns
         ],
         "waited_agreement": [agreement(columns[0], c) for c in columns[1:]],
+        "unsafe": [
+            {
+                "label": c.label,
+                "fails_served": c.fails_served,
+                "models": c.fails_served_models,
+                "words": unsafe_words(c),
+            }
+            for c in columns
+            if c.fails_served
+        ],
     }
 
 
@@ -133,6 +144,7 @@ def table(history: History, columns: list[Report]) -> str:
     hours = (history.until - history.since) / 3600
     rows: list[tuple[str, list[str]]] = [
         ("requests", [str(c.requests) for c in columns]),
+        *fate_rows("", [c.fates for c in columns], [c.refused_by for c in columns]),
         ("wait p50 (s)", [f"{c.waits.p50:.1f}" for c in columns]),
         ("wait p90 (s)", [f"{c.waits.p90:.1f}" for c in columns]),
         ("wait p99 (s)", [f"{c.waits.p99:.1f}" for c in columns]),
@@ -146,12 +158,14 @@ def table(history: History, columns: list[Report]) -> str:
         ("GiB-hours idle", [f"{c.idle_gib_hours:.1f}" for c in columns]),
         ("Jain's index", [f"{c.jain:.2f}" for c in columns]),
     ]
-    models = sorted({name for c in columns for name in c.per_model})
+    models = sorted({name for c in columns for name in (*c.per_model, *c.fates_per_model)})
     for name in models:
+        per = [c.fates_per_model.get(name, Fates()) for c in columns]
+        rows.extend(fate_rows(f"{name} ", per, None))
         for q in ("p50", "p90", "p99"):
             values = [c.per_model.get(name) for c in columns]
             rows.append((f"{name} {q} (s)", [f"{getattr(v, q):.1f}" if v else "-" for v in values]))
-    head = [c.label for c in columns]
+    head = [("! " if c.fails_served else "") + c.label for c in columns]
     width0 = max(len(r[0]) for r in rows)
     widths = [max(len(h), *(len(r[1][i]) for r in rows)) for i, h in enumerate(head)]
     out = [
@@ -165,7 +179,43 @@ def table(history: History, columns: list[Report]) -> str:
     for label, texts in rows:
         line = "  ".join(t.rjust(w) for t, w in zip(texts, widths, strict=True))
         out.append(label.ljust(width0) + "  " + line)
+    warnings = [unsafe_words(c) for c in columns if c.fails_served]
+    if warnings:
+        out.append("")
+        out.extend(f"! {w}" for w in warnings)
     return "\n".join(out) + "\n"
+
+
+FATE_WORDS = {
+    "served": "served",
+    "refused": "refused",
+    "timed_out": "timed out in the queue",
+    "stopped": "stopped by an administrator",
+}
+
+
+def fate_rows(
+    prefix: str, fates: list[Fates], refused_by: list[dict[str, int]] | None
+) -> list[tuple[str, list[str]]]:
+    """Each fate's row (overall: every fate, and a row per refusal's code; per model: served,
+    and the others where a column has any)."""
+    rows: list[tuple[str, list[str]]] = []
+    for key, words in FATE_WORDS.items():
+        counts = [getattr(f, key) for f in fates]
+        if refused_by is not None or key == "served" or any(counts):
+            rows.append((f"{prefix}{words}", [str(n) for n in counts]))
+        if key == "refused" and refused_by is not None:
+            for code in sorted({c for by in refused_by for c in by}):
+                rows.append((f"refused: {code}", [str(by.get(code, 0)) for by in refused_by]))
+    return rows
+
+
+def unsafe_words(column: Report) -> str:
+    """What marks a column that fails requests the recorded box served."""
+    return (
+        f"{column.label}: {column.fails_served} requests the recorded box served would be"
+        f" refused or time out ({', '.join(column.fails_served_models)})"
+    )
 
 
 def _when(ts: float) -> str:

@@ -47,7 +47,7 @@ from actors.ports import (
     Runtime,
 )
 from actors.queue import QueueActor, WaiterImpl
-from actors.runtime import Clock
+from actors.runtime import Clock, TimerHandle
 from events import model as m
 from events.projections import badge
 from events.state import (
@@ -180,7 +180,8 @@ class Controller:
         )
         self.queue.on_change = self._on_queue_change
         self._listeners: list[Callable[[str, str], None]] = []
-        self._not_started: dict[str, str] = {}  # deployment id -> why it did not start
+        self._not_started: dict[str, Refusal] = {}  # deployment id -> why it did not start
+        self._notes_due: TimerHandle | None = None  # when an idle model may make room for one
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -313,6 +314,8 @@ class Controller:
             await actor.stop()
         for task in list(self._tasks):
             task.cancel()
+        if self._notes_due is not None:
+            self._notes_due.cancel()
 
     # --- the gateway's side (actors.admission.Controller) --------------------------------
 
@@ -467,9 +470,32 @@ class Controller:
             if actor is not None:
                 self._spawn_task(actor.stop())
         self._notify(dep.deployment_id, outcome or detail or "changed")
+        if self._not_started:
+            self._refresh_notes(dep.deployment_id)
+
+    def _refresh_notes(self, changed: str) -> None:
+        """Push again the deployments with a note on why they did not start: the note is
+        read from the budget as it is (`_not_started_now`), and another deployment's change
+        or activity, or the moment an idle one may make room, can change it."""
+        if self._notes_due is not None:
+            self._notes_due.cancel()
+            self._notes_due = None
+        due: float | None = None
+        for dep_id in list(self._not_started):
+            if dep_id != changed:  # "activity": no LiteLLM entry follows a note
+                self._notify(dep_id, "activity")
+            at = self.candidate_due(dep_id)
+            if at is not None and (due is None or at < due):
+                due = at
+        if due is not None:
+            self._notes_due = self.clock.call_later(
+                max(0.0, due - self.clock.now()), lambda: self._refresh_notes("")
+            )
 
     def _on_activity(self, deployment_id: str) -> None:
         self._notify(deployment_id, "activity")
+        if self._not_started:
+            self._refresh_notes(deployment_id)
         if len(self.queue):
             self.queue.activity(deployment_id)
 
@@ -528,7 +554,7 @@ class Controller:
             await dep_actor.ask(StartDeployment(reason="admin", actor=actor))
         except Refusal as exc:
             log.info("created_not_started", deployment=dep_id, reason=exc.message)
-            self._not_started[dep_id] = exc.message
+            self._not_started[dep_id] = exc
             self._notify(dep_id, "not_started")  # the UI shows why at once
         return self.record(dep_actor)
 
@@ -539,7 +565,7 @@ class Controller:
             await dep_actor.ask(StartDeployment(reason="admin", actor=actor))
         except Refusal as exc:
             if dep_actor.state.lifecycle is Lifecycle.STOPPED:
-                self._not_started[deployment_id] = exc.message
+                self._not_started[deployment_id] = exc
                 self._notify(deployment_id, "not_started")
             raise
         return self.record(dep_actor)
@@ -663,9 +689,22 @@ class Controller:
             effective_make_room_after_s=dep.effective_make_room_after_s(
                 default_idle, self.default_make_room_s()
             ),
-            not_started=self._not_started.get(dep.deployment_id),
+            not_started=self._not_started_now(dep),
             expected_start_s=self.start_history.expected_s(dep.deployment_id),
         )
+
+    def _not_started_now(self, dep: DeploymentState) -> str | None:
+        """Why it did not start, true now: a refusal for memory is read again from the
+        budget and the idle models as they are (issue 46, stumble 8: the note said no idle
+        model could make room long after one could)."""
+        refused = self._not_started.get(dep.deployment_id)
+        if refused is None or refused.code != "insufficient_memory":
+            return None if refused is None else refused.message
+        candidates = self.candidates(dep.deployment_id)
+        why = self.broker.no_room(dep.deployment_id, dep.name, dep.memory_bytes, candidates)
+        if why is None and not dep.on_demand:  # on demand, its next request starts it
+            return f"{dep.name} found no room when it was started; there is room now: start it"
+        return why
 
     def records(self) -> list[DeploymentRecord]:
         """Every deployment, oldest first."""

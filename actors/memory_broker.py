@@ -47,6 +47,17 @@ def plan_make_room(need: int, free: int, candidates: Iterable[Candidate]) -> lis
     return None
 
 
+def no_room_note(name: str, need: int, free: int, idle: list[int]) -> str | None:
+    """Why `name` cannot start for want of memory, in the present tense (pure): `free` bytes
+    free for it and the `idle` candidates' sizes; None when it fits or they can make room."""
+    if need <= free + sum(idle):  # what `plan_make_room` finds a plan for
+        return None
+    said = f"{name} needs {gib(need)} GiB but only {gib(max(0, free))} GiB are free"
+    if not idle:
+        return said + " and no idle on-demand model can make room"
+    return said + f" and the idle on-demand models can free only {gib(sum(idle))} GiB more"
+
+
 def gib(n: int) -> str:
     """Bytes as the seed's messages write GiB: `80`, `60.5`."""
     return f"{round(n / GIB, 1):g}"
@@ -143,20 +154,7 @@ class MemoryBroker:
         if existing is not None and not existing.releasing:
             existing.always_on = always_on
             return []
-        held_elsewhere = self.held_total() - (existing.memory_bytes if existing else 0)
-        free = self.usable_bytes - held_elsewhere
-        eligible: list[Candidate] = []
-        if make_room:
-            free += sum(
-                h.memory_bytes
-                for dep_id, h in self._held.items()
-                if h.releasing and dep_id != deployment_id
-            )
-            eligible = [
-                c
-                for c in candidates
-                if c.deployment_id in self._held and not self._held[c.deployment_id].releasing
-            ]
+        free, eligible = self._room(deployment_id, candidates, make_room)
         plan = plan_make_room(need, free, eligible)
         if plan is None:
             return None
@@ -165,6 +163,38 @@ class MemoryBroker:
         self._held[deployment_id] = Holding(memory_bytes=need, always_on=always_on)
         self._notify()
         return plan
+
+    def _room(
+        self, deployment_id: str, candidates: Iterable[Candidate], make_room: bool
+    ) -> tuple[int, list[Candidate]]:
+        """What a reservation for `deployment_id` may count on: the memory free for it, and
+        the candidates it may stop (see `reserve`)."""
+        existing = self._held.get(deployment_id)
+        free = self.usable_bytes - self.held_total() + (existing.memory_bytes if existing else 0)
+        if not make_room:
+            return free, []
+        free += sum(
+            h.memory_bytes
+            for dep_id, h in self._held.items()
+            if h.releasing and dep_id != deployment_id
+        )
+        eligible = [
+            c
+            for c in candidates
+            if c.deployment_id in self._held and not self._held[c.deployment_id].releasing
+        ]
+        return free, eligible
+
+    def no_room(
+        self, deployment_id: str, name: str, need: int, candidates: Iterable[Candidate]
+    ) -> str | None:
+        """Why a start of `deployment_id` (`need` bytes) would find no memory now, as the
+        refusal says it; None when it would (it fits, or idle candidates can make room).  Read
+        from the budget as it is, it is never stale (issue 46, stumble 8)."""
+        if self.reserved_for(deployment_id):
+            return None  # it holds its memory: its start is under way
+        free, eligible = self._room(deployment_id, candidates, True)
+        return no_room_note(name, need, free, [c.memory_bytes for c in eligible])
 
     def shortfall(self) -> int:
         """Memory held beyond the budget by deployments that keep it (0 normally).

@@ -353,6 +353,29 @@ class LiteLLMSynced(Event, frozen=True, kw_only=True):
     entries: int = 0
 
 
+class TuneApplied(Event, frozen=True, kw_only=True):
+    """An administrator applied `dgxmm tune`'s recommendation (stream "settings"): the
+    settings it changed (`settings`, by deployment id; `changes`, as the operator writes
+    them), what they were before (`previous`, for the undo), and what it predicted per hour
+    of traffic (`prediction`, beside `baseline`: the settings as they were)."""
+
+    settings: dict[str, Any] = {}
+    changes: list[str] = []
+    previous: dict[str, Any] = {}
+    label: str = ""
+    goal: str = ""
+    prediction: dict[str, Any] = {}
+    baseline: dict[str, Any] = {}
+
+
+class TuneUndone(Event, frozen=True, kw_only=True):
+    """An administrator undid the application recorded at `applied_seq`: `restored` holds
+    the settings put back."""
+
+    applied_seq: int = 0
+    restored: dict[str, Any] = {}
+
+
 AnyEvent = (
     DeploymentCreated
     | DeploymentReconfigured
@@ -390,6 +413,8 @@ AnyEvent = (
     | LiteLLMSynced
     | TraceStarted
     | TrafficRecorded
+    | TuneApplied
+    | TuneUndone
 )
 
 

@@ -130,6 +130,10 @@ def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
             return "login_failed", {"name": ev.name or None, "name_hash": ev.name_hash}
         case m.LoginFailed():
             return "login_failed", {"name": ev.name}
+        case m.TuneApplied():
+            return "tune_apply", {"changes": list(ev.changes), "label": ev.label}
+        case m.TuneUndone():
+            return "tune_undo", {"applied_seq": ev.applied_seq, "restored": dict(ev.restored)}
     return None
 
 
@@ -157,6 +161,8 @@ AUDITED_TYPES = frozenset(
         "UserRoleChanged",
         "PasswordChanged",
         "RequestLeftQueue",
+        "TuneApplied",
+        "TuneUndone",
     }
 )
 

@@ -4,15 +4,18 @@
 // the model they made room for) and failures, and queue waits as bars under the chart, one
 // row per model. Hovering a mark shows its event; clicking a wait opens that request's story.
 //
-// timelineChart({ live: true }) follows the last hour through the event stream (the same
-// coalesced messages as the badges, at most one reload a second); without `live` the
-// operator picks a window (from/to, zoom by dragging or with the buttons, pan).
+// timelineChart({ live: true }) follows the box through the event stream (the same coalesced
+// messages as the badges, at most one reload a second): the last hour, or, on a box younger
+// than that, everything since its log's first record (the API's default window), so a young
+// box fills the chart instead of its rightmost sliver. Every chart zooms and pans the same way
+// (from/to, dragging across the chart, the buttons); a live chart that is zoomed or panned
+// stops following until its Live button.
 // The data drawn is on the page as `window.dgxmmTimeline` and in data-* attributes.
 
 import { api, describeError } from "./api.js";
 import { h, replace } from "./dom.js";
 import { dateTime } from "./format.js";
-import * as live from "./live.js";
+import * as liveState from "./live.js";
 import { throttle } from "./pages/common.js";
 import { chartUnavailable, loadUPlot } from "./vendor.js";
 
@@ -71,11 +74,13 @@ function eventLines(mark) {
   return lines;
 }
 
-/** The chart. Options: live (the last hour, followed), focus (a deployment id to stand out),
- * since/until (the first window), id (the element id prefix). */
-export function timelineChart({ live: following = false, focus = null, since = null, until = null, id = "timeline" } = {}) {
+/** The chart. Options: live (follow the box, until the operator picks a window), focus (a
+ * deployment id to stand out), since/until (the first window), id (the element id prefix). */
+export function timelineChart({ live = false, focus = null, since = null, until = null, id = "timeline" } = {}) {
   const now = () => Date.now() / 1000;
   let win = { until: until ?? now(), since: since ?? (until ?? now()) - HOUR };
+  let following = live; // the API's default window, reloaded as the box changes
+  let asked = 0; // windows asked for: a load answering an older one is not drawn
   let data = null;
   let plot = null;
   let destroyed = false;
@@ -97,34 +102,35 @@ export function timelineChart({ live: following = false, focus = null, since = n
 
   const fromInput = h("input", { type: "datetime-local", step: "1", id: `${id}-from`, "aria-label": "Timeline from" });
   const toInput = h("input", { type: "datetime-local", step: "1", id: `${id}-to`, "aria-label": "Timeline to" });
-  const controls = following
-    ? h("p.tl-controls.muted", "The last hour, live. Drag across the chart on the audit log to zoom into any window.")
-    : h("form.tl-controls", { id: `${id}-window` }, [
-        h("span.tl-field", ["From ", fromInput]),
-        h("span.tl-field", ["To ", toInput]),
-        h("button", { type: "submit" }, "Show"),
-        h("button", { type: "button", title: "Earlier", "aria-label": "Earlier", onclick: () => pan(-0.5) }, "◀"),
-        h("button", { type: "button", title: "Zoom in", "aria-label": "Zoom in", onclick: () => zoom(0.5) }, "+"),
-        h("button", { type: "button", title: "Zoom out", "aria-label": "Zoom out", onclick: () => zoom(2) }, "−"),
-        h("button", { type: "button", title: "Later", "aria-label": "Later", onclick: () => pan(0.5) }, "▶"),
-        h("button", { type: "button", onclick: () => show(now() - HOUR, now()) }, "Last hour"),
-      ]);
-  if (!following) {
-    controls.addEventListener("submit", (e) => {
-      e.preventDefault();
-      const from = fromLocalInput(fromInput.value);
-      const to = fromLocalInput(toInput.value);
-      if (from === null || to === null || from >= to) {
-        status.textContent = "Pick a From time before the To time.";
-        return;
-      }
-      show(from, to);
-    });
-  }
+  const liveButton = live
+    ? h("button", { type: "button", id: `${id}-live`, "aria-pressed": "true", onclick: () => followAgain() }, "Live")
+    : h("button", { type: "button", onclick: () => show(now() - HOUR, now()) }, "Last hour");
+  const controls = h("form.tl-controls", { id: `${id}-window` }, [
+    h("span.tl-field", ["From ", fromInput]),
+    h("span.tl-field", ["To ", toInput]),
+    h("button", { type: "submit" }, "Show"),
+    h("button", { type: "button", title: "Earlier", "aria-label": "Earlier", onclick: () => pan(-0.5) }, "◀"),
+    h("button", { type: "button", title: "Zoom in", "aria-label": "Zoom in", onclick: () => zoom(0.5) }, "+"),
+    h("button", { type: "button", title: "Zoom out", "aria-label": "Zoom out", onclick: () => zoom(2) }, "−"),
+    h("button", { type: "button", title: "Later", "aria-label": "Later", onclick: () => pan(0.5) }, "▶"),
+    liveButton,
+  ]);
+  controls.addEventListener("submit", (e) => {
+    e.preventDefault();
+    const from = fromLocalInput(fromInput.value);
+    const to = fromLocalInput(toInput.value);
+    if (from === null || to === null || from >= to) {
+      status.textContent = "Pick a From time before the To time.";
+      return;
+    }
+    show(from, to);
+  });
+  const mode = live ? h("p.muted.tl-mode", { id: `${id}-mode` }) : null;
 
   const node = h("section.card.timeline", { id, "aria-labelledby": `${id}-title` }, [
     h("div.card-head", [h("h2", { id: `${id}-title` }, "Timeline"), status]),
     controls,
+    mode,
     h("div.tl-frame", [chartEl, tip]),
     waitsEl,
     legend,
@@ -142,9 +148,33 @@ export function timelineChart({ live: following = false, focus = null, since = n
     show(mid - Math.max(half, 30), mid + Math.max(half, 30));
   }
 
+  /** Show the window from..to; a live chart stops following. */
   function show(from, to) {
+    following = false;
     win = { since: from, until: to };
+    asked += 1;
     load();
+  }
+
+  /** A live chart follows the box again. */
+  function followAgain() {
+    following = true;
+    asked += 1;
+    load();
+  }
+
+  function showWindow(found) {
+    for (const [input, ts] of [[fromInput, found.since], [toInput, found.until]]) {
+      if (document.activeElement !== input) input.value = toLocalInput(ts);
+    }
+    if (!live) return;
+    liveButton.setAttribute("aria-pressed", String(following));
+    const young = found.until - found.since < HOUR - 1;
+    mode.textContent = !following
+      ? "A window you picked. Live follows the box again."
+      : young
+        ? "Live, since the box's first event (it is younger than an hour). Drag across the chart to zoom in."
+        : "Live: the last hour. Drag across the chart to zoom in.";
   }
 
   async function load() {
@@ -154,22 +184,20 @@ export function timelineChart({ live: following = false, focus = null, since = n
       return;
     }
     loading = true;
-    if (following) win = { until: now(), since: now() - HOUR };
-    if (!following) {
-      fromInput.value = toLocalInput(win.since);
-      toInput.value = toLocalInput(win.until);
-    }
+    const mine = asked;
+    // Following: the API's default window (the last hour, fitted to a younger log).
+    const query = following ? {} : { since: win.since.toFixed(3), until: win.until.toFixed(3) };
+    if (!following) showWindow(win);
     try {
-      const [uPlot, found] = await Promise.all([
-        loadUPlot(),
-        api("GET", "timeline", { query: { since: win.since.toFixed(3), until: win.until.toFixed(3) } }),
-      ]);
-      if (destroyed) return;
+      const [uPlot, found] = await Promise.all([loadUPlot(), api("GET", "timeline", { query })]);
+      if (destroyed || mine !== asked) return; // another window was asked for meanwhile
       data = found;
+      win = { since: found.since, until: found.until };
       draw(uPlot);
+      showWindow(found);
       status.textContent = `${dateTime(found.since)} – ${dateTime(found.until)}`;
     } catch (err) {
-      if (destroyed) return;
+      if (destroyed || mine !== asked) return;
       if (err && err.status === undefined && /chart library/.test(err.message)) {
         replace(chartEl, chartUnavailable(err));
         status.textContent = "";
@@ -421,13 +449,13 @@ export function timelineChart({ live: following = false, focus = null, since = n
         {},
         { label: "Usable", stroke: css("--danger", "#b42318"), width: 1.5, dash: [6, 4], points: { show: false } },
       ],
-      cursor: { drag: { x: !following, y: false, setScale: false }, points: { show: false } },
+      cursor: { drag: { x: true, y: false, setScale: false }, points: { show: false } },
       hooks: {
         drawClear: [drawPieces],
         draw: [placeOverlays],
         setSelect: [
           (u) => {
-            if (following || u.select.width < 4) return;
+            if (u.select.width < 4) return;
             const from = u.posToVal(u.select.left, "x");
             const to = u.posToVal(u.select.left + u.select.width, "x");
             u.setSelect({ left: 0, width: 0, top: 0, height: 0 }, false);
@@ -455,12 +483,13 @@ export function timelineChart({ live: following = false, focus = null, since = n
   }
 
   const reloadSoon = throttle(load, 1000);
-  const unsubscribe = following
-    ? live.subscribe((kind) => {
+  const unsubscribe = live
+    ? liveState.subscribe((kind) => {
+        if (!following) return;
         if (kind === "deployment" || kind === "queue" || kind === "memory" || kind === "removed") reloadSoon();
       })
     : () => {};
-  const slide = following ? setInterval(reloadSoon, 15_000) : null;
+  const slide = live ? setInterval(() => following && reloadSoon(), 15_000) : null;
   const onResize = throttle(() => {
     if (plot && data) plot.setSize({ width: Math.max(320, node.clientWidth - 32), height: 260 });
   }, 250);

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", parents=[common], help="run DGXMM (gateway, admin API and UI, controllers)"
     )
     serve.add_argument("--demo", action="store_true", help="run with simulated engines")
+    serve.add_argument(
+        "--no-litellm",
+        action="store_true",
+        help="with --demo: DGXMM alone, without the LiteLLM the demo puts in front",
+    )
 
     ps = sub.add_parser("ps", parents=[remote], help="the deployments of the running server")
     ps.add_argument("--json", action="store_true", help="JSON lines")
@@ -251,7 +256,10 @@ def _times_ago_joined(argv: Sequence[str]) -> list[str]:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(_times_ago_joined(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(_times_ago_joined(sys.argv[1:] if argv is None else argv))
+    if args.command == "serve" and args.no_litellm and not args.demo:
+        parser.error("--no-litellm goes with --demo (without it, [litellm] enabled decides)")
     problem = _configure(args)
     if problem is not None:
         _error(problem)

@@ -1326,7 +1326,8 @@ class DeploymentActor(Actor):
         dep = self.state
         if dep.lifecycle is Lifecycle.STOPPING:
             await self._complete_stop(handle)
-            return
+            # Stopped now; an always-on one that only DGXMM's shutdown stopped starts again.
+            dep, handle = self.state, None
         if handle is not None:
             self._handle = handle
             self._broker.adopt(self.deployment_id, dep.memory_bytes, always_on=not dep.on_demand)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,8 @@ import msgspec
 import structlog
 
 from actors.controller import Controller, DeploymentSpec
-from actors.errors import RuntimeFailure
+from actors.deployment import StopDeployment
+from actors.errors import ActorError, RuntimeFailure
 from actors.memory_broker import GIB, MemoryBroker
 from actors.ports import LaunchSpec, Runtime
 from actors.runtime import SystemClock
@@ -32,7 +33,7 @@ from dgxmm.engines.memory import detect_gpu, detect_source, detect_total_bytes
 from dgxmm.litellm.gateway_key import GatewayKeys
 from dgxmm.private import auth_key, private_umask, secure_tree
 from events import model as m
-from events.state import DeploymentState
+from events.state import DeploymentState, Lifecycle
 from gateway.access import Access
 from gateway.app import Gateway
 from gateway.server import HTTPServer
@@ -49,6 +50,11 @@ PROJECT_DIR = Path(__file__).resolve().parent.parent
 WEB_ROOT = Path(__file__).resolve().parent / "admin" / "web"
 
 DEMO_TOTAL_GIB = 48.0
+# At the demo's shutdown: the states whose engine runs, how long one stop may take to be
+# recorded (the engine stops after), and the time beyond the runtime's stop timeout.
+ENGINE_HOLDING = (Lifecycle.STARTING, Lifecycle.READY, Lifecycle.ASLEEP)
+DEMO_STOP_ASK_S = 10.0
+DEMO_STOP_MARGIN_S = 5.0
 DEMO_DEPLOYMENTS = (
     DeploymentSpec(
         name="demo-always",
@@ -427,22 +433,60 @@ class App:
             await _step("litellm", self.litellm.stop())
         if self.demo and self.controller is not None:  # recorded, so not lost at the next start
             await _step("demo_engines", stop_engines(self.controller))
+            await _step("demo_stops", self._demo_stops_recorded(self.controller))
         if self.controller is not None:
             await _step("controller", self.controller.close())
         if self.snapshotter is not None:  # orderly shutdown: the next start folds no tail
             await _step("snapshot", self.snapshotter.close())
-        if self.demo and self.controller is not None and self.runtime is not None:
-            # The demo's simulated engines are children of this process: stop them too.
-            for actor in list(self.controller.actors.values()):
-                handle = actor.engine_handle
-                if handle is not None:
-                    await _step("demo_engine", self.runtime.stop(handle, 5.0))
+        if self.demo and self.runtime is not None:
+            # The demo's simulated engines are children of this process: none may outlive
+            # it, not even one whose stop ran out of time or whose launch was under way.
+            await _step("demo_leftovers", _stop_every_engine(self.runtime))
         if self.runtime is not None:
             await _step("runtime", self.runtime.close())
         if self.store is not None:
             await _step("store", self.store.close())
         if self.lock is not None:
             self.lock.release()
+
+    async def _demo_stops_recorded(self, controller: Controller) -> None:
+        """Stop what `stop_engines` leaves (engines starting or asleep), then wait until every
+        stop is recorded: closing the controller earlier cancels the stops half-way, and the
+        next start would find the always-on deployment still "stopping" and leave it stopped.
+
+        Bounded by the runtime's stop timeout; what is left is stopped by the runtime."""
+        changed = asyncio.Event()
+        controller.add_listener(lambda _deployment, _what: changed.set())
+        for actor in list(controller.actors.values()):
+            if actor.state.lifecycle in ENGINE_HOLDING:
+                with contextlib.suppress(ActorError, TimeoutError):
+                    await asyncio.wait_for(
+                        actor.ask(StopDeployment(reason="shutdown", actor="system")),
+                        DEMO_STOP_ASK_S,
+                    )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.runtime.stop_timeout_s + DEMO_STOP_MARGIN_S
+        while True:
+            changed.clear()
+            left = stops_unfinished(actor.state for actor in controller.actors.values())
+            if not left:
+                return
+            if loop.time() >= deadline:
+                log.warning("demo_stops_unfinished", deployments=left)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), deadline - loop.time())
+
+
+def stops_unfinished(states: Iterable[DeploymentState]) -> list[str]:
+    """The deployments whose recorded stop has not finished (pure)."""
+    return sorted(dep.name for dep in states if dep.lifecycle is Lifecycle.STOPPING)
+
+
+async def _stop_every_engine(runtime: Runtime) -> None:
+    """Stop every engine the runtime still runs for this data dir (the demo's last step)."""
+    for handle in await runtime.list_engines():
+        await _step("demo_engine", runtime.stop(handle, DEMO_STOP_MARGIN_S))
 
 
 async def _traffic_trace(
@@ -499,7 +543,8 @@ async def _serve(config: Config, demo: bool) -> int:
         with contextlib.suppress(Exception):
             await app.stop()
         return 70
-    print(app.banner(), flush=True)
+    if not stop.is_set():  # a Ctrl-C during the start: stop at once, with no banner
+        print(app.banner(), flush=True)
     await stop.wait()
     print("dgxmm: stopping", file=sys.stderr, flush=True)
     try:

@@ -1,20 +1,36 @@
-"""Tune: search a small stated grid of settings with the what-if, toward an operator's goal.
+"""Tune: search the settings an operator would set with the what-if, and recommend only safe ones.
 
-The grid (`grid`): the global `ondemand_make_room_after_s` (the seed's rule, 0, 30, 120 and
-300 s), the on-demand models' idle timeouts (each model's as recorded, 120 s or 900 s, the
-same for every model), and always-on for none or for the `k` most used models (by
-requests), at most `k` of them: 5 x 3 x 2 = 30 points with k = 1.  Each point is one
-`simulate` of the same recorded traffic.  The goal is a bound and an objective: "p90 wait
+The search (`tune`) runs in stages, each one `simulate` of the same recorded traffic per
+point, the stage's points side by side:
+
+1. the global `ondemand_make_room_after_s` (as now, 0, 30, 120, 300 s) against the on-demand
+   models' idle timeouts (as now, 120 s or 900 s for every model): 15 points;
+2. on the best of those, always-on for the most used on-demand models (each set of at most
+   `k` of the `TOP` most used): a set whose memory leaves another model unable to start is
+   not simulated, it is shown infeasible with the reason;
+3. on the best so far, each of the `TOP` most used on-demand models' own idle timeout
+   (120 s, 900 s) and make-room-after (0 s): the per-model settings;
+
+about 25 points with k = 1, as many simulations as the single grid of 30 it replaces, so a
+week still fits in 15 minutes on two cores.  The goal is a bound and an objective: "p90 wait
 <= 30 s with the fewest cold starts" is `Goal(bound="p90", limit_s=30,
-minimise="cold_starts")`.  The recommendation is the point that meets the bound with the
-least of the objective (ties: the smaller p90 wait); the curve is every point's
-(objective, bound figure), and its Pareto front.  It recommends; it changes nothing.
+minimise="cold_starts")`.
 
-The points are independent: `workers` processes simulate them side by side (2 by default,
-the box's other work keeps the rest).  The workers are forked after the history is loaded,
-so they share it as it is in memory; handing it to fresh processes would cost more than a
-point (a week's history pickles to about 100 MB in 5 s and loads in 4 s).  Where fork is
-not available the points run one after the other.
+Safe first: a point is infeasible when it makes a model unable to start (its memory beside
+the always-on models' is more than the box has) or when it refuses or times out a request
+the recorded box served (`Report.fails_served`); an infeasible point is never recommended,
+and says why.  The recommendation is the feasible point that meets the bound with the least
+of the objective (ties: the smaller p90 wait), shown beside the settings as they are (the
+first point: no change) with what it saves and what it costs.  Every figure is in one unit:
+waits in seconds, counts per hour of traffic, idle memory in GiB-hours per hour.  Settings
+are named as the operator writes them (`chat.mode=always_on`).  It recommends; it changes
+nothing (`dgxmm tune --apply` does, through the admin API).
+
+The points of a stage are independent: `workers` processes simulate them side by side (2 by
+default, the box's other work keeps the rest).  The workers are forked after the history is
+loaded, so they share it as it is in memory; handing it to fresh processes would cost more
+than a point (a week's history pickles to about 100 MB in 5 s and loads in 4 s).  Where fork
+is not available the points run one after the other.
 """
 
 from __future__ import annotations
@@ -30,11 +46,36 @@ from typing import Any
 
 import msgspec
 
-from simulations.whatif import History, Report, simulate
+from actors.memory_broker import GIB
+from simulations.whatif import (
+    Figures,
+    History,
+    Report,
+    WhatIfError,
+    figures,
+    parse_overrides,
+    simulate,
+)
 
 MAKE_ROOM = (None, 0, 30, 120, 300)
-IDLE = (None, 120, 900)  # None: each model's as recorded
-OBJECTIVES = ("cold_starts", "idle_gib_hours", "evictions", "p90", "p99")
+IDLE = (None, 120, 900)  # None: each model's as now
+OWN_IDLE = (120, 900)  # a model's own idle timeout, on the best point
+TOP = 3  # the most used on-demand models the later stages try one by one
+# The goal's objectives and the figure each makes least (one unit each: per hour of traffic).
+OBJECTIVES = {
+    "cold_starts": "cold_starts_per_hour",
+    "idle_gib_hours": "idle_gib_hours_per_hour",
+    "evictions": "evictions_per_hour",
+    "p90": "p90",
+    "p99": "p99",
+}
+OBJECTIVE_WORDS = {
+    "cold_starts": "cold starts per hour",
+    "idle_gib_hours": "idle GiB-hours per hour",
+    "evictions": "evictions per hour",
+    "p90": "p90 wait (s)",
+    "p99": "p99 wait (s)",
+}
 WORKERS = 2
 BOUNDS = ("p50", "p90", "p99")
 
@@ -48,32 +89,37 @@ class Goal(msgspec.Struct, frozen=True, kw_only=True):
 
     def describe(self) -> str:
         """The goal in words."""
-        return f"{self.bound} wait <= {self.limit_s:g} s with the fewest {self.minimise}"
+        fewest = OBJECTIVE_WORDS[self.minimise]
+        return f"{self.bound} wait <= {self.limit_s:g} s with the fewest {fewest}"
 
 
 class Point(msgspec.Struct, kw_only=True):
-    """One grid point and its simulated figures."""
+    """One point of the search: its settings (by deployment id, for the API), the same as
+    the operator writes them (`changes`), in words (`label`), and its simulated figures
+    (None: not simulated, it cannot be safe)."""
 
     settings: dict[str, Any]
+    changes: list[str]
     label: str
-    p50: float
-    p90: float
-    p99: float
-    cold_starts: int
-    cold_starts_per_hour: float
-    evictions: int
-    idle_gib_hours: float
-    queue_timeouts: int
+    stage: str
+    figures: Figures | None = None
+    feasible: bool = True
+    infeasible: str = ""  # why not, in words
     meets: bool = False
     pareto: bool = False
 
 
 class Tuning(msgspec.Struct, kw_only=True):
-    """The search's outcome."""
+    """The search's outcome: every point, the recommended one (None: no feasible point
+    meets the goal), and the settings as they are (`baseline`, the first point)."""
 
     goal: Goal
     points: list[Point]
     recommended: Point | None
+    baseline: Point
+    hours: float
+    requests: int
+    searched: str  # the search's size, in words
 
 
 def most_used(history: History, k: int) -> list[str]:
@@ -82,55 +128,177 @@ def most_used(history: History, k: int) -> list[str]:
     return [dep for dep, _ in counts.most_common(k)]
 
 
-def grid(history: History, k: int = 1) -> list[tuple[str, dict[str, Any]]]:
-    """The stated grid as (label, overrides) pairs."""
-    on_demand = {d for d, s in history.deployments.items() if s.mode == "on_demand"}
+def _deployments(history: History) -> dict[str, tuple[str, int, str]]:
+    """Every deployment of the window: id -> (name, memory, mode as now)."""
+    out: dict[str, tuple[str, int, str]] = {
+        d: (s.name, s.memory_bytes, s.mode) for d, s in history.deployments.items()
+    }
     for change in history.changes:
         ev = change.event
-        if getattr(ev, "mode", None) == "on_demand" and hasattr(ev, "deployment_id"):
-            on_demand.add(ev.deployment_id)
-    pinned_sets: list[list[str]] = [[], most_used(history, k)] if k > 0 else [[]]
-    points = []
-    for room, idle, pinned in itertools.product(MAKE_ROOM, IDLE, pinned_sets):
+        dep = getattr(ev, "deployment_id", None) or change.deployment_id
+        if dep is None:
+            continue
+        name, memory, mode = out.get(dep, (history.names.get(dep, dep), 0, "on_demand"))
+        out[dep] = (
+            str(getattr(ev, "name", name)),
+            int(getattr(ev, "memory_bytes", memory) or 0),
+            str(getattr(ev, "mode", mode)),
+        )
+    return out
+
+
+def unable_to_start(history: History, settings: dict[str, Any]) -> str:
+    """Why a model could never start under `settings` ("" when each can): the always-on
+    models' memory beside it is more than the box has."""
+    deps = _deployments(history)
+    mode = {d: settings.get(f"{d}.mode", m) for d, (_, _, m) in deps.items()}
+    pinned = sum(memory for d, (_, memory, _) in deps.items() if mode[d] == "always_on")
+    usable = history.usable_bytes
+    if pinned > usable:
+        return f"the always-on models need {_gib(pinned)} GiB of {_gib(usable)}"
+    used = {r.deployment_id for r in history.traffic}
+    stuck = [
+        f"{name} ({_gib(memory)} GiB)"
+        for d, (name, memory, _) in sorted(deps.items(), key=lambda kv: kv[1][0])
+        if mode[d] == "on_demand" and d in used and memory > usable - pinned
+    ]
+    if not stuck:
+        return ""
+    return (
+        f"{', '.join(stuck)} could never start: the always-on models hold {_gib(pinned)}"
+        f" of {_gib(usable)} GiB"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:g}"
+
+
+def _value(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+def _named(history: History, settings: dict[str, Any]) -> list[str]:
+    """The settings as the operator writes them: `chat.idle_timeout_s=900`."""
+    out = []
+    for key, value in sorted(settings.items()):
+        dep, dot, sub = key.rpartition(".")
+        name = history.names.get(dep, dep) if dot else ""
+        out.append(f"{name}.{sub}={_value(value)}" if dot else f"{key}={_value(value)}")
+    return out
+
+
+def _words(history: History, settings: dict[str, Any]) -> str:
+    """The settings in words, for the curve and the recommendation."""
+    parts = []
+    room = settings.get("ondemand_make_room_after_s", "as now")
+    if "ondemand_make_room_after_s" in settings:
+        parts.append(f"make room after {room} s")
+    per_idle: dict[Any, list[str]] = {}
+    pinned, own_room = [], []
+    for key, value in sorted(settings.items()):
+        dep, dot, sub = key.rpartition(".")
+        if not dot:
+            continue
+        name = history.names.get(dep, dep)
+        if sub == "idle_timeout_s":
+            per_idle.setdefault(value, []).append(name)
+        elif sub == "mode" and value == "always_on":
+            pinned.append(name)
+        elif sub == "make_room_after_s":
+            own_room.append(f"{name} makes room after {_value(value)} s")
+    for value, names in per_idle.items():
+        parts.append(f"idle timeout {value} s for {', '.join(names)}")
+    if pinned:
+        parts.append("always on: " + ", ".join(pinned))
+    parts.extend(own_room)
+    for key, value in sorted(settings.items()):
+        if "." not in key and key != "ondemand_make_room_after_s":
+            parts.append(f"{key}={_value(value)}")
+    return "; ".join(parts) or "as now (no change)"
+
+
+def _on_demand(history: History) -> list[str]:
+    """The on-demand deployments of the window, most used first."""
+    deps = _deployments(history)
+    counts = Counter(r.deployment_id for r in history.traffic)
+    found = [d for d, (_, _, mode) in deps.items() if mode == "on_demand"]
+    return sorted(found, key=lambda d: (-counts[d], deps[d][0]))
+
+
+def first_stage(history: History) -> list[dict[str, Any]]:
+    """Make-room-after against the idle timeouts of every on-demand model."""
+    on_demand = sorted(_on_demand(history))
+    out = []
+    for room, idle in itertools.product(MAKE_ROOM, IDLE):
         over: dict[str, Any] = {}
-        parts = []
         if room is not None:
             over["ondemand_make_room_after_s"] = room
-            parts.append(f"room {room}s")
-        else:
-            parts.append("room seed")
         if idle is not None:
-            for dep in sorted(on_demand):
+            for dep in on_demand:
                 over[f"{dep}.idle_timeout_s"] = idle
-            parts.append(f"idle {idle}s")
-        else:
-            parts.append("idle as is")
-        for dep in pinned:
-            over[f"{dep}.mode"] = "always_on"
-        if pinned:
-            parts.append("always on: " + ",".join(history.names.get(d, d) for d in pinned))
-        points.append((", ".join(parts), over))
-    return points
+        out.append(over)
+    return out
 
 
-def _point(label: str, over: dict[str, Any], report: Report) -> Point:
-    return Point(
-        settings=over,
-        label=label,
-        p50=report.waits.p50,
-        p90=report.waits.p90,
-        p99=report.waits.p99,
-        cold_starts=report.cold_starts,
-        cold_starts_per_hour=report.cold_starts_per_hour,
-        evictions=report.evictions,
-        idle_gib_hours=report.idle_gib_hours,
-        queue_timeouts=report.queue_timeouts,
-    )
+def pinned_stage(history: History, best: dict[str, Any], k: int) -> list[dict[str, Any]]:
+    """Always-on sets of at most `k` of the most used on-demand models, on `best`."""
+    top = _on_demand(history)[:TOP]
+    out = []
+    for size in range(1, k + 1):
+        for chosen in itertools.combinations(top, size):
+            over = {key: v for key, v in best.items() if key.rpartition(".")[0] not in chosen}
+            for dep in chosen:
+                over[f"{dep}.mode"] = "always_on"
+            out.append(over)
+    return out
+
+
+def own_stage(history: History, best: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of the most used on-demand models' own idle timeout and make-room-after, on
+    `best` (one model's change at a time)."""
+    out = []
+    for dep in _on_demand(history)[:TOP]:
+        if best.get(f"{dep}.mode") == "always_on":
+            continue
+        for idle in OWN_IDLE:
+            if best.get(f"{dep}.idle_timeout_s") != idle:
+                out.append({**best, f"{dep}.idle_timeout_s": idle})
+        if best.get("ondemand_make_room_after_s") != 0:
+            out.append({**best, f"{dep}.make_room_after_s": 0})
+    return out
+
+
+def learned_stage(history: History, best: dict[str, Any]) -> list[dict[str, Any]]:
+    """The learned policy of starting models ahead, on `best`, where the what-if knows it."""
+    try:
+        return [{**best, **parse_overrides(history, ["ondemand_policy=learned"])}]
+    except WhatIfError:
+        return []
 
 
 def objective(point: Point, goal: Goal) -> float:
     """The figure the goal makes least."""
-    return float(getattr(point, goal.minimise))
+    assert point.figures is not None
+    return float(getattr(point.figures, OBJECTIVES[goal.minimise]))
+
+
+def bounded(point: Point, goal: Goal) -> float:
+    """The figure the goal bounds."""
+    assert point.figures is not None
+    return float(getattr(point.figures, goal.bound))
+
+
+def best_of(points: list[Point], goal: Goal) -> Point | None:
+    """The feasible point that meets the goal with the least objective (None: none does)."""
+    meeting = [p for p in points if p.feasible and p.meets]
+    return min(meeting, key=lambda p: (objective(p, goal), bounded(p, goal)), default=None)
+
+
+def _nearest(points: list[Point], goal: Goal) -> Point | None:
+    """The stage's base when no point meets the goal: the feasible one nearest it."""
+    feasible = [p for p in points if p.feasible and p.figures is not None]
+    return min(feasible, key=lambda p: (bounded(p, goal), objective(p, goal)), default=None)
 
 
 async def tune(
@@ -141,22 +309,82 @@ async def tune(
     progress: Callable[[float], None] | None = None,
     workers: int = WORKERS,
 ) -> Tuning:
-    """Every grid point simulated (`workers` at a time); the recommendation and the curve."""
-    candidates = grid(history, k)
-    reports = await _simulate_all(history, candidates, workers, progress)
-    points = [_point(label, over, r) for (label, over), r in zip(candidates, reports, strict=True)]
-    for p in points:
-        p.meets = getattr(p, goal.bound) <= goal.limit_s
-        p.pareto = not any(
-            objective(q, goal) <= objective(p, goal)
-            and getattr(q, goal.bound) <= getattr(p, goal.bound)
-            and (objective(q, goal), getattr(q, goal.bound))
-            != (objective(p, goal), getattr(p, goal.bound))
-            for q in points
+    """The staged search (`workers` points at a time); the recommendation and the curve."""
+    points: list[Point] = []
+    seen: set[str] = set()
+    stages = 4
+    done = [0]
+
+    def tick(fraction: float) -> None:
+        if progress is not None:
+            progress((done[0] + fraction) / stages)
+
+    async def stage(name: str, candidates: list[dict[str, Any]]) -> None:
+        fresh = []
+        for over in candidates:
+            key = msgspec.json.encode(dict(sorted(over.items()))).decode()
+            if key not in seen:
+                seen.add(key)
+                fresh.append(over)
+        made = [
+            Point(
+                settings=over,
+                changes=_named(history, over),
+                label=_words(history, over),
+                stage=name,
+                infeasible=unable_to_start(history, over),
+            )
+            for over in fresh
+        ]
+        runnable = [p for p in made if not p.infeasible]
+        reports = await _simulate_all(
+            history, [(p.label, p.settings) for p in runnable], workers, tick
         )
-    meeting = [p for p in points if p.meets]
-    best = min(meeting, key=lambda p: (objective(p, goal), p.p90), default=None)
-    return Tuning(goal=goal, points=points, recommended=best)
+        for p, report in zip(runnable, reports, strict=True):
+            p.figures = figures(report)
+            if report.fails_served:
+                p.infeasible = (
+                    f"{report.fails_served} requests the recorded box served would be refused"
+                    f" or time out ({', '.join(report.fails_served_models)})"
+                )
+        for p in made:
+            p.feasible = not p.infeasible
+            p.meets = p.figures is not None and bounded(p, goal) <= goal.limit_s
+        points.extend(made)
+        done[0] += 1
+        tick(0.0)
+
+    await stage("make room and idle timeouts", first_stage(history))
+    base = (best_of(points, goal) or _nearest(points, goal) or points[0]).settings
+    await stage("always on", pinned_stage(history, base, k))
+    base = (best_of(points, goal) or _nearest(points, goal) or points[0]).settings
+    await stage("per model", own_stage(history, base))
+    base = (best_of(points, goal) or _nearest(points, goal) or points[0]).settings
+    await stage("learned policy", learned_stage(history, base))
+    simulated = [p for p in points if p.figures is not None]
+    for p in simulated:
+        p.pareto = p.feasible and not any(
+            q.feasible
+            and objective(q, goal) <= objective(p, goal)
+            and bounded(q, goal) <= bounded(p, goal)
+            and (objective(q, goal), bounded(q, goal)) != (objective(p, goal), bounded(p, goal))
+            for q in simulated
+        )
+    infeasible = sum(not p.feasible for p in points)
+    by_stage = Counter(p.stage for p in points)
+    searched = (
+        f"{len(points)} points ({', '.join(f'{n} {s}' for s, n in by_stage.items())}),"
+        f" {len(simulated)} simulated, {infeasible} infeasible"
+    )
+    return Tuning(
+        goal=goal,
+        points=points,
+        recommended=best_of(points, goal),
+        baseline=points[0],
+        hours=points[0].figures.hours if points[0].figures else 0.0,
+        requests=len(history.traffic),
+        searched=searched,
+    )
 
 
 # The history the forked workers simulate (set in the parent just before they fork).
@@ -164,7 +392,7 @@ _HISTORY: History | None = None
 
 
 def _simulate_point(label: str, over: dict[str, Any]) -> Report:
-    """One grid point, in a worker."""
+    """One point, in a worker."""
     assert _HISTORY is not None, "a worker forked without the history"
     return asyncio.run(simulate(_HISTORY, over, label=label))
 
@@ -175,6 +403,8 @@ async def _simulate_all(
     workers: int,
     progress: Callable[[float], None] | None,
 ) -> list[Report]:
+    if not candidates:
+        return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(workers, len(candidates), cores or 1)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():

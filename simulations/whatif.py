@@ -30,7 +30,16 @@ from simulations.whatif_history import (
     start_seconds,
     stop_seconds,
 )
-from simulations.whatif_measure import FATES, Fates, Report, build_report, fate, measure_recorded
+from simulations.whatif_measure import (
+    FATES,
+    Fates,
+    Figures,
+    Report,
+    build_report,
+    fate,
+    figures,
+    measure_recorded,
+)
 from simulations.whatif_run import WARM_UP_S, on_probe_grid, simulate, tenths_then_seconds
 
 __all__ = [
@@ -40,11 +49,13 @@ __all__ = [
     "WARM_UP_S",
     "Change",
     "Fates",
+    "Figures",
     "History",
     "Report",
     "WhatIfError",
     "build_report",
     "fate",
+    "figures",
     "launch_seconds",
     "load_history",
     "measure_recorded",

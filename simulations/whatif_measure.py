@@ -80,6 +80,47 @@ class Report(msgspec.Struct, kw_only=True):
     idle_gib_hours: float = 0.0
     jain: float = 1.0
     waited_ids: list[int] = []  # the requests that waited (for the agreement figure)
+    hours: float = 0.0  # the window's length
+
+
+class Figures(msgspec.Struct, kw_only=True):
+    """A column's figures in one unit each, per hour of traffic where they count something:
+    what `tune` predicts and what the box did since (measured alike)."""
+
+    hours: float
+    requests: int
+    p50: float
+    p90: float
+    p99: float
+    worst_model: str  # the model with the longest p90 wait ("" with none)
+    worst_p90: float
+    cold_starts_per_hour: float
+    evictions_per_hour: float
+    idle_gib_hours_per_hour: float  # GiB held by idle models, on average
+    fates: Fates
+    fails_served: int
+    fails_served_models: list[str]
+
+
+def figures(report: Report) -> Figures:
+    """The column's `Figures`."""
+    hours = max(report.hours, 1 / 3600)
+    worst = max(report.per_model.items(), key=lambda kv: kv[1].p90, default=("", Waits()))
+    return Figures(
+        hours=report.hours,
+        requests=report.requests,
+        p50=report.waits.p50,
+        p90=report.waits.p90,
+        p99=report.waits.p99,
+        worst_model=worst[0],
+        worst_p90=worst[1].p90,
+        cold_starts_per_hour=report.cold_starts / hours,
+        evictions_per_hour=report.evictions / hours,
+        idle_gib_hours_per_hour=report.idle_gib_hours / hours,
+        fates=report.fates,
+        fails_served=report.fails_served,
+        fails_served_models=report.fails_served_models,
+    )
 
 
 class Outcome(msgspec.Struct, gc=False):
@@ -179,6 +220,7 @@ def build_report(
         idle_gib_hours=idle_bytes_s / GIB / 3600.0,
         jain=jain([w.mean for w in per_model.values()]),
         waited_ids=sorted(o.request_id for o in outcomes if o.waited),
+        hours=max(until - since, 1.0) / 3600.0,
     )
 
 

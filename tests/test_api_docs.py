@@ -28,6 +28,7 @@ from dgxmm.litellm.gateway_key import GatewayKeys
 from events.state import SystemState, TokenInfo, UserRecord
 from gateway.access import Access
 from simulations.tune import Goal, Point, Tuning
+from simulations.whatif import Fates, Figures
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_700_000_000.0
@@ -132,12 +133,23 @@ def test_the_dicts_answered_through_a_struct_lose_no_key(tmp_path: Path) -> None
 
 
 def test_the_tune_answer_has_every_field_dgxmm_tune_prints() -> None:
+    fates = Fates(served=10, refused=1, timed_out=0, stopped=0)
+    f = Figures(
+        hours=2.0, requests=11, p50=1.0, p90=2.5, p99=9.0, worst_model="chat", worst_p90=3.0,
+        cold_starts_per_hour=0.5, evictions_per_hour=0.5, idle_gib_hours_per_hour=2.0,
+        fates=fates, fails_served=1, fails_served_models=["chat"],
+    )  # fmt: skip
     point = Point(
-        settings={"ondemand_make_room_after_s": 30}, label="room 30s", p50=1.0, p90=2.5,
-        p99=9.0, cold_starts=3, cold_starts_per_hour=0.5, evictions=1, idle_gib_hours=2.0,
-        queue_timeouts=0, meets=True, pareto=True,
+        settings={"ondemand_make_room_after_s": 30}, changes=["ondemand_make_room_after_s=30"],
+        label="make room after 30 s", stage="make room and idle timeouts", figures=f,
+        feasible=False, infeasible="1 request", meets=True, pareto=True,
     )  # fmt: skip
     printed = msgspec.json.decode(
-        msgspec.json.encode(Tuning(goal=Goal(), points=[point], recommended=point))
-    )
+        msgspec.json.encode(
+            Tuning(
+                goal=Goal(), points=[point], recommended=point, baseline=point, hours=2.0,
+                requests=11, searched="1 point",
+            )
+        )
+    )  # fmt: skip
     _same_json({**printed, "goal_text": "p90<=30", "since": T0, "until": T0 + 86400}, Tuned)

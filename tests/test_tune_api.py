@@ -37,8 +37,8 @@ def test_the_recommendation_and_its_curve_come_from_the_last_day(tmp_path: Path)
         )
         assert reply.status == 200, reply.body
         out = reply.json()
-        assert len(out["points"]) == 30
-        assert out["recommended"]["p99"] <= 60
+        assert len(out["points"]) >= 15
+        assert out["recommended"]["figures"]["p99"] <= 60 and out["recommended"]["feasible"]
         viewer = await box.login("victor")
         refused = await viewer.call("POST", "/dgxmm/api/settings/tune", {})
         assert refused.status == 403

@@ -163,12 +163,17 @@ def test_tune_recommends_a_point_that_meets_the_goal_and_shows_the_curve(log: Pa
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert len(out["points"]) == 30  # 5 make-room x 3 idle timeouts x (none, top 1 always on)
+    # 15 make-room x idle timeouts, then always-on sets and per-model settings on the best.
+    stages = [p["stage"] for p in out["points"]]
+    assert stages.count("make room and idle timeouts") == 15
+    assert "always on" in stages and "per model" in stages
     best = out["recommended"]
-    assert best is not None and best["p99"] <= 60
-    meeting = [p for p in out["points"] if p["p99"] <= 60]
-    assert best["cold_starts"] == min(p["cold_starts"] for p in meeting)
+    assert best is not None and best["feasible"] and best["figures"]["p99"] <= 60
+    meeting = [p for p in out["points"] if p["feasible"] and p["figures"]["p99"] <= 60]
+    fewest = min(p["figures"]["cold_starts_per_hour"] for p in meeting)
+    assert best["figures"]["cold_starts_per_hour"] == fewest
     assert any(p["pareto"] for p in out["points"])
+    assert out["baseline"]["settings"] == {} and out["baseline"]["label"] == "as now (no change)"
 
 
 def test_tune_in_two_processes_finds_what_it_finds_in_one(log: Path) -> None:

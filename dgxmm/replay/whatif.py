@@ -24,6 +24,7 @@ from simulations.whatif import (
     History,
     Report,
     WhatIfError,
+    figures,
     load_history,
     measure_recorded,
     parse_overrides,
@@ -53,6 +54,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser, time_type: Any) -> Non
     p.add_argument(
         "--alt", action="append_const", const="--alt", dest="sets",
         help="start another alternative (the --set after it belong to it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--recorded-only", action="store_true",
+        help="only what really happened (no simulation): the Settings page's 'since applied'",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object")
 
@@ -85,13 +90,15 @@ async def whatif_command(args: argparse.Namespace) -> int:
         sys.stderr.write(f"dgxmm: {exc}\n")
         return EXIT_BAD
     columns = [measure_recorded(history)]
-    bar = Progress(sys.stderr, 1 + len(groups))
-    columns.append(await apart(simulate(history, {}, label="calibration", progress=bar.update)))
-    for group, over in zip(groups, overrides, strict=True):
-        bar.next()
-        run = simulate(history, over, label=" ".join(group), progress=bar.update)
-        columns.append(await apart(run))
-    bar.done()
+    if not getattr(args, "recorded_only", False):
+        bar = Progress(sys.stderr, 1 + len(groups))
+        calibration = simulate(history, {}, label="calibration", progress=bar.update)
+        columns.append(await apart(calibration))
+        for group, over in zip(groups, overrides, strict=True):
+            bar.next()
+            run = simulate(history, over, label=" ".join(group), progress=bar.update)
+            columns.append(await apart(run))
+        bar.done()
     if args.json:
         sys.stdout.write(msgspec.json.encode(as_json(history, columns)).decode() + "\n")
     else:
@@ -117,6 +124,7 @@ def as_json(history: History, columns: list[Report]) -> dict[str, Any]:
             {k: v for k, v in msgspec.structs.asdict(c).items() if k != "waited_ids"}
             for c in columns
         ],
+        "figures": [figures(c) for c in columns],  # one unit each, counts per hour
         "waited_agreement": [agreement(columns[0], c) for c in columns[1:]],
         "unsafe": [
             {

@@ -1,0 +1,239 @@
+"""Does anticipation pay?  The learned on-demand policy against the best seed-policy setting
+`tune` finds, on the three benchmark traces of issue 44 (`simulations.benchmark_traffic`).
+
+    python -m tests.perf.bench_anticipation [--trace a|b|c|all] [--days N] [--seed N]
+        [--goal 'p90<=30,cold_starts']
+
+For each trace: the trace is generated from its seed and written as a log the way `dgxmm
+serve` writes one (`tests.whatif_support.write_log`, into a temporary directory: generated,
+never stored); `simulations.tune.tune` searches its grid for the best seed-policy setting
+toward `--goal` (the CLI's default goal unless told); then the what-if of that setting, and
+of the same setting plus `ondemand_policy=learned`.  The table gives, for both: the requests
+that waited for their model's start, the p50 and p90 of those waits, the cold starts and the
+idle GiB-hours (memory held by ready models with no request in flight, as the what-if's
+`Report` measures it), and the ratios against the issue's targets:
+
+- (a) and (b): requests that waited for a start at most 0.50 of the seed's;
+- every trace: idle GiB-hours at most 1.10 of the seed's;
+- (c): requests that waited and cold starts at most 1.05 of the seed's.
+
+Until the learned policy exists (`parse_overrides` refuses `ondemand_policy=learned`) the
+learned column says it is pending and only the seed's figures are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import msgspec
+import structlog
+
+from simulations import whatif_run
+from simulations.benchmark_traffic import DEFAULT_DAYS, GENERATORS, Trace
+from simulations.fairness import waits
+from simulations.tune import Goal, Point, Tuning, best_of, bounded, objective, parse_goal, tune
+from simulations.whatif import (
+    History,
+    WhatIfError,
+    build_report,
+    fate,
+    load_history,
+    parse_overrides,
+    simulate,
+)
+from tests.whatif_support import T0, Model, write_log
+
+LEARNED = "ondemand_policy=learned"
+TITLES = {"a": "office hours", "b": "periodic jobs", "c": "noise"}
+WAITED_AT_MOST = {"a": 0.50, "b": 0.50, "c": 1.05}  # requests that waited for a start
+COLD_AT_MOST = {"c": 1.05}
+IDLE_AT_MOST = 1.10
+MEASURED = ("served", "timed_out")  # the fates whose waits the what-if measures
+
+
+class Column(msgspec.Struct, kw_only=True):
+    """One policy's figures on one trace."""
+
+    label: str
+    requests: int
+    waited: int  # requests that waited for their model
+    waited_p50: float  # of those that waited (s)
+    waited_p90: float
+    timed_out: int  # left the queue at its deadline
+    refused: int
+    cold_starts: int
+    idle_gib_hours: float
+
+
+class Verdict(msgspec.Struct, kw_only=True):
+    """One target: the learned figure over the seed's, against its bound."""
+
+    figure: str
+    seed: float
+    learned: float
+    ratio: float | None  # None: the seed's figure is 0
+    at_most: float
+    met: bool
+
+
+async def write_trace(trace: Trace, path: str | os.PathLike[str]) -> int:
+    """The trace as a log: its box, its deployments (each with its recorded cold start) and
+    its requests; returns the requests."""
+    models = [Model(d.name, d.gib, 0.0, d.service_s, start_s=d.start_s) for d in trace.deployments]
+    return await write_log(
+        path, models, hours=(trace.end - T0) / 3600, usable_gib=trace.usable_gib,
+        seed=trace.seed, defaults={}, traffic=trace.records,
+    )  # fmt: skip
+
+
+def learned_available(history: History) -> bool:
+    """Whether the what-if knows the learned policy yet."""
+    try:
+        parse_overrides(history, [LEARNED])
+    except WhatIfError:
+        return False
+    return True
+
+
+async def column(history: History, overrides: dict[str, Any], label: str) -> Column:
+    """The what-if of `overrides`.  `Report` gives the waits of every request (most of them
+    0); the waits of those that waited are read from the outcomes `simulate` hands to
+    `build_report`, which is watched, not changed."""
+    with mock.patch.object(whatif_run, "build_report", wraps=build_report) as spy:
+        report = await simulate(history, overrides, label=label)
+    outcomes = spy.call_args.args[1]
+    waited = waits([o.wait for o in outcomes if o.waited and fate(o.outcome) in MEASURED])
+    return Column(
+        label=label, requests=report.requests, waited=report.waited, waited_p50=waited.p50,
+        waited_p90=waited.p90, timed_out=report.fates.timed_out, refused=report.fates.refused,
+        cold_starts=report.cold_starts,
+        idle_gib_hours=report.idle_gib_hours,
+    )  # fmt: skip
+
+
+def best_seed_point(tuning: Tuning) -> tuple[Point, bool]:
+    """The best point of the seed's policy by tune's own rule (`best_of`: feasible, meets
+    the bound, least of the objective), leaving out tune's points of the learned policy;
+    with none meeting the bound, the feasible one nearest to it.  The point and whether it
+    meets the bound."""
+    seed = [p for p in tuning.points if p.settings.get("ondemand_policy", "seed") == "seed"]
+    best = best_of(seed, tuning.goal)
+    if best is not None:
+        return best, True
+    simulated = [p for p in seed if p.feasible and p.figures is not None]
+    goal = tuning.goal
+    return min(simulated, key=lambda p: (bounded(p, goal), objective(p, goal))), False
+
+
+def verdicts(trace: str, seed: Column, learned: Column) -> list[Verdict]:
+    """The issue's targets for `trace`, the learned column against the seed's."""
+    wanted: list[tuple[str, Callable[[Column], float], float]] = [
+        ("requests that waited", lambda c: c.waited, WAITED_AT_MOST[trace]),
+        ("idle GiB-hours", lambda c: c.idle_gib_hours, IDLE_AT_MOST),
+    ]
+    if trace in COLD_AT_MOST:
+        wanted.append(("cold starts", lambda c: c.cold_starts, COLD_AT_MOST[trace]))
+    out = []
+    for figure, get, at_most in wanted:
+        s, v = float(get(seed)), float(get(learned))
+        ratio = v / s if s > 0 else None
+        met = ratio <= at_most if ratio is not None else v == 0
+        out.append(Verdict(figure=figure, seed=s, learned=v, ratio=ratio, at_most=at_most, met=met))
+    return out
+
+
+def table(seed: Column, learned: Column | None, found: list[Verdict]) -> list[str]:
+    """The trace's rows: each figure under both policies, and the targets' ratios."""
+    rows: list[tuple[str, Callable[[Column], str]]] = [
+        ("requests", lambda c: f"{c.requests:,}"),
+        ("requests that waited for a start", lambda c: f"{c.waited:,}"),
+        ("  their wait p50 (s)", lambda c: f"{c.waited_p50:.1f}"),
+        ("  their wait p90 (s)", lambda c: f"{c.waited_p90:.1f}"),
+        ("timed out in the queue", lambda c: f"{c.timed_out:,}"),
+        ("refused", lambda c: f"{c.refused:,}"),
+        ("cold starts", lambda c: f"{c.cold_starts:,}"),
+        ("idle GiB-hours", lambda c: f"{c.idle_gib_hours:.1f}"),
+    ]
+    lines = [f"{'':34}{'seed (tuned)':>14}{'learned':>14}"]
+    for name, fmt in rows:
+        lines.append(f"{name:34}{fmt(seed):>14}{fmt(learned) if learned else 'pending':>14}")
+    for v in found:
+        ratio = "n/a (seed 0)" if v.ratio is None else f"{v.ratio:.2f}"
+        lines.append(
+            f"target: {v.figure} learned/seed {ratio} <= {v.at_most:.2f}:"
+            f" {'met' if v.met else 'MISSED'}"
+        )
+    return lines
+
+
+async def bench(name: str, seed: int, days: float, goal: Goal, workers: int) -> bool:
+    """One trace's table, printed; whether every target was met (True while pending)."""
+    trace = GENERATORS[name](seed, days=days)
+    models = ", ".join(f"{d.name} {d.gib:g} GiB ({d.start_s:g} s start)" for d in trace.deployments)
+    print(f"\n## ({name}) {TITLES[name]}: seed {seed}, {days:g} days, {len(trace.records):,}"
+          f" requests; {trace.usable_gib:g} GiB box: {models}")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="dgxmm-bench-anticipation-") as tmp:
+        path = Path(tmp) / "log.db"
+        began = time.monotonic()
+        await write_trace(trace, path)
+        history = await load_history(path)
+    learned_too = learned_available(history)
+    print(f"log written and read in {time.monotonic() - began:.1f} s")
+    began = time.monotonic()
+    tuning = await tune(history, goal, workers=workers)
+    best, meets = best_seed_point(tuning)
+    print(
+        f"tune ({goal.describe()}; {tuning.searched}) in"
+        f" {time.monotonic() - began:.0f} s: best seed-policy setting: {best.label}"
+        + ("" if meets else " (no point meets the bound: the nearest to it)")
+    )
+    began = time.monotonic()
+    seed_col = await column(history, best.settings, "seed")
+    learned: Column | None = None
+    if learned_too:
+        over = {**best.settings, **parse_overrides(history, [LEARNED])}
+        learned = await column(history, over, "learned")
+    print(f"what-if of both in {time.monotonic() - began:.0f} s\n")
+    found = verdicts(name, seed_col, learned) if learned else []
+    for line in table(seed_col, learned, found):
+        print(line)
+    if learned is None:
+        print("learned: pending (`--set ondemand_policy=learned` is not a setting yet)")
+    return all(v.met for v in found)
+
+
+async def main(names: list[str], seed: int, days: float | None, goal: Goal, workers: int) -> int:
+    """Every asked trace's table; 1 if a target was missed."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    print("$ " + shlex.join(["python", "-m", "tests.perf.bench_anticipation", *sys.argv[1:]]))
+    print(f"seed {seed}; goal {goal.describe()}; load average {os.getloadavg()[0]:.1f}")
+    began = time.monotonic()
+    met = True
+    for name in names:
+        met &= await bench(name, seed, days if days is not None else DEFAULT_DAYS[name], goal,
+                           workers)  # fmt: skip
+    print(f"\nwall time {time.monotonic() - began:.0f} s")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", choices=["a", "b", "c", "all"], default="all")
+    parser.add_argument("--days", type=float, help="default: 14 for (a), 3 for (b) and (c)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--goal", default="p90<=30,cold_starts", help="tune's goal")
+    parser.add_argument("--workers", type=int, default=2, help="tune's processes")
+    args = parser.parse_args()
+    traces = ["a", "b", "c"] if args.trace == "all" else [args.trace]
+    sys.exit(asyncio.run(main(traces, args.seed, args.days, parse_goal(args.goal), args.workers)))

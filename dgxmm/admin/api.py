@@ -63,7 +63,15 @@ from dgxmm.admin.sse import (
     memory_json,
 )
 from dgxmm.admin.timeline import TimelineRoutes
-from dgxmm.admin.tuning import Tuned, TuneFailed, TuneRunner
+from dgxmm.admin.tuning import (
+    Applied,
+    ApplyBody,
+    TuneApplier,
+    Tuned,
+    TuneFailed,
+    TuneRunner,
+    measure_since,
+)
 from dgxmm.config import http_url_problem
 from dgxmm.litellm.reload import ReloadStatus
 from dgxmm.litellm.sync import HINT
@@ -723,6 +731,30 @@ class AdminApi:
             return 200, await self.tuning.result(goal, fresh=bool(body.get("fresh")))
         except TuneFailed as exc:
             raise ApiError(409, "tune_unavailable", str(exc)) from None
+
+    async def _h_tune_apply(self, call: _Call) -> tuple[int, Applied]:
+        """Apply a recommendation: the settings changed, one audited `TuneApplied`."""
+        body = bodies.decode(call.body, ApplyBody)
+        await TuneApplier(self.controller, self.store).apply(body, self._who(call))
+        return 200, await self._applied()
+
+    async def _h_tune_undo(self, call: _Call) -> tuple[int, Applied]:
+        """Undo the last application in one step: one audited `TuneUndone`."""
+        await TuneApplier(self.controller, self.store).undo(self._who(call))
+        return 200, await self._applied()
+
+    async def _h_tune_applied(self, call: _Call) -> tuple[int, Applied]:
+        """The last application, its prediction beside what happened since."""
+        return 200, await self._applied()
+
+    async def _applied(self) -> Applied:
+        applied = await TuneApplier(self.controller, self.store).applied()
+        if applied is not None and applied.undone_at is None:
+            try:
+                applied.since = await measure_since(self.store.path, applied.at)
+            except TuneFailed as exc:
+                applied.since_error = str(exc)
+        return Applied(applied=applied)
 
     # --- LiteLLM -------------------------------------------------------------------------
 

@@ -106,6 +106,11 @@ _ADMIN: dict[str, tuple[str, Any, int]] = {
     "get_settings": ("The settings in force", None, 200),
     "change_settings": ("Change settings (the on-demand defaults)", "object", 200),
     "tune": ("Recommend on-demand settings from the last 24 h (changes nothing)", "object", 200),
+    "tune_apply": ("Apply a recommendation: one audited event holding its prediction",
+                   "object", 200),
+    "tune_undo": ("Undo the last applied recommendation (one audited event)", None, 200),
+    "tune_applied": ("The last applied recommendation: its prediction beside what happened"
+                     " since", None, 200),
     "litellm_status": ("The LiteLLM integration's status", None, 200),
     "litellm_configure": ("Configure the LiteLLM integration", "object", 200),
     "litellm_sync": ("Sync LiteLLM now", None, 200),

@@ -350,7 +350,8 @@ class SimServer:
         began = time.monotonic()
         for share, line in VLLM_MILESTONES:
             await asyncio.sleep(max(0.0, began + share * delay_s - time.monotonic()))
-            _log(line.format(took=share * delay_s, url=f"http://{self.host}:{self.port}"))
+            text = line.format(took=share * delay_s, url=f"http://{self.host}:{self.port}")
+            _log(f"{vllm_prefix(time.time())} {text}")
 
     async def _loaded(self) -> None:
         if self.options.fail_at_start is not None:
@@ -769,15 +770,20 @@ def parse_args(argv: Sequence[str] | None = None) -> SimOptions:
     )
 
 
-# (share of the start-up delay, line): the lines DGXMM reads milestones from, worded as vLLM.
+# (share of the start-up delay, line): the lines DGXMM reads milestones from, worded as vLLM,
+# each after vLLM's prefix (`vllm_prefix`: the level and the local time the line was written).
 VLLM_MILESTONES = (
-    (0.4, "INFO 00-00 00:00:00 [default_loader.py:262] Loading weights took {took:.2f} seconds"),
-    (0.45, "INFO 00-00 00:00:00 [gpu_model_runner.py:2021] Model loading took 0.51 GiB and "
-     "{took:.6f} seconds"),
-    (0.9, "INFO 00-00 00:00:00 [core.py:214] init engine (profile, create kv cache, warmup "
-     "model) took {took:.2f} seconds"),
-    (1.0, "INFO 00-00 00:00:00 [api_server.py:1885] Starting vLLM API server 0 on {url}"),
+    (0.4, "[default_loader.py:262] Loading weights took {took:.2f} seconds"),
+    (0.45, "[gpu_model_runner.py:2021] Model loading took 0.51 GiB and {took:.6f} seconds"),
+    (0.9, "[core.py:214] init engine (profile, create kv cache, warmup model) took {took:.2f} "
+     "seconds"),
+    (1.0, "[api_server.py:1885] Starting vLLM API server 0 on {url}"),
 )  # fmt: skip
+
+
+def vllm_prefix(now: float) -> str:
+    """vLLM's prefix of a log line written at `now` (epoch seconds): "INFO 12-06 21:58:43"."""
+    return "INFO " + time.strftime("%m-%d %H:%M:%S", time.localtime(now))
 
 
 def _log(line: str) -> None:

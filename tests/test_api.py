@@ -105,8 +105,8 @@ def test_a_bad_password_and_an_unknown_user_get_the_same_401(tmp_path: Path) -> 
         rows = [r for r in await audit(box) if r.action == "login_failed"]
         # An existing account is named; a name that is no user's only as a keyed hash.
         assert [(r.actor, r.details["name"]) for r in rows] == [
-            ("system", "alice"),
-            ("system", None),
+            ("client:127.0.0.1", "alice"),
+            ("client:127.0.0.1", None),
         ]
         assert len(rows[1].details["name_hash"]) == 16
         assert b"mallory" not in b"".join(m.encode_event(r.event) for r in await box.events())

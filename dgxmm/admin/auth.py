@@ -16,7 +16,8 @@ next request, not after a polling delay.
 Failed logins slow the next attempt down exponentially, per name and per client address
 (`Backoff`), without locking anyone out: a browser that logged in as a name before
 carries a signed "known client" cookie, and the right password from it always passes.
-docs/security.md states the policy.
+A failure is recorded by the client's address (`client:ADDRESS`), with the name tried when it
+is a user's.  docs/security.md states the policy.
 """
 
 from __future__ import annotations
@@ -140,6 +141,12 @@ def fold_users(records: Iterable[m.Recorded]) -> dict[str, UserRecord]:
 async def load_users(store: EventStore) -> dict[str, UserRecord]:
     """Every user the log knows."""
     return fold_users(await store.read(stream=m.STREAM_USERS))
+
+
+def failed_login_actor(client_ip: str | None) -> str:
+    """Who a failed login is recorded as: the client's address ("client:127.0.0.1"), since
+    nobody logged in; the event names the account tried (`LoginFailed`)."""
+    return f"client:{client_ip}" if client_ip else "client"
 
 
 # --- sessions and principals -----------------------------------------------------------------
@@ -365,7 +372,7 @@ class Auth:
                 name=user.name if user is not None else "",
                 name_hash=name_digest(self.secret, name),
             )
-            await self._record(failed, "system")
+            await self._record(failed, failed_login_actor(client_ip))
             raise AuthError(401, "invalid_credentials", INVALID_LOGIN)
         if not waits:  # a known client let through an attack does not reset its backoff
             self._by_name.forget(keys[0][1])

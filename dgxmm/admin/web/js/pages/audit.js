@@ -4,7 +4,7 @@ import { api, describeError } from "../api.js";
 import { field, h, replace } from "../dom.js";
 import { ACTIONS, actionWords, dateTime, detailsText } from "../format.js";
 import * as live from "../live.js";
-import { auditTarget, busy } from "./common.js";
+import { auditActor, auditTarget, busy } from "./common.js";
 import { timelineChart } from "../timeline.js";
 
 const FILTERS = ["actor", "action", "deployment", "since", "until"];
@@ -108,7 +108,7 @@ export function render({ query, navigate }) {
   function row(r) {
     return h("tr", [
       h("td", h("time", { datetime: r.time || new Date(r.ts * 1000).toISOString() }, dateTime(r.ts))),
-      h("td", r.actor),
+      h("td", auditActor(r)),
       h("td", [actionWords(r), h("span.sub", h("code", r.action))]),
       h("td", auditTarget(r)),
       h("td.details", detailsText(r.details)),

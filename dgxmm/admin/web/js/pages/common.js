@@ -47,6 +47,17 @@ export function auditTarget(row) {
   return h("span", { title: `removed deployment ${id}` }, name || id);
 }
 
+/** Who did it, in words. A failed login is nobody's act: it is recorded by the client's
+ * address (actor "client:ADDRESS") with the name tried when that is a user's (another name
+ * is kept only as a keyed hash: it may be a password typed in the wrong field). */
+export function auditActor(row) {
+  const actor = row.actor || "";
+  if (row.action !== "login_failed") return actor;
+  const name = (row.details || {}).name;
+  const trying = name ? `trying ${name}` : "trying a name that is no user's";
+  return actor.startsWith("client:") ? `${actor.slice("client:".length)}, ${trying}` : trying;
+}
+
 /** Disable a button while `work()` runs, and report its failure in `errorEl`. */
 export async function busy(button, busyText, work, errorEl) {
   const text = button.textContent;

@@ -4,7 +4,7 @@ import { api, describeError } from "../api.js";
 import { h, replace } from "../dom.js";
 import { actionWords, badge, badgeKind, gib, relativeTime } from "../format.js";
 import * as live from "../live.js";
-import { auditTarget, loggedChange, throttle } from "./common.js";
+import { auditActor, auditTarget, loggedChange, throttle } from "./common.js";
 import { queuePanel } from "./ops.js";
 import { timelineChart } from "../timeline.js";
 
@@ -108,7 +108,7 @@ export function render() {
           h(
             "tbody",
             rows.map((r) =>
-              h("tr", [h("td", relativeTime(r.ts)), h("td", actionWords(r)), h("td", auditTarget(r)), h("td", r.actor)]),
+              h("tr", [h("td", relativeTime(r.ts)), h("td", actionWords(r)), h("td", auditTarget(r)), h("td", auditActor(r))]),
             ),
           ),
         ]),

@@ -1,11 +1,18 @@
 # ruff: noqa: F811  (the fixtures imported from tests/test_browser.py are test parameters here)
-"""The dashboard's live chart on a young box, in Debian's Chromium driven by Playwright, against
-a real `dgxmm serve` started for this module (issue 46, stumble 4): the window runs from the
-log's first record instead of a fixed hour that put everything in its rightmost 1 %, and the
-dashboard zooms like the audit log's chart (the same code), then follows the box again."""
+"""What a new user met on a young box, in Debian's Chromium driven by Playwright, against a real
+`dgxmm serve` started for this module (issue 46):
+
+- stumble 4: the dashboard's live chart runs from the log's first record instead of a fixed
+  hour that put everything in its rightmost 1 %, and zooms like the audit log's chart (the
+  same code), then follows the box again;
+- stumble 13: a failed login is shown by the client's address and the name tried, not "By:
+  system"; a start's list on the Events tab puts a loading milestone read just after Ready
+  under Ready."""
 
 from __future__ import annotations
 
+import json
+import re
 import sqlite3
 import time
 from typing import Any
@@ -21,6 +28,7 @@ from tests.test_browser import (  # noqa: F401  (fixtures)
     create,
     dgxmm,
     litellm,
+    log_in,
     open_hash,
     playwright,
     remove,
@@ -30,7 +38,7 @@ from tests.test_browser import (  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.browser
 
-from playwright.sync_api import Page, expect  # noqa: E402  (skipped above when missing)
+from playwright.sync_api import BrowserContext, Page, Route, expect  # noqa: E402  (skipped above when missing)
 
 
 def drawn(page: Page) -> dict[str, Any] | None:
@@ -119,3 +127,83 @@ def test_the_live_chart_of_a_young_box_fits_its_data_and_zooms_then_follows_agai
         assert abs(again["until"] - time.time()) < 30
     finally:
         remove(api, "young")
+
+
+def test_a_failed_login_is_shown_by_the_clients_address_and_the_name_tried(
+    context: BrowserContext, dgxmm: Dgxmm
+) -> None:
+    page = context.new_page()
+    page.goto(dgxmm.ui_url)
+    for name in ("admin", "nobody-here"):
+        page.get_by_label("Name", exact=True).fill(name)
+        page.get_by_label("Password", exact=True).fill("not-the-password")
+        page.get_by_role("button", name="Log in").click()
+        expect(page.locator("#login-error")).to_contain_text("do not match")
+        page.locator("#login-error").evaluate("el => { el.textContent = '' }")
+    log_in(page, dgxmm, "admin", dgxmm.admin_password)
+    recent = page.locator("#recent-events tr", has_text="Login failed")
+    expect(recent).to_have_count(2)
+    # Newest first: the unknown name (kept only as a keyed hash), then the admin's.
+    expect(recent.nth(1).locator("td").nth(3)).to_have_text("127.0.0.1, trying admin")
+    expect(recent.nth(0).locator("td").nth(3)).to_have_text(
+        "127.0.0.1, trying a name that is no user's"
+    )
+    shot(page, "52-dashboard-failed-login")
+    open_hash(page, dgxmm, "/audit")
+    audit = page.locator("tr", has_text="Login failed")
+    expect(audit).to_have_count(2)
+    expect(audit.nth(1).locator("td").nth(1)).to_have_text("127.0.0.1, trying admin")
+
+
+def test_a_milestone_read_just_after_ready_is_listed_under_ready(
+    admin_page: Page, dgxmm: Dgxmm
+) -> None:
+    api = dgxmm.api()
+    rec = create(api, "ordered")
+    try:
+        wait_state(api, "ordered", "ready")
+        t0 = time.time() - 60
+
+        def row(seq: int, ts: float, title: str, kind: str) -> dict[str, Any]:
+            return {
+                "seq": seq,
+                "ts": ts,
+                "time": "",
+                "actor": "system",
+                "title": title,
+                "type": kind,
+            }
+
+        # As the log records a start whose last loading line was read 0.2 s after Ready.
+        events = [
+            row(6, t0 + 10.2, "Loading: server listening", "EngineMilestoneReached"),
+            row(5, t0 + 10.0, "Ready", "EngineReady"),
+            row(4, t0 + 9.0, "Loading: engine initialized (4 s)", "EngineMilestoneReached"),
+            row(3, t0 + 1.0, "Loading", "EngineStarting"),
+            row(2, t0 + 0.5, "Started", "StartRequested"),
+            row(1, t0, "Created (always on)", "DeploymentCreated"),
+        ]
+        answer = {"deployment_id": rec["id"], "events": events, "next_before": None}
+
+        def fulfil(route: Route) -> None:
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(answer))
+
+        page = admin_page
+        page.route(re.compile(r"/dgxmm/api/deployments/[^/?]+/events(\?|$)"), fulfil)
+        open_hash(page, dgxmm, f"/deployments/{rec['id']}/events")
+        titles = page.locator("#events-table tbody td.title")
+        expect(titles).to_have_count(6)
+        assert titles.all_text_contents() == [
+            "Ready",
+            "Loading: server listening",
+            "Loading: engine initialized (4 s)",
+            "Loading",
+            "Started",
+            "Created (always on)",
+        ]
+        times = page.locator("#events-table tbody time")
+        # The late milestone is shown at Ready's time, which its event's `at` says.
+        assert times.nth(0).get_attribute("datetime") == times.nth(1).get_attribute("datetime")
+        shot(page, "53-events-start-order")
+    finally:
+        remove(api, "ordered")

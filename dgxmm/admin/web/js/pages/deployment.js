@@ -379,6 +379,9 @@ export function render({ params, isAdmin, navigate, notify }) {
   }
 
   // --- events tab ------------------------------------------------------------------------
+  // A start's list: Started, Loading, each loading milestone, Ready. A milestone whose line
+  // was read just after the engine answered ready is recorded after Ready, but it happened
+  // before: it is listed under Ready, at Ready's time (its event's `at`), see inStartOrder.
   const eventsBody = h("tbody");
   const eventsError = h("p.error", { role: "alert", hidden: true });
   const olderBtn = h("button.secondary", { type: "button", hidden: true }, "Show older events");
@@ -400,7 +403,7 @@ export function render({ params, isAdmin, navigate, notify }) {
       else nextBefore = data.next_before;
       replace(
         eventsBody,
-        loadedRows.length ? loadedRows.map(eventRow) : h("tr", h("td", { colspan: "3" }, "No events yet.")),
+        loadedRows.length ? inStartOrder(loadedRows).map(eventRow) : h("tr", h("td", { colspan: "3" }, "No events yet.")),
       );
       olderBtn.hidden = nextBefore === null || nextBefore === undefined;
       eventsError.hidden = true;
@@ -496,4 +499,22 @@ export function render({ params, isAdmin, navigate, notify }) {
       for (const part of [progress, queue, logs, timeline]) if (part) part.destroy();
     },
   };
+}
+
+/** The Events tab's rows (newest first) in the order things happened: the loading milestones
+ * recorded after a Ready (their lines were read a moment after the engine answered) go under
+ * it, at its time, which is what their events' `at` says (never later than Ready). */
+export function inStartOrder(rows) {
+  const oldestFirst = [...rows].reverse();
+  for (let i = 0; i < oldestFirst.length; i++) {
+    if (oldestFirst[i].type !== "EngineReady") continue;
+    let j = i + 1;
+    while (j < oldestFirst.length && oldestFirst[j].type === "EngineMilestoneReached") j++;
+    if (j === i + 1) continue;
+    const ready = oldestFirst[i];
+    const late = oldestFirst.slice(i + 1, j).map((row) => ({ ...row, ts: Math.min(row.ts, ready.ts) }));
+    oldestFirst.splice(i, j - i, ...late, ready);
+    i = j - 1;
+  }
+  return oldestFirst.reverse();
 }

@@ -125,15 +125,19 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     ondemand_max_queued: int = 64
     # Quiet this long, an on-demand model may sleep for the queue's head; unset: its idle timeout.
     ondemand_make_room_after_s: int | None = None
+    # "learned": each on-demand model is also governed by its own recorded traffic
+    # (`actors.anticipation`); a deployment's own choice overrides it.
+    ondemand_policy: Literal["seed", "learned"] = "seed"
     server: ServerConfig = ServerConfig()
     memory: MemoryConfig = MemoryConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     engines: EnginesConfig = EnginesConfig()
     litellm: LiteLLMConfig = LiteLLMConfig()
 
-    def ondemand_defaults(self) -> dict[str, int | None]:
+    def ondemand_defaults(self) -> dict[str, int | str | None]:
         """The on-demand defaults (settings changed in the UI override them)."""
         return {
+            "ondemand_policy": self.ondemand_policy,
             "ondemand_idle_timeout_s": self.ondemand_idle_timeout_s,
             "ondemand_queue_timeout_s": self.ondemand_queue_timeout_s,
             "ondemand_max_queued": self.ondemand_max_queued,

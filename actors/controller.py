@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,10 +47,11 @@ from actors.ports import (
     Readiness,
     Runtime,
 )
+from actors.prewarm import Prewarmer
 from actors.queue import QueueActor, WaiterImpl
 from actors.runtime import Clock, TimerHandle
 from events import model as m
-from events.projections import badge
+from events.projections import badge, duration_text
 from events.state import (
     EMPTY,
     DeploymentState,
@@ -69,7 +71,9 @@ DEFAULT_SETTINGS: dict[str, Any] = {
     "ondemand_queue_timeout_s": 900,
     "ondemand_max_queued": 64,
     "ondemand_make_room_after_s": None,  # None: the seed's rule (the full idle timeout)
+    "ondemand_policy": "seed",  # or "learned" (`actors.anticipation`)
 }
+POLICIES = ("seed", "learned")
 
 EXIT_SETTLE_S = 2.0  # how long `exited_before` waits for the runtime to see an exit
 SHUTTING_DOWN = "DGXMM is shutting down; try again once it is back"
@@ -108,6 +112,13 @@ class DeploymentRecord(msgspec.Struct, frozen=True, kw_only=True):
     not_started: str | None = None
     # Median of its last cold starts, in seconds: an estimate; None without history.
     expected_start_s: float | None = None
+    ondemand_policy: str | None = None  # its own; None: follows the DGXMM default
+    effective_ondemand_policy: str = "seed"
+    # Under the learned policy: its keep-warm (None: its idle timeout), its next expected
+    # request (epoch seconds; None: not predictable) and both in words.
+    learned_keep_warm_s: float | None = None
+    next_expected_at: float | None = None
+    learned: str | None = None
 
 
 class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +135,7 @@ class DeploymentSpec(msgspec.Struct, frozen=True, kw_only=True):
     image: str | None = None
     gpu: bool = False
     make_room_after_s: int | None = None
+    ondemand_policy: m.Policy | None = None  # None: follows the DGXMM default
 
 
 class Controller:
@@ -179,6 +191,9 @@ class Controller:
             candidate_due=self.candidate_due,
         )
         self.queue.on_change = self._on_queue_change
+        self.prewarmer = Prewarmer(self)
+        self._hooks.prewarm_ended = self.prewarmer.ended
+        self.queue.abandon_prewarms = self.prewarmer.abandon_for
         self._listeners: list[Callable[[str, str], None]] = []
         self._not_started: dict[str, Refusal] = {}  # deployment id -> why it did not start
         self._notes_due: TimerHandle | None = None  # when an idle model may make room for one
@@ -190,6 +205,11 @@ class Controller:
     def setting(self, key: str) -> Any:
         """A setting: the recorded override, else the configured default."""
         return self.system.settings.get(key, self._defaults.get(key))
+
+    @property
+    def closing(self) -> bool:
+        """Whether it is shutting down."""
+        return self._closing
 
     def default_make_room_s(self) -> int | None:
         """`ondemand_make_room_after_s` in force (None: the seed's rule)."""
@@ -221,6 +241,8 @@ class Controller:
                     actor_.default_idle_timeout_changed()
             if "ondemand_make_room_after_s" in changed or "ondemand_idle_timeout_s" in changed:
                 self.queue.poke("settings")
+            if "ondemand_policy" in changed or "ondemand_idle_timeout_s" in changed:
+                self.prewarmer.refresh()
             self._notify("settings", "changed")
         return self.settings()
 
@@ -235,10 +257,12 @@ class Controller:
         self.store.add_listener(self._fold)
         await self.start_history.seed(self.store, state.deployments)
         self.store.add_listener(self.start_history.recorded)
+        self.store.add_listener(self.prewarmer.recorded)
         self.queue.start()
         for dep in state.deployments.values():
             self._spawn(dep)
         await self.reconcile()
+        self.prewarmer.start()
 
     def _fold(self, recs: list[m.Recorded]) -> None:
         state = self.system
@@ -309,6 +333,7 @@ class Controller:
 
     async def close(self) -> None:
         """Stop the actors (engines keep running and are adopted at the next start)."""
+        self.prewarmer.close()
         await self.queue.stop()
         for actor in list(self.actors.values()):
             await actor.stop()
@@ -466,6 +491,7 @@ class Controller:
             self._not_started.pop(dep.deployment_id, None)
         self.queue.deployment_changed(dep.deployment_id, outcome, detail)
         if outcome == "removed":
+            self.prewarmer.forget(dep.deployment_id)
             actor = self.actors.pop(dep.deployment_id, None)
             if actor is not None:
                 self._spawn_task(actor.stop())
@@ -534,6 +560,7 @@ class Controller:
             mode=spec.mode,
             idle_timeout_s=spec.idle_timeout_s,
             make_room_after_s=spec.make_room_after_s,
+            ondemand_policy=spec.ondemand_policy,
             role=spec.role,
             args=list(spec.args),
             image=spec.image,
@@ -589,11 +616,14 @@ class Controller:
         keep_idle_timeout: bool,
         actor: str,
         make_room_after_s: int | msgspec.UnsetType | None = msgspec.UNSET,
+        ondemand_policy: m.Policy | msgspec.UnsetType | None = msgspec.UNSET,
     ) -> DeploymentRecord:
-        """PATCH .../mode (`make_room_after_s` left UNSET keeps the current value)."""
+        """PATCH .../mode (`make_room_after_s` or `ondemand_policy` left UNSET: kept)."""
         dep_actor = self._actor(deployment_id)
         if not isinstance(make_room_after_s, msgspec.UnsetType):
             validate_make_room_after(make_room_after_s)
+        if not isinstance(ondemand_policy, msgspec.UnsetType):
+            validate_policy(ondemand_policy, nullable=True)
         await dep_actor.ask(
             ChangeMode(
                 mode=mode,
@@ -601,8 +631,10 @@ class Controller:
                 keep_idle_timeout=keep_idle_timeout,
                 actor=actor,
                 make_room_after_s=make_room_after_s,
+                ondemand_policy=ondemand_policy,
             )
         )
+        self.prewarmer.refresh()
         return self.record(dep_actor)
 
     async def reconfigure(
@@ -691,7 +723,39 @@ class Controller:
             ),
             not_started=self._not_started_now(dep),
             expected_start_s=self.start_history.expected_s(dep.deployment_id),
+            **self._policy_fields(dep),
         )
+
+    def _policy_fields(self, dep: DeploymentState) -> dict[str, Any]:
+        """The policy in force and, under the learned one, what it learned, in words."""
+        default = self.setting("ondemand_policy")
+        fields: dict[str, Any] = {
+            "ondemand_policy": dep.ondemand_policy,
+            "effective_ondemand_policy": dep.ondemand_policy or default,
+        }
+        learned = self.prewarmer.learned(dep)
+        if learned is None:
+            return fields
+        if not self.prewarmer.anticipator.has_data(dep.deployment_id):
+            fields["learned"] = "no traffic recorded yet: the seed's rules apply"
+            return fields
+        keep, pred = learned.keep, learned.prediction
+        words = (
+            f"keeps warm ~{duration_text(keep.seconds)} ({keep.reason})"
+            if keep.seconds is not None
+            else f"keeps warm its idle timeout ({keep.reason})"
+        )
+        if pred is not None:
+            clock = time.strftime("%H:%M", time.localtime(pred.at))
+            words += f"; next expected around {clock} ({pred.pattern})"
+        else:
+            words += "; no predictable next request"
+        fields.update(
+            learned_keep_warm_s=keep.seconds,
+            next_expected_at=None if pred is None else pred.at,
+            learned=words,
+        )
+        return fields
 
     def _not_started_now(self, dep: DeploymentState) -> str | None:
         """Why it did not start, true now: a refusal for memory is read again from the
@@ -759,6 +823,19 @@ def validate_spec(spec: DeploymentSpec) -> None:
         raise Refusal(422, "invalid_mode", 'mode: "on_demand" or "always_on"')
     validate_idle_timeout(spec.idle_timeout_s)
     validate_make_room_after(spec.make_room_after_s)
+    validate_policy(spec.ondemand_policy, nullable=True)
+
+
+def validate_policy(value: object, *, nullable: bool = False) -> None:
+    """ondemand_policy is "seed" or "learned" (or null: the DGXMM default, per deployment)."""
+    if value is None and nullable:
+        return
+    if value not in POLICIES:
+        raise Refusal(
+            422,
+            "invalid_policy",
+            'ondemand_policy: "seed" or "learned"' + (" or null" if nullable else ""),
+        )
 
 
 def validate_make_room_after(value: object) -> None:
@@ -792,6 +869,10 @@ def validate_settings(changes: dict[str, Any]) -> dict[str, Any]:
     """Only known keys, integers in range; raises Refusal(422) naming the key."""
     checked: dict[str, Any] = {}
     for key, value in changes.items():
+        if key == "ondemand_policy":
+            validate_policy(value)
+            checked[key] = value
+            continue
         bounds = _SETTING_RANGES.get(key)
         if bounds is None:
             raise Refusal(422, "unknown_setting", f"{key}: not a setting")

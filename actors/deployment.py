@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -177,6 +178,11 @@ class StartDeployment(Command, frozen=True, kw_only=True):
     actor: str
     request_id: str | None = None
     reserved: bool = False
+    # A pre-warm's (`actors.anticipation`): the expected arrival (epoch seconds), why, and
+    # until when (its clock's time) it waits for its first request.
+    expected_at: float | None = None
+    detail: str = ""
+    hold_until: float | None = None
 
 
 class StopDeployment(Command, frozen=True, kw_only=True):
@@ -204,6 +210,7 @@ class ChangeMode(Command, frozen=True, kw_only=True):
     keep_idle_timeout: bool
     make_room_after_s: int | msgspec.UnsetType | None = msgspec.UNSET  # UNSET: kept
     actor: str
+    ondemand_policy: m.Policy | msgspec.UnsetType | None = msgspec.UNSET  # UNSET: kept
 
 
 class Reconfigure(Command, frozen=True, kw_only=True):
@@ -314,6 +321,8 @@ class Hooks:
         self.default_idle_s: Callable[[], int] = lambda: 300
         self.default_make_room_s: Callable[[], int | None] = lambda: None
         self.activity: Callable[[str], None] = lambda deployment_id: None
+        # A pre-warm's outcome: its first request came (True), or it stopped without one.
+        self.prewarm_ended: Callable[[str, bool], None] = lambda deployment_id, used: None
         self.stop_timeout_s = 30.0  # SIGTERM, then SIGKILL after this
         self.health_failure_window_s = HEALTH_FAILURE_WINDOW_S
         self.launch_spec: Callable[[DeploymentState], LaunchSpec] | None = None
@@ -364,6 +373,13 @@ class DeploymentActor(Actor):
         # The last lost engine's runtime id and exit time (when the runtime knows it), kept
         # past its removal for the gateway's question (`Controller.exited_before`).
         self.last_exit: tuple[str, float | None] | None = None
+        # The learned policy's keep-warm (seconds, shorter than the idle timeout) and why;
+        # None: the idle timeout (the seed's rule).  Set by the controller.
+        self.keep_s: float | None = None
+        self.keep_reason = ""
+        # A pre-warm waiting for its first request: until when (its clock's time) it is
+        # kept for it; None: no pre-warm pending.
+        self.prewarm_until: float | None = None
 
     @property
     def deployment_id(self) -> str:
@@ -390,6 +406,8 @@ class DeploymentActor(Actor):
             return None
         act.in_flight += 1
         act.last_used = self.clock.now()
+        if self.prewarm_until is not None:
+            self._prewarm_ended(used=True)
         # The idle timer stays armed: if it fires during the request, `_idle_check` finds
         # the model busy and the request's end arms it again.
         self._hooks.activity(self.deployment_id)
@@ -499,9 +517,7 @@ class DeploymentActor(Actor):
         if dep.lifecycle is Lifecycle.STOPPING:
             raise Refusal(409, "stopping", f"{dep.name} is stopping; start it once it stopped")
         if dep.lifecycle is Lifecycle.ASLEEP:
-            await self._record(
-                cmd.actor, m.StartRequested(reason=cmd.reason, request_id=cmd.request_id)
-            )
+            await self._record(cmd.actor, _start_requested(cmd))
             await self._wake()
             return
         try:
@@ -530,9 +546,7 @@ class DeploymentActor(Actor):
             if victims:
                 self._hooks.sleep_victims(victims, self.deployment_id, dep.name)
         try:
-            await self._record(
-                cmd.actor, m.StartRequested(reason=cmd.reason, request_id=cmd.request_id)
-            )
+            await self._record(cmd.actor, _start_requested(cmd))
         except WriteFailed as exc:
             if cmd.reserved:
                 self._broker.release(self.deployment_id)
@@ -543,6 +557,10 @@ class DeploymentActor(Actor):
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None
+        if self.prewarm_until is not None:  # left over from an engine lost since
+            self._prewarm_ended(used=False)
+        if cmd.reason == "prewarm":
+            self.prewarm_until = cmd.hold_until
         self._begin_boot(spec)
         self._changed()
 
@@ -712,6 +730,8 @@ class DeploymentActor(Actor):
             ]
         await self._record("system", *events)
         self.lost_reason = None
+        if self.prewarm_until is not None:
+            self._prewarm_ended(used=False)
         self._release_or_keep_for_restart()
         if not self.state.on_demand:
             self._retry_timer = self.schedule(backoff_s(failures), _RetryStart(failures=failures))
@@ -811,16 +831,22 @@ class DeploymentActor(Actor):
         self.activity.accepting = False
         self._broker.mark_releasing(self.deployment_id)
         idle_for = self.clock.now() - self.activity.last_used
+        idle_timeout = dep.effective_idle_timeout_s(self._hooks.default_idle_s())
+        kept = self.keep_s if cmd.reason == "idle" and self.prewarm_until is None else None
+        kept = kept if kept is not None and kept < idle_timeout else None
         try:
             await self._record(
                 cmd.actor,
                 m.PutToSleep(
                     reason=cmd.reason,
-                    idle_timeout_s=dep.effective_idle_timeout_s(self._hooks.default_idle_s()),
+                    idle_timeout_s=idle_timeout,
                     for_deployment=cmd.for_deployment,
                     for_name=cmd.for_name,
                     idle_for_s=round(idle_for, 3),
                     free_bytes=cmd.free_bytes,
+                    kept_warm_s=0 if kept is None else max(1, round(kept)),
+                    kept_warm_reason="" if kept is None else self.keep_reason,
+                    prewarm_unused=self.prewarm_until is not None,
                 ),
             )
         except WriteFailed:
@@ -831,8 +857,14 @@ class DeploymentActor(Actor):
         await self._halt()
         return True
 
+    def _prewarm_ended(self, *, used: bool) -> None:
+        self.prewarm_until = None
+        self._hooks.prewarm_ended(self.deployment_id, used)
+
     async def _halt(self) -> None:
         """Cancel a boot or monitor in progress and stop the engine in the background."""
+        if self.prewarm_until is not None:
+            self._prewarm_ended(used=False)
         self._attempt += 1
         attempt = self._attempt
         self._broker.mark_releasing(self.deployment_id)
@@ -1099,9 +1131,16 @@ class DeploymentActor(Actor):
         self._schedule_idle_check(max(0.0, at - self.clock.now()))
 
     def _idle_at(self) -> float:
-        """When the idle timeout runs out: last use + the deployment's effective timeout."""
+        """When the idle timeout runs out: last use + the deployment's effective timeout, or
+        the learned keep-warm when shorter; a pre-warm waits for its expected request (never
+        longer than the idle timeout)."""
         timeout = self.state.effective_idle_timeout_s(self._hooks.default_idle_s())
-        return self.activity.last_used + timeout
+        last = self.activity.last_used
+        keep = self.keep_s
+        at = last + (keep if keep is not None and keep < timeout else timeout)
+        if self.prewarm_until is not None:
+            at = max(at, min(self.prewarm_until, last + timeout))
+        return at
 
     def _cancel_idle_timer(self) -> None:
         if self._idle_timer is not None:
@@ -1121,7 +1160,7 @@ class DeploymentActor(Actor):
         dep = self.state
         if not dep.on_demand or dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP):
             return False
-        idle, _why = is_idle(dep, self.activity, self.clock.now(), self._hooks.default_idle_s())
+        idle, _why = self._idle_for("idle")
         if not idle:
             if self.activity.in_flight == 0 and not armed:
                 self._arm_idle_timer_periodic()
@@ -1137,6 +1176,11 @@ class DeploymentActor(Actor):
         if self.state.idle_timeout_s is None and self.activity.in_flight == 0:
             self._arm_idle_timer()
 
+    def keep_warm_changed(self) -> None:
+        """The learned keep-warm changed (`keep_s`): re-arm the idle timer."""
+        if self.activity.in_flight == 0:
+            self._arm_idle_timer()
+
     def _arm_idle_timer_periodic(self) -> None:
         due = self._idle_at() - self.clock.now()
         self._schedule_idle_check(due if due > 0 else IDLE_CHECK_EVERY_S)
@@ -1145,32 +1189,47 @@ class DeploymentActor(Actor):
         """Idle enough to sleep for `reason` (make room: `ondemand_make_room_after_s`)."""
         now, default_idle = self.clock.now(), self._hooks.default_idle_s()
         if reason == "make_room":
+            if self.prewarm_until is not None and self.activity.in_flight == 0:
+                # A pre-warm never delays a request: until its first one it is as if asleep.
+                return _idle_after(self.state, self.activity, now, 0.0)
             return may_make_room(
                 self.state, self.activity, now, default_idle, self._hooks.default_make_room_s()
             )
-        return is_idle(self.state, self.activity, now, default_idle)
+        if self.keep_s is None and self.prewarm_until is None:
+            return is_idle(self.state, self.activity, now, default_idle)
+        timeout = self._idle_at() - self.activity.last_used
+        return _idle_after(self.state, self.activity, now, timeout)
 
     def idle_candidate(self) -> Candidate | None:
         """This deployment as a make-room candidate, when it may sleep for room right now."""
         idle, _ = self._idle_for("make_room")
         if not idle:
             return None
-        return Candidate(self.deployment_id, self.state.memory_bytes, self.activity.last_used)
+        # An unused pre-warm goes first (as if it had been used longest ago).
+        last = -math.inf if self.prewarm_until is not None else self.activity.last_used
+        return Candidate(self.deployment_id, self.state.memory_bytes, last)
 
     # --- mode, reconfiguration, removal --------------------------------------------------
 
     async def _change_mode(self, cmd: ChangeMode) -> dict[str, Any]:
         dep = self.state
         idle = dep.idle_timeout_s if cmd.keep_idle_timeout else cmd.idle_timeout_s
-        room = cmd.make_room_after_s
-        room_changed = not isinstance(room, msgspec.UnsetType) and room != dep.make_room_after_s
+        room, policy = cmd.make_room_after_s, cmd.ondemand_policy
+        room_changed = (
+            not isinstance(room, msgspec.UnsetType) and room != dep.make_room_after_s
+        ) or (not isinstance(policy, msgspec.UnsetType) and policy != dep.ondemand_policy)
         if cmd.mode == "on_demand" and dep.role == "decision":
             raise Refusal(409, "decision_model_always_on", "the decision model is always on")
         if cmd.mode == dep.mode and dep.pending_mode is None:
             if idle != dep.idle_timeout_s or room_changed:
                 await self._record(
                     cmd.actor,
-                    m.ModeChanged(mode=dep.mode, idle_timeout_s=idle, make_room_after_s=room),
+                    m.ModeChanged(
+                        mode=dep.mode,
+                        idle_timeout_s=idle,
+                        make_room_after_s=room,
+                        ondemand_policy=policy,
+                    ),
                 )
                 self.activity.last_used = (
                     self.clock.now() if dep.on_demand else self.activity.last_used
@@ -1180,7 +1239,12 @@ class DeploymentActor(Actor):
             return {"applied": True}
         if cmd.mode == "on_demand":
             events: list[m.AnyEvent] = [
-                m.ModeChanged(mode="on_demand", idle_timeout_s=idle, make_room_after_s=room)
+                m.ModeChanged(
+                    mode="on_demand",
+                    idle_timeout_s=idle,
+                    make_room_after_s=room,
+                    ondemand_policy=policy,
+                )
             ]
             if dep.pending_mode is not None:
                 events.append(m.PendingModeCleared(applied=False))
@@ -1199,7 +1263,12 @@ class DeploymentActor(Actor):
         if dep.lifecycle is Lifecycle.READY:
             await self._record(
                 cmd.actor,
-                m.ModeChanged(mode="always_on", idle_timeout_s=idle, make_room_after_s=room),
+                m.ModeChanged(
+                    mode="always_on",
+                    idle_timeout_s=idle,
+                    make_room_after_s=room,
+                    ondemand_policy=policy,
+                ),
             )
             self._broker.set_always_on(self.deployment_id, True)
             self._cancel_idle_timer()
@@ -1218,7 +1287,12 @@ class DeploymentActor(Actor):
             await self._wake()
             await self._record(
                 cmd.actor,
-                m.ModeChanged(mode="always_on", idle_timeout_s=idle, make_room_after_s=room),
+                m.ModeChanged(
+                    mode="always_on",
+                    idle_timeout_s=idle,
+                    make_room_after_s=room,
+                    ondemand_policy=policy,
+                ),
                 m.PendingModeCleared(),
             )
             self._changed()
@@ -1244,7 +1318,10 @@ class DeploymentActor(Actor):
         if room_changed:
             kept.append(
                 m.ModeChanged(
-                    mode=dep.mode, idle_timeout_s=dep.idle_timeout_s, make_room_after_s=room
+                    mode=dep.mode,
+                    idle_timeout_s=dep.idle_timeout_s,
+                    make_room_after_s=room,
+                    ondemand_policy=policy,
                 )
             )
         try:
@@ -1414,6 +1491,13 @@ def evolve_or_fail(dep: DeploymentState, rec: m.Recorded) -> DeploymentState:
             changed_at=rec.ts,
             version=rec.version,
         )
+
+
+def _start_requested(cmd: StartDeployment) -> m.StartRequested:
+    """The event a start records (a pre-warm's with its expected arrival and why)."""
+    return m.StartRequested(
+        reason=cmd.reason, request_id=cmd.request_id, expected_at=cmd.expected_at, detail=cmd.detail
+    )
 
 
 def _reason(what: str, tail: str) -> str:

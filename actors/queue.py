@@ -134,6 +134,8 @@ class QueueActor(Actor):
         self._writes: set[asyncio.Task[Any]] = set()
         self._stats = {"served": 0, "refused": 0, "timeouts": 0, "client_gone": 0, "admitted": 0}
         self.on_change: Callable[[str], None] = lambda deployment_id: None
+        # The head cannot fit: stop pre-warms still starting whose memory it needs (True: some).
+        self.abandon_prewarms: Callable[[str], bool] = lambda deployment_id: False
 
     def start(self) -> None:
         """Start serving and the 15 s re-check tick."""
@@ -429,6 +431,7 @@ class QueueActor(Actor):
                         x.queued.set()
                 self.on_change(dep_id)
             if is_head and not admitted:
+                self.abandon_prewarms(dep_id)
                 self._arm_due(dep_id)
             # Once the head is admitted it no longer waits for memory: the next one is the head.
             head_seen = head_seen or not admitted

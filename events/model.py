@@ -13,6 +13,9 @@ import msgspec
 
 Mode = Literal["on_demand", "always_on"]
 Role = Literal["model", "decision"]
+# How an on-demand model is kept warm: the seed's rules alone, or its own traffic's too
+# (`actors.anticipation`).
+Policy = Literal["seed", "learned"]
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True):
@@ -38,6 +41,7 @@ class DeploymentCreated(Event, frozen=True, kw_only=True):
     gpu: bool = False
     # How long without a request before it may sleep to make room; None: the DGXMM default.
     make_room_after_s: int | None = None
+    ondemand_policy: Policy | None = None  # None: follows the DGXMM default
 
 
 class DeploymentReconfigured(Event, frozen=True, kw_only=True):
@@ -68,6 +72,7 @@ class ModeChanged(Event, frozen=True, kw_only=True):
     idle_timeout_s: int | None = None
     # UNSET (left out): kept; None: follows the DGXMM default.
     make_room_after_s: int | msgspec.UnsetType | None = msgspec.UNSET
+    ondemand_policy: Policy | msgspec.UnsetType | None = msgspec.UNSET  # the same
 
 
 class PendingModeSet(Event, frozen=True, kw_only=True):
@@ -82,7 +87,7 @@ class PendingModeCleared(Event, frozen=True, kw_only=True):
     applied: bool = True
 
 
-StartReason = Literal["admin", "request", "always_on", "mode_switch", "restart"]
+StartReason = Literal["admin", "request", "always_on", "mode_switch", "restart", "prewarm"]
 
 
 class StartRequested(Event, frozen=True, kw_only=True):
@@ -90,6 +95,9 @@ class StartRequested(Event, frozen=True, kw_only=True):
 
     reason: StartReason
     request_id: str | None = None
+    # A pre-warm's: when its next request is expected (epoch seconds) and why, in words.
+    expected_at: float | None = None
+    detail: str = ""
 
 
 class EngineStarting(Event, frozen=True, kw_only=True):
@@ -127,7 +135,10 @@ class EngineStartFailed(Event, frozen=True, kw_only=True):
     retry_at: float | None = None  # epoch seconds
 
 
-StopReason = Literal["admin", "removed", "idle", "make_room", "watchdog", "mode_switch", "shutdown"]
+StopReason = Literal[
+    "admin", "removed", "idle", "make_room", "watchdog", "mode_switch", "shutdown",
+    "prewarm_abandoned",
+]  # fmt: skip
 
 
 class StopRequested(Event, frozen=True, kw_only=True):
@@ -148,6 +159,11 @@ class PutToSleep(Event, frozen=True, kw_only=True):
     for_name: str | None = None
     idle_for_s: float = 0.0
     free_bytes: int | None = None  # measured free memory (reason watchdog)
+    # The learned policy's keep-warm that ran out in place of the idle timeout (reason
+    # idle), and why it was that long; 0: the seed's idle timeout.
+    kept_warm_s: int = 0
+    kept_warm_reason: str = ""
+    prewarm_unused: bool = False  # it had been pre-warmed and no request came
 
 
 class EngineStopped(Event, frozen=True, kw_only=True):

@@ -59,6 +59,18 @@ class AuditRow(msgspec.Struct, frozen=True, kw_only=True):
     details: dict[str, Any] = {}
 
 
+def duration_text(seconds: float) -> str:
+    """`45 s`, `12 min`, `2 h`, `3 days`: a duration in the unit an operator would say."""
+    if seconds < 90:
+        return f"{round(seconds)} s"
+    if seconds < 90 * 60:
+        return f"{round(seconds / 60)} min"
+    if seconds < 36 * 3600:
+        return f"{round(seconds / 3600)} h"
+    days = round(seconds / 86_400)
+    return f"{days} day" if days == 1 else f"{days} days"
+
+
 def _target(rec: m.Recorded) -> str:
     if rec.stream.startswith("deployment:"):
         return rec.stream
@@ -90,14 +102,22 @@ def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
             return "ondemand_start", {"request_id": ev.request_id}
         case m.StartRequested() if ev.reason == "admin":
             return "deployment_start", {}
+        case m.StartRequested() if ev.reason == "prewarm":
+            return "ondemand_prewarm", {"expected_at": ev.expected_at, "reason": ev.detail}
         case m.StopRequested() if ev.reason in ("admin", "removed"):
             return "deployment_stop", {}
+        case m.StopRequested() if ev.reason == "prewarm_abandoned":
+            return "ondemand_prewarm_abandoned", {"reason": "a queued request needs its memory"}
         case m.PutToSleep() if ev.reason == "watchdog":
             return "watchdog_stop", {"free_bytes": ev.free_bytes}
         case m.PutToSleep():
             details: dict[str, Any] = {"reason": ev.reason}
             if ev.for_deployment is not None:
                 details["for"] = ev.for_name or ev.for_deployment
+            if ev.kept_warm_s:
+                details.update(kept_warm_s=ev.kept_warm_s, kept_warm_reason=ev.kept_warm_reason)
+            if ev.prewarm_unused:
+                details["prewarm_unused"] = True
             return "ondemand_sleep", details
         case m.EngineStartFailed():
             return "deployment_start_failed", {"reason": ev.reason, "failures": ev.failures}
@@ -208,6 +228,8 @@ def _title(rec: m.Recorded, names: dict[str, str]) -> str | None:
             return "Started"
         case m.StartRequested() if ev.reason == "restart":
             return "Restarting after the engine was lost"
+        case m.StartRequested() if ev.reason == "prewarm":
+            return f"Pre-warmed ({ev.detail})" if ev.detail else "Pre-warmed"
         case m.StartRequested():
             return "Starting"
         case m.EngineStarting():
@@ -219,10 +241,16 @@ def _title(rec: m.Recorded, names: dict[str, str]) -> str | None:
             return "Ready"
         case m.EngineStartFailed():
             return f"Start failed: {ev.reason}"
+        case m.StopRequested() if ev.reason == "prewarm_abandoned":
+            return "Pre-warm abandoned for a queued request"
         case m.StopRequested():
             return (
                 "Stopped by an administrator" if ev.reason in ("admin", "removed") else ("Stopping")
             )
+        case m.PutToSleep() if ev.reason == "idle" and ev.prewarm_unused:
+            return f"Put to sleep: no request came to its pre-warm ({duration_text(ev.idle_for_s)})"
+        case m.PutToSleep() if ev.reason == "idle" and ev.kept_warm_s:
+            return f"Kept warm {duration_text(ev.kept_warm_s)} ({ev.kept_warm_reason})"
         case m.PutToSleep() if ev.reason == "idle":
             return f"Put to sleep after {minutes(ev.idle_timeout_s)} min idle"
         case m.PutToSleep() if ev.reason == "make_room":

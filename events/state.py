@@ -137,6 +137,7 @@ class DeploymentState(msgspec.Struct, frozen=True, kw_only=True):
     changed_at: float = 0.0  # time of the last lifecycle change
     version: int = 0
     make_room_after_s: int | None = None  # None: follows the DGXMM default
+    ondemand_policy: m.Policy | None = None  # None: follows the DGXMM default
 
     @property
     def on_demand(self) -> bool:
@@ -246,9 +247,11 @@ def _evolve_deployment(dep: DeploymentState, rec: m.Recorded) -> DeploymentState
             dep = replace(
                 dep, mode=ev.mode, idle_timeout_s=ev.idle_timeout_s, failures=0, retry_at=None
             )
-            if isinstance(ev.make_room_after_s, msgspec.UnsetType):
-                return dep
-            return replace(dep, make_room_after_s=ev.make_room_after_s)
+            if not isinstance(ev.make_room_after_s, msgspec.UnsetType):
+                dep = replace(dep, make_room_after_s=ev.make_room_after_s)
+            if not isinstance(ev.ondemand_policy, msgspec.UnsetType):
+                dep = replace(dep, ondemand_policy=ev.ondemand_policy)
+            return dep
         case m.PendingModeSet():
             return replace(dep, pending_mode=ev.mode)
         case m.PendingModeCleared():
@@ -297,6 +300,7 @@ def _created(rec: m.Recorded, ev: m.DeploymentCreated) -> DeploymentState:
         mode=ev.mode,
         idle_timeout_s=ev.idle_timeout_s,
         make_room_after_s=ev.make_room_after_s,
+        ondemand_policy=ev.ondemand_policy,
         role=ev.role,
         args=ev.args,
         image=ev.image,

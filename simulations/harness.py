@@ -241,6 +241,14 @@ class Harness:
         return call
 
     async def _client(self, result: RequestResult, hold_s: float, hang_up: float | None) -> None:
+        arrived = self.clock.wall()
+        try:
+            await self._exchange(result, hold_s, hang_up)
+        finally:
+            # What the gateway's traffic trace records of it (at its end, as a flush would).
+            self.controller.prewarmer.observe(result.deployment_id, arrived, self.clock.wall())
+
+    async def _exchange(self, result: RequestResult, hold_s: float, hang_up: float | None) -> None:
         c = self.controller
         lease: LeaseImpl | None = c.try_acquire(result.deployment_id)
         try:

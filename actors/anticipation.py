@@ -1,0 +1,313 @@
+"""Anticipation: what each on-demand model's own traffic says about its next request.
+
+Under `ondemand_policy = "learned"` (issue 44) a model is governed by its recorded traffic,
+after "Serverless in the Wild" (Shahrad et al., USENIX ATC 2020), which keeps a histogram of
+each application's idle times and derives a keep-alive and a pre-warm window from it.  Two
+decisions, both pure functions of one model's idle gaps (`Gaps`):
+
+- **keep-warm** (`keep_warm`): how long it stays warm after its last request.  It covers the
+  gaps the model usually has up to its idle timeout, and stops sooner when a longer wait
+  would only rarely be rewarded: of the gaps no longer than the idle timeout, at most
+  `KEEP_EXTRA_COLD` times as many as the seed's own cold starts may fall beyond it (each
+  becomes a cold start the seed would not have had).  The idle timeout stays the upper
+  bound; fewer than `MIN_GAPS` gaps, or a keep-warm that would reach the idle timeout, is
+  the seed's rule.
+- **next arrival** (`next_arrival`): a *session* begins with a request that found the
+  model asleep (its gap is longer than the keep-warm in force).  Sessions are predictable
+  when the last `PERIOD_GAPS` gaps between their beginnings agree within
+  `PERIOD_TOLERANCE` (a job every 15 minutes: from its fifth run, in its second hour), or
+  when they begin around the same time of day on each of the comparable days before
+  (the last three weekdays, the last two weekend days, or the same weekday in the last two
+  weeks).  Anything else is never predicted, so never pre-warmed.
+
+`Anticipator` keeps each model's gaps (bounded: `MAX_GAPS`, `HISTORY_S`), fed with every
+request the traffic trace records (or, in a what-if, with each replayed request); the
+controller asks it and does the rest (memory, the queue, the events).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from events.projections import duration_text
+
+DAY_S = 86_400.0
+HISTORY_S = 15 * DAY_S  # two weeks and a day: the weekly pattern's two weeks
+MAX_GAPS = 20_000  # per model; older gaps are forgotten first
+GAP_FLOOR_S = 10.0  # shorter gaps are never worth sleeping through: not kept
+MIN_GAPS = 8  # fewer kept gaps: too little to learn from (the seed's rule)
+KEEP_FLOOR_S = 15.0  # never sleeps sooner after a request than this
+KEEP_MARGIN = 1.25  # the keep-warm is this much longer than the longest gap it covers
+KEEP_EXTRA_COLD = 0.03  # extra cold starts it may cause, as a share of the seed's own
+PERIOD_GAPS = 4  # session beginnings' gaps that must agree (at most 5, by the issue)
+PERIOD_TOLERANCE = 0.10  # ... within this share of their median
+DAY_WINDOW_S = 15 * 60.0  # beginnings this close in the day, on comparable days, agree
+# A time-of-day pattern must be this unlikely to be chance, given how many sessions a day
+# the model begins (noise that begins one every hour matches any time of day somewhere).
+CHANCE = 0.05
+LEAD_MARGIN = 1.2  # a pre-warm begins its median cold start times this before the arrival
+DEFAULT_START_S = 30.0  # a model never timed starting
+
+
+class Gaps:
+    """One model's idle gaps: (the arrival that ended it, its length), oldest first."""
+
+    __slots__ = ("busy_until", "first_seen", "items")
+
+    def __init__(self) -> None:
+        self.items: deque[tuple[float, float]] = deque(maxlen=MAX_GAPS)
+        self.busy_until = -math.inf  # the end of its latest request
+        self.first_seen: float | None = None
+
+    def observe(self, arrived: float, ended: float) -> bool:
+        """One request; True when it began a session (no request for `GAP_FLOOR_S` or more)."""
+        if self.first_seen is None:
+            self.first_seen = arrived
+            self.items.append((arrived, math.inf))
+            self.busy_until = ended
+            return True
+        began = False
+        gap = arrived - self.busy_until
+        if gap >= GAP_FLOOR_S:
+            self.items.append((arrived, gap))
+            began = True
+        if ended > self.busy_until:
+            self.busy_until = ended
+        return began
+
+    def forget_before(self, when: float) -> None:
+        """Drop the gaps that ended before `when` (`HISTORY_S` ago)."""
+        items = self.items
+        while items and items[0][0] < when:
+            items.popleft()
+
+
+class KeepWarm(msgspec.Struct, frozen=True, kw_only=True):
+    """The learned keep-warm: seconds (None: the seed's idle timeout) and why, in words."""
+
+    seconds: float | None
+    reason: str
+
+
+class Prediction(msgspec.Struct, frozen=True, kw_only=True):
+    """When the model's next session is expected (epoch seconds), how far off it may be,
+    and the pattern that says so, in words."""
+
+    at: float
+    tolerance_s: float
+    pattern: str
+
+
+def keep_warm(gaps: Iterable[float], idle_timeout_s: float) -> KeepWarm:
+    """The learned keep-warm from a model's gaps (seconds, `inf` for its first request); pure."""
+    short: list[float] = []
+    long_ = 0
+    for gap in gaps:
+        if gap == math.inf:
+            continue
+        if gap <= idle_timeout_s:
+            short.append(gap)
+        else:
+            long_ += 1
+    if len(short) + long_ < MIN_GAPS:
+        return KeepWarm(seconds=None, reason="too few pauses recorded yet")
+    if not long_:
+        return KeepWarm(seconds=None, reason="it is never idle for its whole idle timeout")
+    allowed = int(KEEP_EXTRA_COLD * long_)
+    short.sort()
+    covered = short[len(short) - 1 - allowed] * KEEP_MARGIN if len(short) > allowed else 0.0
+    seconds = max(KEEP_FLOOR_S, covered)
+    if seconds >= idle_timeout_s:
+        return KeepWarm(seconds=None, reason="its gaps need its whole idle timeout")
+    reason = "its usual gaps" if short else "its next request is usually far away"
+    return KeepWarm(seconds=seconds, reason=reason)
+
+
+def session_starts(items: Iterable[tuple[float, float]], keep_s: float) -> list[float]:
+    """The arrivals that found the model asleep under a keep-warm of `keep_s`; pure."""
+    return [at for at, gap in items if gap > keep_s]
+
+
+def periodic(starts: Sequence[float], now: float) -> Prediction | None:
+    """The next beginning of sessions that come every so often; pure."""
+    if len(starts) < PERIOD_GAPS + 1:
+        return None
+    tail = starts[-(PERIOD_GAPS + 1) :]
+    diffs = [b - a for a, b in itertools.pairwise(tail)]
+    period = statistics.median(diffs)
+    tolerance = PERIOD_TOLERANCE * period
+    if period <= 0 or any(abs(d - period) > tolerance for d in diffs):
+        return None
+    at = starts[-1] + period
+    if now > at + tolerance:
+        return None  # it did not come: the pattern is broken until it shows again
+    held = starts[-1]
+    for a, b in zip(reversed(starts[:-1]), reversed(starts[1:]), strict=False):
+        if abs(b - a - period) > tolerance:
+            break
+        held = a
+    pattern = f"used every {duration_text(period)} for {duration_text(starts[-1] - held)}"
+    return Prediction(at=at, tolerance_s=tolerance, pattern=pattern)
+
+
+_WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def _day_kinds(day: int) -> list[tuple[list[int], str]]:
+    """The comparable days before `day` (days since the epoch, local) and their words."""
+    weekday = (day + 3) % 7  # 1970-01-01 was a Thursday
+    weekend = weekday >= 5
+
+    def previous(n: int, same: bool) -> list[int]:
+        found: list[int] = []
+        d = day - 1
+        while len(found) < n and d > day - 21:
+            if ((d + 3) % 7 >= 5) == weekend or not same:
+                found.append(d)
+            d -= 1
+        return found
+
+    kinds = [(previous(3, True), "at weekends" if weekend else "on weekdays")]
+    kinds.append(([day - 7, day - 14], f"on {_WEEKDAYS[weekday]}s"))
+    return kinds
+
+
+def daily(starts: Sequence[float], now: float, tz_offset_s: float) -> Prediction | None:
+    """The next beginning of sessions that come at the same time of day on comparable days
+    (weekdays, weekends, or one weekday each week); the soonest not yet past; pure."""
+    if len(starts) < 2:
+        return None
+    local = [s + tz_offset_s for s in starts]
+    today = int((now + tz_offset_s) // DAY_S)
+    best: Prediction | None = None
+    for day in (today, today + 1):
+        for days, words in _day_kinds(day):
+            # Every beginning on the latest comparable day is a candidate time of day.
+            latest = days[0]
+            lo, hi = bisect_left(local, latest * DAY_S), bisect_left(local, (latest + 1) * DAY_S)
+            if not _beyond_chance(local, days, hi - lo):
+                continue
+            for candidate in local[lo:hi]:
+                tod = candidate - latest * DAY_S
+                matched = [tod]
+                for other in days[1:]:
+                    near = _near(local, other * DAY_S + tod, DAY_WINDOW_S)
+                    if near is None:
+                        break
+                    matched.append(near - other * DAY_S)
+                else:
+                    at = day * DAY_S + statistics.median(matched) - tz_offset_s
+                    if now > at + DAY_WINDOW_S or (best is not None and at >= best.at):
+                        continue
+                    shown = round((at + tz_offset_s) / 300) * 300  # "around": 5 minutes
+                    clock = time.strftime("%H:%M", time.gmtime(shown))
+                    best = Prediction(
+                        at=at, tolerance_s=DAY_WINDOW_S, pattern=f"used around {clock} {words}"
+                    )
+    return best
+
+
+def _beyond_chance(local: Sequence[float], days: list[int], candidates: int) -> bool:
+    """Whether a time of day found on every one of `days` would be a pattern rather than
+    chance, given how many sessions a day began on them (`CHANCE`)."""
+    begun = sum(
+        bisect_left(local, (d + 1) * DAY_S) - bisect_left(local, d * DAY_S) for d in days
+    )
+    per_day = begun / len(days)
+    hit = 1.0 - math.exp(-per_day * 2 * DAY_WINDOW_S / DAY_S)  # one day has one near a time
+    return candidates * hit ** (len(days) - 1) < CHANCE
+
+
+def _near(sorted_times: Sequence[float], target: float, window: float) -> float | None:
+    """The time in `sorted_times` nearest to `target`, if within `window`."""
+    i = bisect_left(sorted_times, target)
+    best = None
+    for j in (i - 1, i):
+        if not 0 <= j < len(sorted_times) or abs(sorted_times[j] - target) > window:
+            continue
+        if best is None or abs(sorted_times[j] - target) < abs(best - target):
+            best = sorted_times[j]
+    return best
+
+
+def next_arrival(starts: Sequence[float], now: float, tz_offset_s: float) -> Prediction | None:
+    """The soonest predicted beginning of a session, by any pattern; None: unpredictable."""
+    found = [p for p in (periodic(starts, now), daily(starts, now, tz_offset_s)) if p]
+    return min(found, key=lambda p: p.at) if found else None
+
+
+def lead_s(median_start_s: float | None) -> float:
+    """How long before a predicted arrival a pre-warm begins."""
+    return LEAD_MARGIN * (DEFAULT_START_S if median_start_s is None else median_start_s)
+
+
+def local_offset_s(at: float | None = None) -> float:
+    """The box's local time's offset from UTC (for times of day)."""
+    return float(time.localtime(at).tm_gmtoff)
+
+
+class Learned(msgspec.Struct, frozen=True, kw_only=True):
+    """What the policy learned about one model, as the deployment page shows it."""
+
+    keep: KeepWarm
+    prediction: Prediction | None
+
+
+class Anticipator:
+    """Each model's gaps, and what they say (`learned`, kept until a session begins, its
+    idle timeout changes or its prediction passes), for the controller."""
+
+    def __init__(self, tz_offset_s: float | None = None) -> None:
+        self.tz_offset_s = local_offset_s() if tz_offset_s is None else tz_offset_s
+        self._gaps: dict[str, Gaps] = {}
+        self._cache: dict[str, tuple[float, float, Learned]] = {}  # (timeout, until, what)
+
+    def observe(self, deployment_id: str, arrived: float, ended: float) -> None:
+        """One recorded request (any outcome: each is demand)."""
+        gaps = self._gaps.get(deployment_id)
+        if gaps is None:
+            gaps = self._gaps[deployment_id] = Gaps()
+        if gaps.observe(arrived, ended):
+            self._cache.pop(deployment_id, None)
+
+    def forget(self, deployment_id: str) -> None:
+        """A removed deployment's history."""
+        self._gaps.pop(deployment_id, None)
+        self._cache.pop(deployment_id, None)
+
+    def has_data(self, deployment_id: str) -> bool:
+        """Whether any request of it was recorded."""
+        return deployment_id in self._gaps
+
+    def learned(self, deployment_id: str, idle_timeout_s: float, now: float) -> Learned:
+        """Its keep-warm and next predicted session, as of `now` (epoch seconds)."""
+        cached = self._cache.get(deployment_id)
+        if cached is not None and cached[0] == idle_timeout_s and now < cached[1]:
+            return cached[2]
+        gaps = self._gaps.get(deployment_id)
+        if gaps is None:
+            return NO_DATA
+        gaps.forget_before(now - HISTORY_S)
+        keep = keep_warm((gap for _, gap in gaps.items), idle_timeout_s)
+        separator = idle_timeout_s if keep.seconds is None else keep.seconds
+        starts = session_starts(gaps.items, separator)
+        prediction = next_arrival(starts, now, self.tz_offset_s)
+        learned = Learned(keep=keep, prediction=prediction)
+        # Computed again an hour on at the latest (the history moves), or once the
+        # prediction has passed.
+        until = now + 3600.0
+        if prediction is not None:
+            until = min(until, prediction.at + prediction.tolerance_s)
+        self._cache[deployment_id] = (idle_timeout_s, until, learned)
+        return learned
+
+
+NO_DATA = Learned(keep=KeepWarm(seconds=None, reason="no traffic recorded yet"), prediction=None)

@@ -1,0 +1,345 @@
+"""The learned policy (issue 44): what a model's own traffic says, and the controller acting on
+it over the real actors on the virtual clock."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.anticipation import (
+    KEEP_FLOOR_S,
+    Anticipator,
+    daily,
+    keep_warm,
+    next_arrival,
+    periodic,
+)
+from actors.deployment import Refusal
+from events import model as m
+from events.projections import audit_rows, deployment_events
+from simulations.harness import Harness
+from simulations.runtime import EngineBehaviour
+
+T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC, a Thursday
+DAY = 86_400.0
+START_S = 60.0
+
+
+# --- keep-warm ---------------------------------------------------------------------------------
+
+
+def test_keep_warm_covers_the_gaps_a_model_usually_has_and_no_more() -> None:
+    rng = random.Random(1)
+    # Sessions of requests 20-50 s apart, sessions hours apart.
+    gaps = [rng.uniform(20, 50) for _ in range(300)] + [rng.uniform(3600, 7200) for _ in range(30)]
+    keep = keep_warm(gaps, 900)
+    assert keep.seconds is not None
+    assert max(g for g in gaps if g < 900) < keep.seconds <= 1.25 * 50
+    assert keep.reason == "its usual gaps"
+
+
+def test_a_model_whose_next_request_is_always_far_away_sleeps_soon_after_its_last() -> None:
+    keep = keep_warm([3600.0 * (1 + i % 3) for i in range(20)], 900)
+    assert keep.seconds == KEEP_FLOOR_S
+    assert keep.reason == "its next request is usually far away"
+
+
+def test_steady_traffic_and_too_little_history_keep_the_seeds_idle_timeout() -> None:
+    rng = random.Random(2)
+    poisson = [rng.expovariate(1 / 30) for _ in range(5000)]  # never idle for 300 s
+    assert keep_warm(poisson, 300).seconds is None
+    assert keep_warm([40.0, 4000.0, 50.0], 300).seconds is None  # fewer than MIN_GAPS
+
+
+def test_gaps_spread_up_to_the_idle_timeout_keep_it_whole() -> None:
+    rng = random.Random(3)
+    gaps = [rng.expovariate(1 / 400) for _ in range(5000)]  # noise: as many just under 300
+    assert keep_warm(gaps, 300).seconds is None
+
+
+# --- prediction --------------------------------------------------------------------------------
+
+
+def fifteen_minute_job(runs: int, seed: int = 4) -> list[float]:
+    rng = random.Random(seed)
+    return [T0 + i * 900 + rng.uniform(-30, 30) for i in range(runs)]
+
+
+def test_a_job_every_15_minutes_is_predicted_from_its_fifth_run_in_its_second_hour() -> None:
+    starts = fifteen_minute_job(5)
+    assert periodic(starts[:4], starts[3] + 60) is None  # three gaps: not yet
+    pred = periodic(starts, starts[4] + 60)
+    assert pred is not None
+    assert abs(pred.at - (T0 + 5 * 900)) < 60
+    assert pred.pattern == "used every 15 min for 60 min"
+    assert starts[4] - T0 < 2 * 3600  # in its second hour
+
+
+def test_gaps_that_disagree_by_more_than_10_percent_are_no_period() -> None:
+    starts = [T0, T0 + 900, T0 + 1800, T0 + 2700, T0 + 3700]  # the last gap 11 % longer
+    assert periodic(starts, T0 + 3800) is None
+
+
+def test_a_period_that_did_not_come_is_no_longer_predicted() -> None:
+    starts = fifteen_minute_job(6)
+    assert periodic(starts, starts[-1] + 900 + 200) is None
+
+
+def weekday_mornings(days: int, at_h: float = 9.0, seed: int = 5) -> list[float]:
+    """A session at about `at_h` on every weekday (2026-01-01 is a Thursday)."""
+    rng = random.Random(seed)
+    out = []
+    for d in range(days):
+        if (d + 3) % 7 < 5:
+            out.append(T0 + d * DAY + at_h * 3600 + rng.uniform(-300, 300))
+    return out
+
+
+def test_a_weekday_morning_habit_is_predicted_for_the_next_weekday_and_not_the_weekend() -> None:
+    starts = weekday_mornings(7)  # Thu .. Wed: Thu Fri, Mon Tue Wed
+    now = T0 + 7 * DAY  # Thursday 00:00
+    pred = daily(starts, now, 0.0)
+    assert pred is not None
+    assert abs(pred.at - (now + 9 * 3600)) < 600
+    assert re.fullmatch(r"used around (08:55|09:00|09:05) on weekdays", pred.pattern)
+    friday_night = T0 + 8 * DAY + 20 * 3600
+    starts = weekday_mornings(9)
+    pred = daily(starts, friday_night, 0.0)
+    assert pred is None or pred.at > T0 + 10 * DAY  # nothing on Saturday or Sunday
+
+
+def test_noise_is_never_predicted() -> None:
+    rng = random.Random(6)
+    t, starts = T0, []
+    for _ in range(400):
+        t += rng.expovariate(1 / 3000)
+        starts.append(t)
+    predicted = sum(
+        next_arrival(starts[:i], starts[i - 1] + 1, 0.0) is not None for i in range(5, 400)
+    )
+    assert predicted < 400 * 0.05
+
+
+def test_the_anticipator_learns_sessions_from_requests_and_forgets_removed_models() -> None:
+    a = Anticipator(tz_offset_s=0)
+    for start in fifteen_minute_job(6):
+        for k in range(8):  # 2 minutes of requests every 15 s
+            a.observe("job", start + 15 * k, start + 15 * k + 3)
+    learned = a.learned("job", 300, T0 + 5 * 900 + 200)
+    assert learned.keep.seconds is not None and learned.keep.seconds <= 1.25 * 12
+    assert learned.prediction is not None
+    assert abs(learned.prediction.at - (T0 + 6 * 900)) < 60
+    a.forget("job")
+    assert not a.has_data("job")
+
+
+# --- the controller acting on it --------------------------------------------------------------
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def box(tmp_path: Path, test: Callable[[Harness], Awaitable[None]], **kwargs: Any) -> None:
+    async def main() -> None:
+        h = await Harness.create(
+            tmp_path / "log.db",
+            behaviour=lambda spec: EngineBehaviour(startup_s=START_S),
+            **kwargs,
+        )
+        h.controller.prewarmer.anticipator.tz_offset_s = 0.0
+        try:
+            await test(h)
+            assert h.violations == []
+        finally:
+            await h.close()
+
+    run(main())
+
+
+def titles(recs: list[m.Recorded], dep_id: str) -> list[str]:
+    return [row.title for row in deployment_events(recs, dep_id)]
+
+
+async def until(h: Harness, wall: float) -> None:
+    await h.advance(max(0.0, wall - h.clock.wall()))
+
+
+async def job_runs(h: Harness, dep: str, runs: int, period: float = 900.0) -> list[Any]:
+    """`runs` sessions of two requests every `period`, from the next period's edge."""
+    first = h.clock.wall() + period
+    results = []
+    for i in range(runs):
+        await until(h, first + i * period)
+        results.append(h.request(dep, hold_s=2))
+        await h.advance(30)
+        results.append(h.request(dep, hold_s=2))
+    await h.advance(START_S + 10)
+    return results
+
+
+def test_a_periodic_model_is_pre_warmed_and_its_next_request_waits_for_nothing(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        job = await h.deploy("job", 10, idle_timeout_s=300)
+        await h.advance(START_S + 5)
+        results = await job_runs(h, job, 7)
+        waited = [r.admitted_at is not None and r.admitted_at - r.arrived > 1 for r in results]
+        # Each run's first request found it asleep (a cold start) until the pattern showed.
+        assert waited[0:10:2] == [True] * 5
+        assert waited[10] is False and waited[12] is False  # runs 6 and 7: pre-warmed
+        recs = await h.events()
+        pre = [t for t in titles(recs, job) if t.startswith("Pre-warmed")]
+        assert pre and pre[0] == (
+            "Pre-warmed (next request expected in ~72 s: used every 15 min for 60 min)"
+        ), pre
+        audit = [r for r in audit_rows(recs) if r.action == "ondemand_prewarm"]
+        assert audit and audit[0].actor == "ondemand"
+        assert h.controller.prewarmer.counts["used"] >= 2
+        record = h.controller.record(h.controller.actors[job])
+        assert record.effective_ondemand_policy == "learned"
+        assert record.learned is not None and "next expected around" in record.learned
+
+    box(tmp_path, t, settings={"ondemand_policy": "learned"})
+
+
+def test_under_the_seed_policy_the_same_model_cold_starts_every_run(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        job = await h.deploy("job", 10, idle_timeout_s=300)
+        await h.advance(START_S + 5)
+        results = await job_runs(h, job, 7)
+        assert all(r.admitted_at - r.arrived > 1 for r in results[0::2])  # type: ignore[operator]
+        recs = await h.events()
+        assert not [t for t in titles(recs, job) if t.startswith("Pre-warmed")]
+
+    box(tmp_path, t)
+
+
+def test_a_model_kept_warm_by_its_gaps_sleeps_after_them_not_after_its_idle_timeout(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        chat = await h.deploy("chat", 10, idle_timeout_s=1800)
+        await h.advance(START_S + 5)
+        rng = random.Random(7)
+        for _session in range(12):
+            for _ in range(6):
+                h.request(chat, hold_s=1)
+                await h.advance(rng.uniform(20, 40))
+            await h.advance(3 * 3600)
+        recs = await h.events()
+        kept = [t for t in titles(recs, chat) if t.startswith("Kept warm")]
+        # Its gaps (20 to 40 s between requests of 1 s) and a quarter more; not 30 min.
+        assert kept and re.fullmatch(r"Kept warm 4\d s \(its usual gaps\)", kept[-1]), kept
+        sleeps = [r for r in audit_rows(recs) if r.action == "ondemand_sleep"]
+        assert 40 <= sleeps[-1].details["kept_warm_s"] <= 50
+
+    box(tmp_path, t, settings={"ondemand_policy": "learned"})
+
+
+def test_a_pre_warm_still_starting_is_abandoned_for_a_queued_request(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        job = await h.deploy("job", 10, idle_timeout_s=300)
+        other = await h.deploy("other", 10, idle_timeout_s=300)
+        await h.advance(START_S + 5)
+        await h.controller.stop(other, "admin:test")
+        await job_runs(h, job, 5)
+        # The sixth run's pre-warm begins about 72 s before it; a request for `other`
+        # comes while it is loading, and only one of them fits.
+        prediction = h.controller.prewarmer.learned(h.controller.actors[job].state)
+        assert prediction is not None and prediction.prediction is not None
+        await until(h, prediction.prediction.at - 40)
+        assert h.state(job) == "starting"
+        r = h.request(other, hold_s=1)
+        await h.advance(START_S + 10)
+        assert r.outcome == "served"
+        recs = await h.events()
+        assert "Pre-warm abandoned for a queued request" in titles(recs, job)
+        assert h.controller.prewarmer.counts["abandoned"] == 1
+
+    box(tmp_path, t, usable_gib=15, settings={"ondemand_policy": "learned"})
+
+
+def test_no_pre_warm_starts_while_a_request_is_queued(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        job = await h.deploy("job", 10, idle_timeout_s=300)
+        busy = await h.deploy("busy", 30, idle_timeout_s=300)
+        big = await h.deploy("big", 30, idle_timeout_s=300)
+        await h.advance(START_S + 5)
+        await h.controller.stop(big, "admin:test")
+        await job_runs(h, job, 5)
+        learned = h.controller.prewarmer.learned(h.controller.actors[job].state)
+        assert learned is not None and learned.prediction is not None
+        # `busy` holds 30 of 40 GiB with a long request; `big` waits in the queue for it,
+        # while the 10 GiB free would fit the pre-warm of `job`.
+        h.request(busy, hold_s=3000)
+        await h.advance(1)
+        waiting = h.request(big, hold_s=1)
+        await until(h, learned.prediction.at + 60)
+        assert waiting.outcome == "pending" and len(h.controller.queue) == 1
+        assert h.state(job) == "stopped"
+        recs = await h.events()
+        assert not [t for t in titles(recs, job) if t.startswith("Pre-warmed")]
+        await h.advance(3000 + 300 + START_S)
+        assert waiting.outcome == "served"
+
+    settings = {"ondemand_policy": "learned", "ondemand_queue_timeout_s": 3600}
+    box(tmp_path, t, usable_gib=40, settings=settings)
+
+
+def test_an_unused_pre_warm_is_the_first_to_make_room_and_delays_no_request(
+    tmp_path: Path,
+) -> None:
+    async def t(h: Harness) -> None:
+        job = await h.deploy("job", 10, idle_timeout_s=300)
+        other = await h.deploy("other", 10, idle_timeout_s=300)
+        await h.advance(START_S + 5)
+        await h.controller.stop(other, "admin:test")
+        await job_runs(h, job, 5)
+        learned = h.controller.prewarmer.learned(h.controller.actors[job].state)
+        assert learned is not None and learned.prediction is not None
+        await until(h, learned.prediction.at - 5)
+        assert h.state(job) == "ready"  # pre-warmed, waiting for its request
+        r = h.request(other, hold_s=1)
+        await h.advance(1)
+        assert h.state(job) in ("stopping", "stopped")  # made room at once
+        await h.advance(START_S + 5)
+        assert r.outcome == "served" and r.admitted_at - r.arrived < START_S + 5  # type: ignore[operator]
+        recs = await h.events()
+        assert "Put to sleep to make room for other" in titles(recs, job)
+        assert h.controller.prewarmer.counts["wasted"] == 1
+
+    box(tmp_path, t, usable_gib=15, settings={"ondemand_policy": "learned"})
+
+
+def test_an_unknown_policy_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        dep = await h.deploy("x", 1)
+        before = len(await h.events())
+        with pytest.raises(Refusal) as exc:
+            await h.controller.change_settings({"ondemand_policy": "clever"}, "admin:test")
+        assert (exc.value.status, exc.value.code) == (422, "invalid_policy")
+        with pytest.raises(Refusal):
+            await h.controller.change_mode(
+                dep,
+                "on_demand",
+                None,
+                True,
+                "admin:test",
+                ondemand_policy="clever",  # type: ignore[arg-type]
+            )
+        assert len(await h.events()) == before
+        record = await h.controller.change_mode(
+            dep, "on_demand", None, True, "admin:test", ondemand_policy="learned"
+        )
+        assert record.effective_ondemand_policy == "learned"
+        assert record.learned == "no traffic recorded yet: the seed's rules apply"
+
+    box(tmp_path, t)

@@ -32,7 +32,8 @@ from storage.errors import StorageError
 from storage.eventlog import EventStore
 
 DEFAULT_START_S = 30.0  # a model with no recorded start, on a box with none at all
-DEPLOYMENT_KEYS = {"idle_timeout_s", "mode", "make_room_after_s"}
+DEPLOYMENT_KEYS = {"idle_timeout_s", "mode", "make_room_after_s", "ondemand_policy"}
+_POLICIES = ("seed", "learned")
 _MODES = ("on_demand", "always_on")
 
 
@@ -244,6 +245,11 @@ def parse_overrides(history: History, pairs: Iterable[str]) -> dict[str, Any]:
         if "." not in key:
             if key not in DEFAULT_SETTINGS:
                 raise WhatIfError(f"--set {key}: not a setting")
+            if key == "ondemand_policy":
+                if value not in _POLICIES:
+                    raise WhatIfError(f"--set {key}: seed or learned")
+                out[key] = value
+                continue
             try:
                 checked = validate_settings({key: _int(key, value)})
             except Refusal as exc:
@@ -261,6 +267,9 @@ def parse_overrides(history: History, pairs: Iterable[str]) -> dict[str, Any]:
         if sub == "mode":
             if value not in _MODES:
                 raise WhatIfError(f"--set {key}: on_demand or always_on")
+        elif sub == "ondemand_policy":
+            if value is not None and value not in _POLICIES:
+                raise WhatIfError(f"--set {key}: seed, learned or null (the default)")
         elif sub == "idle_timeout_s":
             value = _int(key, value)
             if value is not None and not 60 <= value <= 86400:

@@ -253,6 +253,7 @@ def _spec(dep: DeploymentState | m.DeploymentCreated, own: dict[str, Any]) -> De
         idle_timeout_s=own.get("idle_timeout_s", dep.idle_timeout_s),
         role=dep.role,
         make_room_after_s=own.get("make_room_after_s", dep.make_room_after_s),
+        ondemand_policy=own.get("ondemand_policy", dep.ondemand_policy),
     )
 
 
@@ -292,6 +293,8 @@ async def _run(
             ci = await _changes_until(sim, changes, ci, t, ids, per_dep, own)
         await _advance(sim, t)
         dep = ids.get(rec.deployment_id)
+        if dep is not None:  # what the box's traffic trace tells the learned policy
+            sim.controller.prewarmer.observe(dep, rec.arrived, rec.arrived + rec.duration_s)
         served_before = rec.outcome in SERVED_TRACED
         if dep is None:  # its deployment does not exist here (its creation was refused)
             sim.outcomes.append(
@@ -406,9 +409,7 @@ async def _wait(sim: _Sim, dep: str, rec: TrafficRecord, hold: float) -> None:
     try:
         waiter = sim.controller.enqueue(dep, str(rec.request_id))
     except Refused as exc:
-        sim.outcomes.append(
-            Outcome(rec.request_id, dep, 0.0, True, _refusal(exc), None, before)
-        )
+        sim.outcomes.append(Outcome(rec.request_id, dep, 0.0, True, _refusal(exc), None, before))
         return
     try:
         lease = await waiter.wait()
@@ -462,6 +463,7 @@ async def _apply(
                     fixed.get("idle_timeout_s", ev.idle_timeout_s),
                     False,
                     actor="admin:whatif",
+                    ondemand_policy=fixed.get("ondemand_policy", ev.ondemand_policy),
                 )
     except Exception:  # policy: a change the simulated box refuses is skipped, as it was not made
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Iterable
@@ -26,7 +27,8 @@ from actors.ports import LaunchSpec, Runtime
 from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
 from dgxmm.config import Config, ConfigError, load_config, with_absolute_paths
-from dgxmm.demo import demo_config, demo_notes, stop_engines
+from dgxmm.demo import curl_label, demo_config, demo_notes, plan_front, stop_engines
+from dgxmm.demo_litellm import DemoLiteLLM
 from dgxmm.engines import adapters as engines
 from dgxmm.engines.logs import launch_lines
 from dgxmm.engines.memory import detect_gpu, detect_source, detect_total_bytes
@@ -87,9 +89,16 @@ DEMO_DEPLOYMENTS = (
 class App:
     """Every running part of one DGXMM."""
 
-    def __init__(self, config: Config, *, demo: bool = False) -> None:
-        self.config = demo_config(config) if demo else config
+    def __init__(self, config: Config, *, demo: bool = False, litellm: bool = True) -> None:
+        # The demo puts its own LiteLLM in front, unless `--no-litellm` (litellm=False)
+        self.front = (
+            plan_front(config, PROJECT_DIR, no_litellm=not litellm, env=os.environ)
+            if demo
+            else None
+        )
+        self.config = demo_config(config, self.front) if demo else config
         self.demo = demo
+        self.demo_litellm: DemoLiteLLM | None = None
         self.clock = SystemClock()
         self.store: EventStore | None = None
         self.runtime: Runtime | None = None
@@ -387,14 +396,14 @@ class App:
         for rec in self.controller.records():
             lines.append(f"  deployment     : {rec.name} ({rec.id}, {rec.mode}, {rec.state})")
         if self.demo:
-            lines.extend(demo_notes(self.config, PROJECT_DIR))
+            lines.extend(demo_notes(self.config, self.front))
         first = next(
             (r for r in self.controller.records() if r.name == "demo-chat"),
             None,
         )
         if first is not None:
             url = f"{cfg.public_gateway_url}/d/{first.id}/v1/chat/completions"
-            lines.append("Try it:")
+            lines.append(curl_label(self.front))
             message = '[{"role": "user", "content": "Hello"}]'
             body = f'{{"model": "{first.model}", "messages": {message}}}'
             # The key by reference: the banner (often in a log) never shows the key itself.
@@ -402,6 +411,12 @@ class App:
             auth = f'-H "authorization: Bearer $(cat {key_file})"'
             lines.append(f"  curl -s {url} {auth} -H 'content-type: application/json' -d '{body}'")
         return "\n".join(lines)
+
+    def start_demo_litellm(self) -> None:
+        """The demo's LiteLLM, started once the banner is out: its lines come below it."""
+        if self.front is not None:
+            self.demo_litellm = DemoLiteLLM(self.front, lambda line: print(line, flush=True))
+            self.demo_litellm.start()
 
     async def stop(self) -> None:
         """Stop listening, let answers finish, stop the actors (engines keep running).
@@ -412,6 +427,8 @@ class App:
         """
         if self.controller is not None:
             self.controller.begin_shutdown()
+        if self.demo_litellm is not None:  # its graceful stop runs beside the steps below
+            self.demo_litellm.begin_stop()
         if self.api is not None:
             from dgxmm.admin.client import remove_cli_file
 
@@ -431,6 +448,8 @@ class App:
             await _step("watchdog", self.watchdog.stop())
         if self.litellm is not None:
             await _step("litellm", self.litellm.stop())
+        if self.demo_litellm is not None:
+            await _step("demo_litellm", self.demo_litellm.stop())
         if self.demo and self.controller is not None:  # recorded, so not lost at the next start
             await _step("demo_engines", stop_engines(self.controller))
             await _step("demo_stops", self._demo_stops_recorded(self.controller))
@@ -524,8 +543,8 @@ async def _step(what: str, work: Awaitable[Any]) -> None:
         log.exception("shutdown_step_failed", step=what)
 
 
-async def _serve(config: Config, demo: bool) -> int:
-    app = App(config, demo=demo)
+async def _serve(config: Config, demo: bool, litellm: bool = True) -> int:
+    app = App(config, demo=demo, litellm=litellm)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -545,6 +564,7 @@ async def _serve(config: Config, demo: bool) -> int:
         return 70
     if not stop.is_set():  # a Ctrl-C during the start: stop at once, with no banner
         print(app.banner(), flush=True)
+        app.start_demo_litellm()
     await stop.wait()
     print("dgxmm: stopping", file=sys.stderr, flush=True)
     try:
@@ -590,4 +610,5 @@ def serve_main(args: argparse.Namespace) -> int:
     import uvloop
 
     private_umask()  # the log, engine logs and snapshots: 0600, directories 0700
-    return int(uvloop.run(_serve(config, bool(getattr(args, "demo", False)))))
+    demo, litellm = bool(getattr(args, "demo", False)), not getattr(args, "no_litellm", False)
+    return int(uvloop.run(_serve(config, demo, litellm)))

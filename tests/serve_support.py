@@ -212,13 +212,27 @@ class Serve:
 
 
 def start_demo(
-    tmp_path: Path, deadline_s: float = 60.0, env: dict[str, str] | None = None
+    tmp_path: Path,
+    deadline_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    *,
+    litellm: bool = False,
 ) -> tuple[subprocess.Popen[str], str]:
     """`dgxmm serve --demo` on ephemeral ports in tmp_path (so it never collides with a demo a
-    developer runs), and its banner up to the printed curl command; `env` adds variables."""
-    (tmp_path / "ports.toml").write_text("[server]\nadmin_port = 0\ngateway_port = 0\n")
+    developer runs), and its banner up to the printed curl command; `env` adds variables.
+
+    Without `litellm` the demo runs DGXMM alone (`--no-litellm`): most tests look at DGXMM, and
+    LiteLLM's start costs 15-40 s.  With it, its LiteLLM listens on a free port (`[litellm]
+    url`); `litellm_ready` waits for the line that says it answers."""
+    config = "[server]\nadmin_port = 0\ngateway_port = 0\n"
+    if litellm:
+        from tests.litellm_support import free_port
+
+        config += f'[litellm]\nurl = "http://127.0.0.1:{free_port()}"\n'
+    (tmp_path / "ports.toml").write_text(config)
+    argv = [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", "ports.toml"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", "ports.toml"],
+        argv if litellm else [*argv, "--no-litellm"],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(PROJECT), **(env or {})},
         stdout=subprocess.PIPE,
@@ -234,6 +248,37 @@ def start_demo(
         assert line, f"dgxmm exited: {banner}"
         banner += line
     return proc, banner
+
+
+def litellm_ready(proc: subprocess.Popen[str], deadline_s: float) -> str:
+    """Read the demo's output after its banner until the line that says its LiteLLM answers
+    (what a reader of the quickstart waits for), and return that line; then keep reading in
+    the background, so the demo never blocks on a full pipe."""
+    assert proc.stdout is not None
+    found: queue.Queue[str | None] = queue.Queue(maxsize=100_000)
+
+    def read(stream: Any) -> None:
+        with contextlib.suppress(Exception):
+            for line in stream:
+                if line.startswith("LiteLLM"):
+                    found.put(line)
+        found.put(None)
+
+    threading.Thread(target=read, args=(proc.stdout,), daemon=True).start()
+    said: list[str] = []
+    deadline = time.monotonic() + deadline_s
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"LiteLLM not ready within {deadline_s:.0f} s: {said}"
+        try:
+            line = found.get(timeout=left)
+        except queue.Empty:
+            continue
+        assert line is not None, f"the demo exited: {said}"
+        said.append(line)
+        assert not line.startswith("LiteLLM did not start"), line
+        if line.startswith("LiteLLM is ready"):
+            return line
 
 
 def banner_auth(banner: str) -> dict[str, str]:

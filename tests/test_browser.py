@@ -548,7 +548,7 @@ def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_s
         open_hash(page, dgxmm, "/settings")
         facts = page.locator("#litellm-facts")
         expect(facts).to_contain_text("Last write of the file")
-        expect(facts).to_contain_text("LiteLLM restarts caused")
+        expect(facts).to_contain_text("Writes of LiteLLM's config")
         expect(facts).to_contain_text("1 since DGXMM started")
         # This LiteLLM (the double) does not read the file: loaded only if what it holds happens
         # to match (alone, this test finds it so; after the others, it holds their entries).
@@ -573,7 +573,7 @@ def test_settings_shows_the_file_back_ends_last_write_restarts_caused_and_load_s
         admin_api.call("PATCH", "litellm", {"backend": "api"})
     page.reload()
     expect(page.locator("#litellm-facts")).to_contain_text("Model-management API")
-    expect(page.locator("#litellm-facts")).not_to_contain_text("LiteLLM restarts caused")
+    expect(page.locator("#litellm-facts")).not_to_contain_text("Writes of LiteLLM's config")
 
 
 # --- operators: logs, start progress, the queue, the wizard's truth ---------------------------

@@ -9,10 +9,13 @@ point, the stage's points side by side:
    `k` of the `TOP` most used): a set whose memory leaves another model unable to start is
    not simulated, it is shown infeasible with the reason;
 3. on the best so far, each of the `TOP` most used on-demand models' own idle timeout
-   (120 s, 900 s) and make-room-after (0 s): the per-model settings;
+   (120 s, 900 s);
+4. on the best so far, the learned policy of starting models ahead (`ondemand_policy`),
+   where the what-if knows it;
 
-about 25 points with k = 1, as many simulations as the single grid of 30 it replaces, so a
-week still fits in 15 minutes on two cores.  The goal is a bound and an objective: "p90 wait
+about 25 points with k = 1 (15 + 3 + 6 + 1; fewer where a point repeats one already
+simulated), fewer simulations than the single grid of 30 it replaces, so a week still fits
+in 15 minutes on two cores.  The goal is a bound and an objective: "p90 wait
 <= 30 s with the fewest cold starts" is `Goal(bound="p90", limit_s=30,
 minimise="cold_starts")`.
 
@@ -255,8 +258,8 @@ def pinned_stage(history: History, best: dict[str, Any], k: int) -> list[dict[st
 
 
 def own_stage(history: History, best: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each of the most used on-demand models' own idle timeout and make-room-after, on
-    `best` (one model's change at a time)."""
+    """Each of the most used on-demand models' own idle timeout, on `best` (one model's
+    change at a time; make-room-after is searched for all in the first stage)."""
     out = []
     for dep in _on_demand(history)[:TOP]:
         if best.get(f"{dep}.mode") == "always_on":
@@ -264,8 +267,6 @@ def own_stage(history: History, best: dict[str, Any]) -> list[dict[str, Any]]:
         for idle in OWN_IDLE:
             if best.get(f"{dep}.idle_timeout_s") != idle:
                 out.append({**best, f"{dep}.idle_timeout_s": idle})
-        if best.get("ondemand_make_room_after_s") != 0:
-            out.append({**best, f"{dep}.make_room_after_s": 0})
     return out
 
 

@@ -115,7 +115,8 @@ def apply(args: argparse.Namespace, result: Tuning) -> int:
     except ClientError as exc:
         sys.stderr.write(f"dgxmm: tune --apply: {exc.message}\n")
         return exc.status
-    out.write(f"applied (audit #{applied['seq']}); undo on the Settings page or with the API\n")
+    seq = applied["applied"]["seq"]
+    out.write(f"applied (audit #{seq}); see it and undo it on the Settings page\n")
     return 0
 
 

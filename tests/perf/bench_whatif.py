@@ -1,5 +1,5 @@
 """How fast the what-if runs: a recorded week (about 1M requests over 8 models) simulated
-under one alternative, and `tune` over its 30-point grid.
+under one alternative, and `tune`'s staged search (about 25 points).
 
     python -m tests.perf.bench_whatif [--tune] [--hours 168]
 
@@ -7,7 +7,7 @@ The week is synthesised in the trace's own format (`tests.whatif_support.write_l
 log cached under /tmp (built once, ~1 minute); the times are wall-clock seconds of loading
 the history and of each simulation, beside the CPU seconds they took (this process's and its
 children's: `tune` runs its points in worker processes), which a busy machine does not move
-as much.  Targets: one alternative <= 60 s, the grid <= 15 min.
+as much.  Targets: one alternative <= 60 s, the search <= 15 min.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ async def main(hours: float, with_tune: bool) -> None:
         took, cpu = time.monotonic() - began, cpu_s() - cpu
         best = result.recommended.label if result.recommended else "none"
         print(
-            f"tune, {len(result.points)} points in {WORKERS} processes: {took:.0f} s"
-            f" ({took / 60:.1f} min), {cpu:.0f} s of CPU; {best}"
+            f"tune, {result.searched}, in {WORKERS} processes: {took:.0f} s"
+            f" ({took / 60:.1f} min), {cpu:.0f} s of CPU; recommended: {best}"
         )
 
 

@@ -24,7 +24,7 @@ function wholeIn(text, lo, hi, label) {
 export function render({ isAdmin, notify }) {
   const defaultsBody = h("div", { id: "defaults" }, h("p.muted", "Loading…"));
   const litellmBody = h("div", { id: "litellm" }, h("p.muted", "Loading…"));
-  const node = h("section", [
+  const node = h("section.settings-page", [
     h("h1", "Settings"),
     h("div.grid", [
       h("section.card", { "aria-labelledby": "defaults-title" }, [h("h2#defaults-title", "On-demand defaults"), defaultsBody]),
@@ -135,13 +135,21 @@ export function render({ isAdmin, notify }) {
       ["Last sync", st.last_sync_at ? [relativeTime(st.last_sync_at), ` (${dateTime(st.last_sync_at)})`] : "never"],
     ];
     if (st.error) facts.push(["Last error", st.error]);
-    if (st.url) facts.push(["Address", st.url]);
+    if (st.url) facts.push(["Address", h("span.nowrap", st.url)]);
     if (st.backend) facts.push(["How DGXMM updates it", st.backend === "api" ? "Model-management API" : `Config file ${st.config_path || ""}`]);
     if (st.entries !== undefined) facts.push(["Models registered", String(st.entries)]);
     if (st.backend === "file" && st.enabled) {
       facts.push(["Last write of the file", st.last_write_at ? [relativeTime(st.last_write_at), ` (${dateTime(st.last_write_at)})`] : "none since DGXMM started"]);
+      // A write restarts LiteLLM's worker only when LiteLLM runs (with --reload): the count
+      // is of writes, and says restarts only of a LiteLLM that answers.
       const hitless = st.reload && st.reload.mode === "command";
-      facts.push(["LiteLLM restarts caused", `${st.config_writes || 0} since DGXMM started (${hitless ? "each write is followed by the reload command" : "each write restarts LiteLLM's worker"})`]);
+      const answering = st.loaded === true;
+      const effect = hitless
+        ? "each followed by the reload command"
+        : answering
+          ? "each restarts LiteLLM's worker"
+          : "LiteLLM is not answering, so none restarted it";
+      facts.push(["Writes of LiteLLM's config", `${st.config_writes || 0} since DGXMM started (${effect})`]);
       facts.push(["Loaded by LiteLLM", loadedWords(st)]);
       if (st.reload) facts.push(...reloadFacts(st.reload));
     }

@@ -46,6 +46,7 @@ from gateway.classify import (
     body_model,
     body_traits,
     classify_route,
+    with_model,
 )
 from gateway.errors import BodyTooDeep, ClientDisconnected, UpstreamClosed, UpstreamError
 from gateway.express import Exchange, Forwarding
@@ -390,13 +391,16 @@ class Gateway:
     async def _lease_then_relay(self, ex: _InFlight) -> None:
         """Relay at once to a ready model, else (or when it never reached the engine) wait.
         A request naming a model the deployment does not serve gets 404 in every state, and
-        starts nothing (the express lane leaves every other name to this check)."""
+        starts nothing; one naming the deployment's own name goes to the engine naming the
+        model it serves (the express lane leaves every other name to this check)."""
         view = ex.view
         named = body_model(ex.endpoint, ex.body)
-        if named is not None and named not in (view.served_model, view.model_name):
-            ex.outcome = REFUSED
-            await _reply(ex.responder, queued.model_not_found(named, view.served_model))
-            return
+        if named is not None and named != view.served_model:
+            if named != view.model_name:
+                ex.outcome = REFUSED
+                await _reply(ex.responder, queued.model_not_found(named, view.served_model))
+                return
+            ex.body = with_model(ex.body, view.served_model)
         lease = self.controller.try_acquire(view.deployment_id)
         if lease is not None:
             ex.admitted = ex.arrived

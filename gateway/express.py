@@ -43,7 +43,7 @@ import structlog
 
 from actors.admission import Controller, DeploymentView, Lease
 from events.traffic import CLIENT_GONE, ENGINE_ERROR, SERVED
-from gateway.classify import Endpoint, names_one_of
+from gateway.classify import Endpoint, names_served
 from gateway.errors import (
     ClientDisconnected,
     ResponseStateError,
@@ -198,7 +198,7 @@ class Exchange:
 
     def start(self, body: bytes) -> None:
         """The whole body is in: send the request, or hand it to the handler (which also
-        judges a model name the lane cannot vouch for: `names_one_of`)."""
+        judges a model name the lane cannot vouch for: `names_served`)."""
         gateway = self._gateway
         view = self._view
         hint = view.engine_handle  # as the head found it: no lease without a chance
@@ -208,7 +208,7 @@ class Exchange:
             hint is not None
             and len(body) <= MAX_BODY_BYTES
             and pool.can_send(hint.host, hint.port)
-            and names_one_of(self._forwarding.endpoint, body, view.served_model, view.model_name)
+            and names_served(self._forwarding.endpoint, body, view.served_model)
         ):
             lease = gateway.controller.try_acquire(view.deployment_id)
         if lease is None:

@@ -407,7 +407,8 @@ SEQUENCES = {
         [request(), request(OTHER_BODY), request()],
         1,
     ),
-    "the client's name, spaced": (["ok"], [request(CLIENT_NAME_BODY)], 1),
+    # The deployment's name: the handler sends it on as the served one (`with_model`).
+    "the client's name, spaced": (["ok"], [request(CLIENT_NAME_BODY)], 0),
     "the served name, escaped": (["ok"], [request(ESCAPED_BODY), request()], 2),
     "another model's name, the served one nested": (["ok"], [request(NESTED_BODY)], 0),
     "no model named": (["ok"], [request(NO_MODEL_BODY), request()], 2),

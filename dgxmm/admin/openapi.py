@@ -69,8 +69,9 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 class InferenceBody(msgspec.Struct, kw_only=True):
     """An inference request: passed to the engine as it is.  `model` is the model the engine
-    serves (what LiteLLM sends) or the deployment's name; another name gets 404
-    `model_not_found` in every state, and starts nothing."""
+    serves (what LiteLLM sends) or the deployment's name, which the engine is sent as the
+    model it serves; another name gets 404 `model_not_found` in every state, and starts
+    nothing."""
 
     model: str | None = None
     stream: bool | None = None

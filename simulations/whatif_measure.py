@@ -98,6 +98,7 @@ class Figures(msgspec.Struct, kw_only=True):
     evictions_per_hour: float
     idle_gib_hours_per_hour: float  # GiB held by idle models, on average
     fates: Fates
+    fates_per_model: dict[str, Fates]
     fails_served: int
     fails_served_models: list[str]
 
@@ -118,6 +119,7 @@ def figures(report: Report) -> Figures:
         evictions_per_hour=report.evictions / hours,
         idle_gib_hours_per_hour=report.idle_gib_hours / hours,
         fates=report.fates,
+        fates_per_model=report.fates_per_model,
         fails_served=report.fails_served,
         fails_served_models=report.fails_served_models,
     )

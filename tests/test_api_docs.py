@@ -137,7 +137,8 @@ def test_the_tune_answer_has_every_field_dgxmm_tune_prints() -> None:
     f = Figures(
         hours=2.0, requests=11, p50=1.0, p90=2.5, p99=9.0, worst_model="chat", worst_p90=3.0,
         cold_starts_per_hour=0.5, evictions_per_hour=0.5, idle_gib_hours_per_hour=2.0,
-        fates=fates, fails_served=1, fails_served_models=["chat"],
+        fates=fates, fates_per_model={"chat": fates}, fails_served=1,
+        fails_served_models=["chat"],
     )  # fmt: skip
     point = Point(
         settings={"ondemand_make_room_after_s": 30}, changes=["ondemand_make_room_after_s=30"],

@@ -97,6 +97,10 @@ def test_tune_apply_then_since_applied_shows_the_prediction_beside_what_happened
     expect(cold.locator("td").nth(0)).to_contain_text("per hour")
     expect(cold.locator("td").nth(1)).to_contain_text("per hour")
     expect(page.locator("#tune-since")).to_contain_text("requests over")
+    # Each model's fates, predicted and since.
+    model = page.locator("#tune-since-models tr", has_text=name)
+    expect(model.locator("td").nth(0)).to_contain_text("served")
+    expect(model.locator("td").nth(1)).to_contain_text("1 served")
     shot(page, "40-settings-since-applied")
 
     page.get_by_role("button", name="Undo").click()

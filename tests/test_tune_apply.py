@@ -15,6 +15,7 @@ PREDICTION: dict[str, Any] = {
     "worst_model": "chat", "worst_p90": 6.0, "cold_starts_per_hour": 2.5,
     "evictions_per_hour": 2.0, "idle_gib_hours_per_hour": 3.0,
     "fates": {"served": 1200, "refused": 0, "timed_out": 0, "stopped": 0},
+    "fates_per_model": {"chat": {"served": 1200, "refused": 0, "timed_out": 0, "stopped": 0}},
     "fails_served": 0, "fails_served_models": [],
 }  # fmt: skip
 

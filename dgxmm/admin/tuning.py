@@ -3,7 +3,7 @@
 Applying it (`POST /settings/tune/apply`) and checking it afterwards ("since applied":
 `measure_since`, `dgxmm whatif --recorded-only` on the traffic since) live here too.
 
-Thirty what-ifs take seconds to minutes of CPU: run in the API's event loop they would stall
+About 25 what-ifs take seconds to minutes of CPU: run in the API's event loop they would stall
 the gateway it shares.  So `TuneRunner` runs `dgxmm tune --json` as a child process on the
 log (read-only, beside the writer), one at a time, bounded by a deadline, and keeps the
 last answer for a few minutes; a second caller while one runs waits for the same one.
@@ -67,6 +67,7 @@ class TuneFigures(msgspec.Struct, kw_only=True):
     evictions_per_hour: float
     idle_gib_hours_per_hour: float
     fates: TuneFates
+    fates_per_model: dict[str, TuneFates] = {}
     fails_served: int
     fails_served_models: list[str]
 

@@ -49,8 +49,30 @@ function figuresTable(id, heads, columns) {
   ]);
 }
 
+// Each model's fates, one row per model: "120 served, 3 refused" (the others where any).
+function fatesText(f) {
+  if (!f) return "—";
+  const parts = [`${f.served} served`];
+  if (f.refused) parts.push(`${f.refused} refused`);
+  if (f.timed_out) parts.push(`${f.timed_out} timed out`);
+  if (f.stopped) parts.push(`${f.stopped} stopped`);
+  return parts.join(", ");
+}
+
+function fatesTable(id, heads, columns) {
+  const per = columns.map((f) => (f && f.fates_per_model) || {});
+  const models = [...new Set(per.flatMap((p) => Object.keys(p)))].sort();
+  return h(`table.tune-figures#${id}`, [
+    h("thead", h("tr", [h("th", { scope: "col" }, "Model"), ...heads.map((x) => h("th", { scope: "col" }, x))])),
+    h(
+      "tbody",
+      models.map((name) => h("tr", [h("th", { scope: "row" }, name), ...per.map((p) => h("td", fatesText(p[name])))])),
+    ),
+  ]);
+}
+
 export function tunePanel() {
-  const body = h("div#tune-body", h("p.muted", "Simulates the last 24 hours of traffic under about 25 settings; this takes a while."));
+  const body = h("div#tune-body", h("p.muted", "Simulates the last 24 hours of traffic under about 25 settings; this takes a while. Only a setting that lets every model start and serves every request the box served is recommended."));
   const since = h("div#tune-since");
   const goal = h("select#tune-goal", { "aria-label": "Goal" }, GOALS.map(([value, label]) => h("option", { value }, label)));
   const run = h("button#tune-run", { type: "button" }, "Recommend");
@@ -110,6 +132,7 @@ function draw(body, result, onApplied) {
       h("p#tune-recommended", [h("strong", "Recommended: "), best.label]),
       h("ul.tune-changes", best.changes.map((c) => h("li", h("code", c)))),
       figuresTable("tune-trade", ["As now", "Recommended"], [result.baseline.figures, best.figures]),
+      fatesTable("tune-trade-models", ["As now", "Recommended"], [result.baseline.figures, best.figures]),
       h("div.actions", apply),
       error,
     );
@@ -189,6 +212,7 @@ async function showApplied(box) {
     h("p", who),
     h("p.hint", traffic),
     figuresTable("tune-since-table", ["Predicted", "Since applied"], [found.prediction, since]),
+    fatesTable("tune-since-models", ["Predicted", "Since applied"], [found.prediction, since]),
     h("div.actions", undo),
     error,
   );

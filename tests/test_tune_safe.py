@@ -116,3 +116,16 @@ def test_a_goal_no_safe_point_meets_recommends_nothing(demo_log: Path) -> None:
     result = run(tune(history, Goal(bound="p90", limit_s=0.0), workers=1), timeout=300)
     assert all(not (p.feasible and p.meets) for p in result.points)
     assert result.recommended is None
+
+
+def test_apply_asks_first_and_without_a_terminal_to_ask_on_changes_nothing(
+    three_log: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dgxmm", "tune", "--db", str(three_log), "--goal",
+         "p99<=60,cold_starts", "--apply", "--url", "http://127.0.0.1:9", "--token", "x"],
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "to apply:\n  ondemand_make_room_after_s=0\n" in done.stdout
+    assert "add --yes" in done.stderr and "cannot reach" not in done.stderr

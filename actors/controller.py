@@ -502,14 +502,20 @@ class Controller:
     def _refresh_notes(self, changed: str) -> None:
         """Push again the deployments with a note on why they did not start: the note is
         read from the budget as it is (`_not_started_now`), and another deployment's change
-        or activity, or the moment an idle one may make room, can change it."""
+        or use, or the moment an idle one may make room, can change it."""
+        for dep_id in list(self._not_started):
+            if dep_id != changed:  # "activity": no LiteLLM entry follows a note
+                self._notify(dep_id, "activity")
+        self._arm_notes_timer()
+
+    def _arm_notes_timer(self) -> None:
+        """Refresh the notes when the next model may make room.  A use only makes that
+        moment later: a timer set before it fires early at worst, and sets the next one."""
         if self._notes_due is not None:
             self._notes_due.cancel()
             self._notes_due = None
         due: float | None = None
-        for dep_id in list(self._not_started):
-            if dep_id != changed:  # "activity": no LiteLLM entry follows a note
-                self._notify(dep_id, "activity")
+        for dep_id in self._not_started:
             at = self.candidate_due(dep_id)
             if at is not None and (due is None or at < due):
                 due = at
@@ -520,8 +526,11 @@ class Controller:
 
     def _on_activity(self, deployment_id: str) -> None:
         self._notify(deployment_id, "activity")
-        if self._not_started:
-            self._refresh_notes(deployment_id)
+        if self._not_started:  # a note may follow this use; the hot path only pushes
+            for dep_id in self._not_started:
+                self._notify(dep_id, "activity")
+            if self._notes_due is None:  # the last one found every model busy
+                self._arm_notes_timer()
         if len(self.queue):
             self.queue.activity(deployment_id)
 

@@ -133,6 +133,35 @@ def test_the_note_goes_the_moment_an_idle_model_may_make_room_and_the_ui_is_told
     run(main())
 
 
+def test_a_request_across_the_moment_moves_the_push_to_30_s_after_its_end(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = await demo_box(tmp_path, ondemand_make_room_after_s=30)
+        pushed: list[float] = []
+        try:
+            chat, large = await demo_deployments(h)
+            await until_ready(h, chat)
+            await h.advance(25)
+            busy = h.request(chat, hold_s=20)  # in flight when its first 30 s are up
+            await h.advance(1)
+            assert busy.admitted_at is not None
+            h.controller.add_listener(
+                lambda dep_id, what: pushed.append(h.clock.now()) if dep_id == large else None
+            )
+            await h.advance(19.5)
+            assert busy.outcome == "served" and note(h, large) == NO_ROOM
+            ended = h.controller.actors[chat].activity.last_used
+            pushed.clear()
+            await h.advance(29)
+            assert note(h, large) == NO_ROOM and pushed == []
+            await h.advance(1.5)
+            assert note(h, large) is None
+            assert pushed == [pytest.approx(ended + 30)]
+        finally:
+            await h.close()
+
+    run(main())
+
+
 def test_an_always_on_deployment_says_there_is_room_now_rather_than_none(tmp_path: Path) -> None:
     async def main() -> None:
         h = await demo_box(tmp_path, ondemand_make_room_after_s=0)

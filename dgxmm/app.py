@@ -26,7 +26,7 @@ from actors.memory_broker import GIB, MemoryBroker
 from actors.ports import LaunchSpec, Runtime
 from actors.runtime import SystemClock
 from actors.watchdog import WatchdogActor
-from dgxmm.config import Config, ConfigError, load_config, with_absolute_paths
+from dgxmm.config import Config
 from dgxmm.demo import curl_label, demo_config, demo_notes, plan_front, stop_engines
 from dgxmm.demo_litellm import DemoLiteLLM
 from dgxmm.engines import adapters as engines
@@ -597,16 +597,13 @@ class _SafeStream:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    """`dgxmm serve [--config FILE] [--demo]`."""
+    """`dgxmm serve [--config FILE] [--demo]`, with the configuration `dgxmm.where` chose (its
+    relative paths resolved against the file's directory, so the other commands agree)."""
     if not isinstance(sys.stdout, _SafeStream):
         sys.stdout = _SafeStream(sys.stdout)
     if not isinstance(sys.stderr, _SafeStream):
         sys.stderr = _SafeStream(sys.stderr)
-    try:
-        config = with_absolute_paths(load_config(getattr(args, "config", None)), Path.cwd())
-    except ConfigError as exc:
-        print(f"dgxmm: {exc}", file=sys.stderr)
-        return 2
+    config: Config = args.loaded_config
     import uvloop
 
     private_umask()  # the log, engine logs and snapshots: 0600, directories 0700

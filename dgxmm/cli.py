@@ -2,9 +2,11 @@
 
 The subcommands: serve, ps, start, stop, logs, user, token, replay, events, audit, archive.
 
-Every command takes `--config FILE` (or `DGXMM_CONFIG`): the database and the admin
-address follow from it; `--db` overrides the database.  `ps`, `start`, `stop` and `logs`
-talk to the running server (see `dgxmm.admin.client` for how they find it).
+Every command takes its configuration from `--config FILE`, else `DGXMM_CONFIG`, else the
+current directory, else the one DGXMM this user runs (`dgxmm.where`), and says on stderr which
+data dir or server it used; the database and the admin address follow from it, and `--db`
+(or `--url`) names them instead.  `ps`, `start`, `stop` and `logs` talk to the running server
+(see `dgxmm.admin.client`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description="DGXMM: a model manager for one DGX-class box."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    config_help = "the TOML configuration file (default: $DGXMM_CONFIG, else built-in defaults)"
+    config_help = (
+        "the TOML configuration file (default: $DGXMM_CONFIG, else ./dgxmm-data here, else the"
+        " one DGXMM this user runs)"
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="FILE", help=config_help)
     remote = argparse.ArgumentParser(add_help=False, parents=[common])
@@ -204,25 +209,52 @@ def _run(command: Callable[[argparse.Namespace], Coroutine[Any, Any, int]], args
 
 
 def _configure(args: argparse.Namespace) -> str | None:
-    """Load the configuration (`--config`, else `DGXMM_CONFIG`) into `args.loaded_config`
-    and fill `args.config` and `args.db` from it; the error message if it cannot be used."""
-    from dgxmm.config import ConfigError, load_config
+    """Choose the configuration (`dgxmm.where`) into `args.loaded_config`, its paths absolute,
+    and fill `args.config`, `args.db` and `args.where` from it; the error message if none.
 
-    args.config = getattr(args, "config", None) or os.environ.get("DGXMM_CONFIG") or None
+    `--db` or `--url` (`DGXMM_URL`) name what the command uses: then nothing else is looked
+    for, and `args.where` is None (no line to print)."""
+    from dgxmm import where
+    from dgxmm.config import ConfigError
+
+    flag = getattr(args, "config", None) or None
+    url = getattr(args, "url", None) or (
+        os.environ.get("DGXMM_URL") if hasattr(args, "url") else None
+    )
+    named = bool(getattr(args, "db", None) or url)
+    creates = args.command == "serve" or getattr(args, "user_command", None) == "add"
     try:
-        args.loaded_config = load_config(args.config)
-    except ConfigError as exc:
+        if named and not flag and not os.environ.get(where.ENV):
+            choice = where.Choice(None, None, "the current directory")
+        else:
+            other = (
+                "--db FILE" if hasattr(args, "db") else "--url URL" if hasattr(args, "url") else ""
+            )
+            choice = where.resolve(flag, creates=creates, other=other)
+        args.loaded_config = where.config_of(choice)
+    except (ConfigError, where.WhereError) as exc:
         return str(exc)
+    args.config = choice.file
+    args.where = None if named else choice
     args.db_from_config = hasattr(args, "db") and not args.db
     if args.db_from_config:
         args.db = str(args.loaded_config.server.db_path)
     return None
 
 
+def _say_where(args: argparse.Namespace, url: str | None = None) -> None:
+    """The line that names the data dir (or server) the command uses, and why that one."""
+    from dgxmm.where import describe
+
+    if args.where is not None:
+        _error(describe(args.where, args.loaded_config, url=url))
+
+
 def _remote(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    from dgxmm.admin.client import ClientError
+    from dgxmm.admin.client import ClientError, find_server
 
     try:
+        _say_where(args, find_server(args.loaded_config, args.url, args.token).url)
         return command(args)
     except ClientError as exc:
         _error(f"{args.command}: {exc.message}")
@@ -245,6 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 _TIME_AGO = re.compile(r"-\d+(\.\d+)?[smhd]")
 
 
+# The commands that talk to the running server: they name it (and its data dir) once found.
+_REMOTE = ("ps", "start", "stop", "logs", "gateway-key")
+
+
 def _times_ago_joined(argv: Sequence[str]) -> list[str]:
     out: list[str] = []
     for arg in argv:
@@ -264,10 +300,15 @@ def _main(argv: Sequence[str] | None) -> int:
     if problem is not None:
         _error(problem)
         return 2
+    if args.command not in _REMOTE:
+        _say_where(args)
     try:
         match args.command:
             case "serve":
-                return _delegate("dgxmm.app", "serve_main", args)
+                from dgxmm.where import registered
+
+                with registered(args.loaded_config, args.config):
+                    return _delegate("dgxmm.app", "serve_main", args)
             case "ps":
                 from dgxmm.admin.client import ps_command
 

@@ -258,8 +258,9 @@ def _check(config: Config, where: str) -> None:
 
 
 def with_absolute_paths(config: Config, base: Path) -> Config:
-    """`config` with its relative data dir, log and LiteLLM file resolved against `base` (the
-    directory `dgxmm serve` started in), so that nothing depends on a later working directory."""
+    """`config` with its relative data dir, log and LiteLLM file resolved against `base`: the
+    configuration file's directory (the current one for the built-in configuration), so that
+    `serve` and every other command given the same file mean the same paths."""
 
     def absolute(path: str | None) -> str | None:
         return None if path is None else str((base / path).resolve())

@@ -67,8 +67,11 @@ ALLOWED: dict[str, frozenset[str]] = {
             "dgxmm.admin",
             "dgxmm.app",
             "dgxmm.private",
+            "dgxmm.where",
         }
     ),
+    # Which DGXMM a command works on: the configuration, and the server's token file's name.
+    "dgxmm.where": frozenset({"dgxmm.config", "dgxmm.admin"}),
     "dgxmm.__main__": frozenset({"dgxmm.cli"}),
 }
 

@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -156,11 +157,17 @@ def incident(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[m.Rec
     return path, records
 
 
+# A state directory where no `dgxmm serve` registers.
+NO_SERVERS = Path(tempfile.gettempdir()) / "dgxmm-tests-no-servers"
+
+
 def dgxmm(
     *args: str, tz: str = "UTC", timeout: float = DEADLINE_S
 ) -> subprocess.CompletedProcess[str]:
-    """Run the `dgxmm` command."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TZ": tz}
+    """Run the `dgxmm` command (as a user who runs no DGXMM: it never takes a server that
+    another test runs, `dgxmm.where`)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TZ": tz, "XDG_STATE_HOME": str(NO_SERVERS)}
+    env.pop("DGXMM_CONFIG", None)
     return subprocess.run(
         [sys.executable, "-m", "dgxmm.cli", *args],
         capture_output=True,

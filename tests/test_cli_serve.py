@@ -129,7 +129,9 @@ def test_stop_and_start_by_name_change_the_deployment_on_the_server(
     until_state(admin, "cli-toggle", "ready")
     missing = dgxmm(served, "start", "no-such-deployment")
     assert missing.returncode == 1
-    assert missing.stderr == "dgxmm: start: no deployment no-such-deployment\n"
+    said, refused = missing.stderr.splitlines()
+    assert said.startswith("dgxmm: server http://") and "from DGXMM_CONFIG=" in said, said
+    assert refused == "dgxmm: start: no deployment no-such-deployment"
 
 
 def test_ps_without_a_running_server_says_how_to_fix_it(tmp_path: Path) -> None:

@@ -3,9 +3,8 @@
 How the CLI finds the server and authenticates, first match wins:
 1. `--url` / `DGXMM_URL` and `--token` / `DGXMM_TOKEN` (an API token; for another box);
 2. `<data_dir>/cli.json`, which `dgxmm serve` writes at start-up (mode 0600: only the owner
-   of the data dir reads it) with its admin address and a token of its own; without a
-   configuration and with no such file here (the demo's `./dgxmm-data` is relative), the
-   data dir the user's last `dgxmm serve` named in `$XDG_STATE_HOME/dgxmm/data-dir`;
+   of the data dir reads it) with its admin address and a token of its own; the data dir is
+   the configuration's, which `dgxmm.where` chose and the command named on stderr;
 3. the admin address of the configuration (then a token must be given, and the errors name
    the file that was not there).
 
@@ -48,32 +47,20 @@ class Target:
     missing: Path | None = None
 
 
-def state_pointer() -> Path:
-    """Where `dgxmm serve` leaves its data dir for the CLI of the same user."""
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "dgxmm" / "data-dir"
-
-
-def _cli_file(config: Config, configured: bool) -> Path:
-    """The token file to read: the configuration's, else the last served one's."""
-    path = Path(config.server.data_dir).absolute() / CLI_FILE
-    if configured or path.exists():
-        return path
-    try:
-        served = Path(state_pointer().read_text(encoding="utf-8").strip())
-    except (OSError, ValueError):
-        return path
-    return served / CLI_FILE if served.is_absolute() else path
+def _cli_file(config: Config) -> Path:
+    """The token file of the configuration's data dir."""
+    return Path(config.server.data_dir).absolute() / CLI_FILE
 
 
 def find_server(
-    config: Config, url: str | None, token: str | None, *, configured: bool = False
+    config: Config, url: str | None, token: str | None, *, configured: bool = True
 ) -> Target:
-    """The server to talk to (see the module docstring); `configured`: a configuration file
-    was given, so its data dir is the only one to look in."""
+    """The server to talk to (see the module docstring).  `configured` is accepted for older
+    callers: the data dir is always the configuration's (`dgxmm.where` chose it)."""
+    del configured
     url = url or os.environ.get("DGXMM_URL") or None
     token = token or os.environ.get("DGXMM_TOKEN") or None
-    path = _cli_file(config, configured)
+    path = _cli_file(config)
     saved: dict[str, Any] = {}
     missing: Path | None = None
     try:
@@ -127,20 +114,7 @@ def write_cli_file(data_dir: Path, host: str, port: int) -> str:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    _leave_pointer(data_dir)
     return token
-
-
-def _leave_pointer(data_dir: Path) -> None:
-    """Name the data dir in the user's state dir, for the CLI run elsewhere (best effort)."""
-    pointer = state_pointer()
-    try:
-        pointer.parent.mkdir(parents=True, exist_ok=True)
-        tmp = pointer.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(f"{data_dir.resolve()}\n", encoding="utf-8")
-        os.replace(tmp, pointer)
-    except OSError:
-        pass  # policy: without it, the CLI needs --config from elsewhere, as before
 
 
 class AdminClient:
@@ -317,8 +291,7 @@ def estimate_text(seconds: float | None) -> str:
 
 def _client(args: Any) -> AdminClient:
     config: Config = args.loaded_config
-    configured = bool(getattr(args, "config", None))
-    return AdminClient(find_server(config, args.url, args.token, configured=configured))
+    return AdminClient(find_server(config, args.url, args.token))
 
 
 def _path_id(name: str) -> str:

@@ -1,36 +1,36 @@
 """docs/quickstart.md, run: its code blocks in order, as one shell script, against a demo.
 
 The first block (`make demo`) is the demo itself, which this test starts the way the
-Makefile does (`dgxmm serve --demo`), on free ports in a directory laid out as a clone (its
-`.venv` and `.venv-litellm` linked); the one line that names the default ports is given the
-demo's.  Python blocks run with the LiteLLM venv's Python, which has the `openai` package.
+Makefile does (`dgxmm serve --demo`, with the LiteLLM it puts in front), on free ports in a
+directory laid out as a clone (its `.venv` and `.venv-litellm` linked); the one line that names
+the default ports is given the demo's.  Then it does what the page tells the reader to do
+before the second terminal: wait for the line that says LiteLLM answers.  Python blocks run
+with the LiteLLM venv's Python, which has the `openai` package, as the page says.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.browser_support import free_port
 from tests.litellm_support import litellm_bin
-from tests.serve_support import PROJECT, start_demo, stop_demo
+from tests.serve_support import PROJECT, litellm_ready, start_demo, stop_demo
 
 pytestmark = pytest.mark.litellm
 
 DOC = PROJECT / "docs" / "quickstart.md"
 BLOCK = re.compile(r"^```(sh|python)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 PORTS = "export ADMIN=http://127.0.0.1:8400 GATEWAY=http://127.0.0.1:8401 LITELLM_PORT=4000"
-DEADLINE_S = 60.0  # for the demo to start
-SCRIPT_S = 400  # for the quickstart's commands (they start LiteLLM, swap models, replay)
+DEADLINE_S = 60.0  # for the demo's banner
+LITELLM_READY_S = 240.0  # for its LiteLLM to answer (13-40 s measured on a loaded box)
+SCRIPT_S = 400  # for the quickstart's commands (they swap models through LiteLLM, replay)
 # pytest's own limit (300 s by default, pyproject.toml) must not stop the test before its
-# deadlines do: the demo's start, the script, and stopping the demo (30 s) with LiteLLM.
-TEST_TIMEOUT_S = DEADLINE_S + SCRIPT_S + 60
+# deadlines do: the demo's start, LiteLLM's, the script, and stopping the demo (30 s).
+TEST_TIMEOUT_S = DEADLINE_S + LITELLM_READY_S + SCRIPT_S + 60
 
 
 def blocks() -> list[tuple[str, str]]:
@@ -68,33 +68,40 @@ def test_every_command_of_the_quickstart_runs_against_the_demo(tmp_path: Path) -
     (clone / ".venv").symlink_to(PROJECT / ".venv")
     (clone / ".venv-litellm").symlink_to(program.parent.parent)
     env = {"XDG_STATE_HOME": str(tmp_path / "state")}
-    proc, banner = start_demo(clone, DEADLINE_S, env=env)
-    litellm_port = free_port()
+    proc, banner = start_demo(clone, DEADLINE_S, env=env, litellm=True)
     try:
         admin = re.search(r"web UI and API : (http://\S+)/dgxmm/", banner)
         gateway = re.search(r"gateway        : (http://\S+)/d/", banner)
-        assert admin and gateway, banner
-        (clone / "quickstart.sh").write_text(script(admin.group(1), gateway.group(1), litellm_port))
+        litellm = re.search(r"LiteLLM in front: starting on http://127\.0\.0\.1:(\d+)/v1", banner)
+        assert admin and gateway and litellm, banner
+        ready = litellm_ready(proc, LITELLM_READY_S)  # "Wait for the line that says ..."
+        shown = re.search(r"^```text\n(LiteLLM is ready .*)\n```$", DOC.read_text(), re.M)
+        assert shown is not None
+        assert re.sub(r"\d+", "N", shown.group(1)) == re.sub(r"\d+", "N", ready.strip())
+        text = script(admin.group(1), gateway.group(1), int(litellm.group(1)))
+        (clone / "quickstart.sh").write_text(text)
         run_env = {**os.environ, **env, "QUICKSTART_PYTHON": str(program.parent / "python")}
-        run_env.pop("LITELLM_MASTER_KEY", None)
-        run_env.pop("DGXMM_CONFIG", None)
+        for name in ("LITELLM_MASTER_KEY", "DGXMM_CONFIG", "OPENAI_API_KEY", "OPENAI_BASE_URL"):
+            run_env.pop(name, None)
         done = subprocess.run(
             ["bash", "quickstart.sh"],
             cwd=clone, env=run_env, capture_output=True, text=True, timeout=SCRIPT_S,
             check=False, start_new_session=True,
         )  # fmt: skip
-        log = (clone / "litellm.log").read_text() if (clone / "litellm.log").exists() else ""
-        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\nLiteLLM:\n{log[-3000:]}"
+        log = clone / "dgxmm-data" / "litellm" / "litellm.log"
+        tail = log.read_text()[-3000:] if log.exists() else ""
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\nLiteLLM:\n{tail}"
         out = done.stdout
         (clone / "quickstart.out").write_text(out)
         assert "demo-chat" in out and "demo-large" in out  # dgxmm ps
+        # The page says so: at the first start demo-chat runs already, demo-large sleeps.
+        assert re.search(r"^demo-chat .* on demand  Ready ", out, re.M), out
+        assert re.search(r"^demo-large .* on demand  Sleeping", out, re.M), out
+        assert "demo-chat answered after" in out  # the swap, through LiteLLM
         assert "left the queue: served" in out  # replay --request, of the swap
         assert "demo-large       Put to sleep to make room for demo-chat" in out
         assert "reason=make_room for=demo-chat" in out  # audit
+        assert '"object":"chat.completion"' in out.replace(" ", "")  # DGXMM alone
         assert "created my-sim" in out  # the API from a script
     finally:
-        pid = clone / "litellm.pid"
-        if pid.exists():  # the script stopped before its last LiteLLM step
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid.read_text()), signal.SIGTERM)
         stop_demo(proc)

@@ -1,6 +1,6 @@
 # DGXMM developer entry points.  `make test` is what CI runs (through .ci/run).
 #
-#   make demo   project venv only, then `dgxmm serve --demo`
+#   make demo   project venv, then `dgxmm serve --demo` (it makes .venv-litellm, runs LiteLLM)
 #   make test   full bootstrap (Debian packages, Docker engine, venvs, sim image), then pytest
 #   make lint   ruff check, ruff format --check, mypy --strict (configured in pyproject.toml),
 #               scripts/unused-code (vulture: functions nothing calls),

@@ -75,7 +75,7 @@ def test_the_learned_policy_meets_the_targets_against_tunes_best_seed_setting(na
 def _column(waited: int, idle: float, cold: int = 0) -> Column:
     return Column(
         label="x", requests=1000, waited=waited, waited_p50=0.0, waited_p90=0.0, timed_out=0,
-        refused=0, cold_starts=cold, idle_gib_hours=idle,
+        refused=0, cold_starts=cold, prewarms=0, prewarms_unused=0, idle_gib_hours=idle,
     )  # fmt: skip
 
 

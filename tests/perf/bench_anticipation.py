@@ -39,6 +39,7 @@ from unittest import mock
 import msgspec
 import structlog
 
+from events import model as m
 from simulations import whatif_run
 from simulations.benchmark_traffic import DEFAULT_DAYS, GENERATORS, Trace
 from simulations.fairness import waits
@@ -88,6 +89,8 @@ class Column(msgspec.Struct, kw_only=True):
     timed_out: int  # left the queue at its deadline
     refused: int
     cold_starts: int
+    prewarms: int  # starts the learned policy made ahead of a predicted request
+    prewarms_unused: int  # of those, put to sleep again before any request came
     idle_gib_hours: float
 
 
@@ -123,16 +126,20 @@ def learned_available(history: History) -> bool:
 
 async def column(history: History, overrides: dict[str, Any], label: str) -> Column:
     """The what-if of `overrides`.  `Report` gives the waits of every request (most of them
-    0); the waits of those that waited are read from the outcomes `simulate` hands to
-    `build_report`, which is watched, not changed."""
+    0) and no pre-warms; the waits of those that waited and the pre-warms are read from the
+    outcomes and events `simulate` hands to `build_report`, which is watched, not changed."""
     with mock.patch.object(whatif_run, "build_report", wraps=build_report) as spy:
         report = await simulate(history, overrides, label=label)
-    outcomes = spy.call_args.args[1]
+    outcomes, records = spy.call_args.args[1], spy.call_args.args[2]
     waited = waits([o.wait for o in outcomes if o.waited and fate(o.outcome) in MEASURED])
+    prewarms = sum(
+        isinstance(r.event, m.StartRequested) and r.event.reason == "prewarm" for r in records
+    )
+    unused = sum(isinstance(r.event, m.PutToSleep) and r.event.prewarm_unused for r in records)
     return Column(
         label=label, requests=report.requests, waited=report.waited, waited_p50=waited.p50,
         waited_p90=waited.p90, timed_out=report.fates.timed_out, refused=report.fates.refused,
-        cold_starts=report.cold_starts,
+        cold_starts=report.cold_starts, prewarms=prewarms, prewarms_unused=unused,
         idle_gib_hours=report.idle_gib_hours,
     )  # fmt: skip
 
@@ -179,6 +186,8 @@ def table(seed: Column, learned: Column | None, found: list[Verdict]) -> list[st
         ("timed out in the queue", lambda c: f"{c.timed_out:,}"),
         ("refused", lambda c: f"{c.refused:,}"),
         ("cold starts", lambda c: f"{c.cold_starts:,}"),
+        ("pre-warms", lambda c: f"{c.prewarms:,}"),
+        ("  unused (slept before a request)", lambda c: f"{c.prewarms_unused:,}"),
         ("idle GiB-hours", lambda c: f"{c.idle_gib_hours:.1f}"),
     ]
     lines = [f"{'':34}{'seed (tuned)':>14}{'learned':>14}"]

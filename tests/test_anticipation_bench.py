@@ -25,8 +25,9 @@ import os
 import pytest
 
 from simulations.benchmark_traffic import GENERATORS
+from simulations.fairness import Waits
 from simulations.tune import Goal, Point, Tuning
-from simulations.whatif import Fates, Figures, History
+from simulations.whatif import History, Report, figures
 from tests.gateway_support import run
 from tests.perf.bench_anticipation import (
     Column,
@@ -95,15 +96,13 @@ def test_a_figure_the_seed_has_none_of_is_met_only_by_none() -> None:
 
 
 def _point(settings: dict[str, object], p90: float, cold_per_hour: float) -> Point:
-    figures = Figures(
-        hours=1.0, requests=100, p50=0.0, p90=p90, p99=p90, worst_model="", worst_p90=p90,
-        cold_starts_per_hour=cold_per_hour, evictions_per_hour=0.0, idle_gib_hours_per_hour=1.0,
-        fates=Fates(), fails_served=0,
-        fails_served_models=[],
+    report = Report(
+        label="x", requests=100, waits=Waits(n=100, p90=p90, p99=p90),
+        cold_starts=int(cold_per_hour), hours=1.0,
     )  # fmt: skip
     return Point(
-        settings=dict(settings), changes=[], label=str(settings), stage="", figures=figures,
-        meets=p90 <= 30,
+        settings=dict(settings), changes=[], label=str(settings), stage="",
+        figures=figures(report), meets=p90 <= 30,
     )  # fmt: skip
 
 

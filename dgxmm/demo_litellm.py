@@ -40,7 +40,7 @@ LOG_TAIL_LINES = 5
 
 # Run by the venv's Python before gunicorn: SIGTERM when DGXMM dies (it survives the exec),
 # and no start at all if DGXMM is already gone.
-_PDEATHSIG = (
+PARENT_DEATH_EXEC = (
     "import ctypes, os, signal, sys; "
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
     "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
@@ -220,7 +220,7 @@ class DemoLiteLLM:
             return
         venv_bin = Path(front.venv) / "bin"
         argv = [
-            str(venv_bin / "python"), "-c", _PDEATHSIG, str(os.getpid()),
+            str(venv_bin / "python"), "-c", PARENT_DEATH_EXEC, str(os.getpid()),
             str(venv_bin / "gunicorn"), "-c", str(CONF),
             "--bind", f"127.0.0.1:{front.port}", "--workers", str(WORKERS),
             "--pid", str(front.pidfile),

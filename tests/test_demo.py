@@ -4,10 +4,12 @@ through the LiteLLM it puts in front (`dgxmm.demo`, `dgxmm.demo_litellm`), or al
 
 from __future__ import annotations
 
+import contextlib
 import http.cookiejar
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -28,7 +30,7 @@ from dgxmm.demo import (
     plan_front,
     reload_command,
 )
-from dgxmm.demo_litellm import pip_progress, progress_line
+from dgxmm.demo_litellm import PARENT_DEATH_EXEC, pip_progress, progress_line
 from tests.litellm_support import require_litellm
 from tests.serve_support import PROJECT, banner_auth, litellm_ready, start_demo, stop_demo
 
@@ -156,6 +158,46 @@ def test_the_reload_command_signals_only_the_gunicorn_its_pidfile_names(tmp_path
         for proc in (bystander, master):
             proc.kill()
             proc.wait()
+
+
+def test_the_demos_litellm_gets_sigterm_when_dgxmm_is_killed(tmp_path: Path) -> None:
+    # gunicorn runs in a session of its own (a Ctrl-C is DGXMM's to handle): without the
+    # parent-death signal a killed demo left it running, holding LiteLLM's port.
+    termed = tmp_path / "termed"
+    child = ["bash", "-c", f'trap "touch {termed}; exit 0" TERM; while :; do sleep 0.05; done']
+    dgxmm = subprocess.Popen(  # a stand-in for DGXMM: starts the child as the demo does
+        [sys.executable, "-c",
+         "import os, subprocess, sys, time; "
+         "subprocess.Popen([sys.executable, '-c', sys.argv[1], str(os.getpid()), "
+         "'/bin/bash', *sys.argv[2:]], start_new_session=True); time.sleep(60)",
+         PARENT_DEATH_EXEC, *child[1:]],
+    )  # fmt: skip
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not (started := _bash_children_of(dgxmm.pid)):  # the wrapper exec'd bash
+            assert time.monotonic() < deadline
+            time.sleep(0.05)  # poll interval; the deadline bounds the wait
+        dgxmm.kill()
+        dgxmm.wait()
+        deadline = time.monotonic() + DEADLINE_S
+        while not termed.exists():
+            assert time.monotonic() < deadline, "the child outlived its killed parent"
+            time.sleep(0.05)  # poll interval; the deadline bounds the wait
+    finally:
+        dgxmm.kill()
+        dgxmm.wait()
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _bash_children_of(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [int(c) for c in children if Path(f"/proc/{c}/comm").read_text().strip() == "bash"]
 
 
 def _listening_addresses(port: int) -> set[str]:

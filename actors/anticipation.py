@@ -49,7 +49,11 @@ KEEP_MARGIN = 1.25  # the keep-warm is this much longer than the longest gap it 
 KEEP_EXTRA_COLD = 0.03  # extra cold starts it may cause, as a share of the seed's own
 PERIOD_GAPS = 4  # session beginnings' gaps that must agree (at most 5, by the issue)
 PERIOD_TOLERANCE = 0.10  # ... within this share of their median
+MAX_PERIOD_S = 12 * 3600.0  # longer periods are the time-of-day patterns' (`daily`)
 DAY_WINDOW_S = 15 * 60.0  # beginnings this close in the day, on comparable days, agree
+DAY_SLACK_S = 2 * 60.0  # a daily session may come this much beyond the spread it has shown
+DAYS_LOOKED = 5  # comparable days looked back on (at most five gaps, by the issue) ...
+DAYS_AGREE = 3  # ... of which this many at least, and all but one, must agree
 # A time-of-day pattern must be this unlikely to be chance, given how many sessions a day
 # the model begins (noise that begins one every hour matches any time of day somewhere).
 CHANCE = 0.05
@@ -83,6 +87,13 @@ class Gaps:
             self.busy_until = ended
         return began
 
+    def copy(self) -> Gaps:
+        """Another with the same history (a what-if's box starts from the recorded one's)."""
+        other = Gaps()
+        other.items.extend(self.items)
+        other.busy_until, other.first_seen = self.busy_until, self.first_seen
+        return other
+
     def forget_before(self, when: float) -> None:
         """Drop the gaps that ended before `when` (`HISTORY_S` ago)."""
         items = self.items
@@ -102,8 +113,9 @@ class Prediction(msgspec.Struct, frozen=True, kw_only=True):
     and the pattern that says so, in words."""
 
     at: float
-    tolerance_s: float
+    tolerance_s: float  # it may come this much later (a pre-warm waits that long)
     pattern: str
+    early_s: float = 0.0  # ... or this much earlier (a pre-warm is ready by then)
 
 
 def keep_warm(gaps: Iterable[float], idle_timeout_s: float) -> KeepWarm:
@@ -144,40 +156,59 @@ def periodic(starts: Sequence[float], now: float) -> Prediction | None:
     diffs = [b - a for a, b in itertools.pairwise(tail)]
     period = statistics.median(diffs)
     tolerance = PERIOD_TOLERANCE * period
-    if period <= 0 or any(abs(d - period) > tolerance for d in diffs):
+    if not 0 < period <= MAX_PERIOD_S or any(abs(d - period) > tolerance for d in diffs):
         return None
     at = starts[-1] + period
     if now > at + tolerance:
         return None  # it did not come: the pattern is broken until it shows again
+    spread = max(abs(d - period) for d in diffs)
     held = starts[-1]
     for a, b in zip(reversed(starts[:-1]), reversed(starts[1:]), strict=False):
         if abs(b - a - period) > tolerance:
             break
         held = a
     pattern = f"used every {duration_text(period)} for {duration_text(starts[-1] - held)}"
-    return Prediction(at=at, tolerance_s=tolerance, pattern=pattern)
+    return Prediction(at=at, tolerance_s=tolerance, pattern=pattern, early_s=spread)
 
 
 _WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 
 
-def _day_kinds(day: int) -> list[tuple[list[int], str]]:
-    """The comparable days before `day` (days since the epoch, local) and their words."""
+def _day_kinds(day: int, first_day: int) -> list[tuple[list[int], int, str]]:
+    """The comparable days before `day` (days since the epoch, local; none before
+    `first_day`, the first with data), how many must agree, and their words."""
     weekday = (day + 3) % 7  # 1970-01-01 was a Thursday
     weekend = weekday >= 5
 
-    def previous(n: int, same: bool) -> list[int]:
+    def previous(n: int, step: int, same_kind: bool) -> list[int]:
         found: list[int] = []
-        d = day - 1
-        while len(found) < n and d > day - 21:
-            if ((d + 3) % 7 >= 5) == weekend or not same:
+        d = day - step
+        while len(found) < n and d >= first_day:
+            if not same_kind or ((d + 3) % 7 >= 5) == weekend:
                 found.append(d)
-            d -= 1
+            d -= step
         return found
 
-    kinds = [(previous(3, True), "at weekends" if weekend else "on weekdays")]
-    kinds.append(([day - 7, day - 14], f"on {_WEEKDAYS[weekday]}s"))
+    kinds: list[tuple[list[int], int, str]] = []
+    similar = previous(DAYS_LOOKED, 1, True)  # one day missed of four or five: still a habit
+    if len(similar) >= DAYS_AGREE:
+        kinds.append((similar, max(DAYS_AGREE, len(similar) - 1), _KIND_WORDS[weekend]))
+    weekly = previous(3, 7, False)
+    if len(weekly) >= 2:
+        kinds.append((weekly, len(weekly), f"on {_WEEKDAYS[weekday]}s"))
     return kinds
+
+
+_KIND_WORDS = {False: "on weekdays", True: "at weekends"}
+
+
+def _chance(per_day: float, looked: int, agree: int) -> float:
+    """How likely `agree` of `looked` days have a session near one time of day by chance,
+    with `per_day` sessions a day beginning at random."""
+    hit = 1.0 - math.exp(-per_day * 2 * DAY_WINDOW_S / DAY_S)
+    return sum(
+        math.comb(looked, k) * hit**k * (1 - hit) ** (looked - k) for k in range(agree, looked + 1)
+    )
 
 
 def daily(starts: Sequence[float], now: float, tz_offset_s: float) -> Prediction | None:
@@ -186,44 +217,41 @@ def daily(starts: Sequence[float], now: float, tz_offset_s: float) -> Prediction
     if len(starts) < 2:
         return None
     local = [s + tz_offset_s for s in starts]
+    first_day = int(local[0] // DAY_S)
     today = int((now + tz_offset_s) // DAY_S)
     best: Prediction | None = None
     for day in (today, today + 1):
-        for days, words in _day_kinds(day):
-            # Every beginning on the latest comparable day is a candidate time of day.
-            latest = days[0]
-            lo, hi = bisect_left(local, latest * DAY_S), bisect_left(local, (latest + 1) * DAY_S)
-            if not _beyond_chance(local, days, hi - lo):
+        for days, agree, words in _day_kinds(day, first_day):
+            begun = [
+                local[bisect_left(local, d * DAY_S) : bisect_left(local, (d + 1) * DAY_S)]
+                for d in days
+            ]
+            candidates = [t - d * DAY_S for d, on in zip(days, begun, strict=True) for t in on]
+            per_day = len(candidates) / len(days)
+            if not candidates or len(candidates) * _chance(per_day, len(days), agree) >= CHANCE:
                 continue
-            for candidate in local[lo:hi]:
-                tod = candidate - latest * DAY_S
-                matched = [tod]
-                for other in days[1:]:
-                    near = _near(local, other * DAY_S + tod, DAY_WINDOW_S)
-                    if near is None:
-                        break
-                    matched.append(near - other * DAY_S)
-                else:
-                    at = day * DAY_S + statistics.median(matched) - tz_offset_s
-                    if now > at + DAY_WINDOW_S or (best is not None and at >= best.at):
-                        continue
-                    shown = round((at + tz_offset_s) / 300) * 300  # "around": 5 minutes
-                    clock = time.strftime("%H:%M", time.gmtime(shown))
-                    best = Prediction(
-                        at=at, tolerance_s=DAY_WINDOW_S, pattern=f"used around {clock} {words}"
-                    )
+            for tod in candidates:
+                matched = [
+                    near - d * DAY_S
+                    for d in days
+                    if (near := _near(local, d * DAY_S + tod, DAY_WINDOW_S)) is not None
+                ]
+                if len(matched) < agree:
+                    continue
+                middle = statistics.median(matched)
+                at = day * DAY_S + middle - tz_offset_s
+                late = max(matched) - middle + DAY_SLACK_S
+                if now > at + late or (best is not None and at >= best.at):
+                    continue
+                shown = round((at + tz_offset_s) / 300) * 300  # "around": 5 minutes
+                clock = time.strftime("%H:%M", time.gmtime(shown))
+                best = Prediction(
+                    at=at,
+                    tolerance_s=late,
+                    pattern=f"used around {clock} {words}",
+                    early_s=middle - min(matched) + DAY_SLACK_S,
+                )
     return best
-
-
-def _beyond_chance(local: Sequence[float], days: list[int], candidates: int) -> bool:
-    """Whether a time of day found on every one of `days` would be a pattern rather than
-    chance, given how many sessions a day began on them (`CHANCE`)."""
-    begun = sum(
-        bisect_left(local, (d + 1) * DAY_S) - bisect_left(local, d * DAY_S) for d in days
-    )
-    per_day = begun / len(days)
-    hit = 1.0 - math.exp(-per_day * 2 * DAY_WINDOW_S / DAY_S)  # one day has one near a time
-    return candidates * hit ** (len(days) - 1) < CHANCE
 
 
 def _near(sorted_times: Sequence[float], target: float, window: float) -> float | None:
@@ -244,9 +272,11 @@ def next_arrival(starts: Sequence[float], now: float, tz_offset_s: float) -> Pre
     return min(found, key=lambda p: p.at) if found else None
 
 
-def lead_s(median_start_s: float | None) -> float:
-    """How long before a predicted arrival a pre-warm begins."""
-    return LEAD_MARGIN * (DEFAULT_START_S if median_start_s is None else median_start_s)
+def lead_s(median_start_s: float | None, early_s: float = 0.0) -> float:
+    """How long before a predicted arrival a pre-warm begins: so that it is ready by the
+    earliest the arrival has come (`early_s` before it)."""
+    start = DEFAULT_START_S if median_start_s is None else median_start_s
+    return LEAD_MARGIN * start + early_s
 
 
 def local_offset_s(at: float | None = None) -> float:
@@ -277,6 +307,11 @@ class Anticipator:
             gaps = self._gaps[deployment_id] = Gaps()
         if gaps.observe(arrived, ended):
             self._cache.pop(deployment_id, None)
+
+    def adopt(self, deployment_id: str, gaps: Gaps) -> None:
+        """A history learned elsewhere (a what-if: the traffic before its window)."""
+        self._gaps[deployment_id] = gaps.copy()
+        self._cache.pop(deployment_id, None)
 
     def forget(self, deployment_id: str) -> None:
         """A removed deployment's history."""

@@ -1132,14 +1132,13 @@ class DeploymentActor(Actor):
 
     def _idle_at(self) -> float:
         """When the idle timeout runs out: last use + the deployment's effective timeout, or
-        the learned keep-warm when shorter; a pre-warm waits for its expected request (never
-        longer than the idle timeout)."""
+        the learned keep-warm when shorter; a pre-warm waits for its expected request."""
         timeout = self.state.effective_idle_timeout_s(self._hooks.default_idle_s())
         last = self.activity.last_used
         keep = self.keep_s
         at = last + (keep if keep is not None and keep < timeout else timeout)
-        if self.prewarm_until is not None:
-            at = max(at, min(self.prewarm_until, last + timeout))
+        if self.prewarm_until is not None:  # the first make-room candidate meanwhile
+            at = max(at, self.prewarm_until)
         return at
 
     def _cancel_idle_timer(self) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from actors.anticipation import HISTORY_S, Anticipator, Learned, lead_s
+from actors.anticipation import HISTORY_S, Anticipator, Gaps, Learned, lead_s
 from actors.cold_start import StartHistory
 from actors.deployment import DeploymentActor, StartDeployment, StopDeployment
 from actors.memory_broker import Candidate, MemoryBroker
@@ -123,6 +123,11 @@ class Prewarmer:
         self._loaded = True
         self.anticipator.observe(deployment_id, arrived, ended)
 
+    def adopt(self, deployment_id: str, gaps: Gaps) -> None:
+        """A history learned elsewhere (a what-if: the recorded box's before its window)."""
+        self._loaded = True
+        self.anticipator.adopt(deployment_id, gaps)
+
     def in_use(self) -> bool:
         """Whether any deployment, or the default, is under the learned policy."""
         default = self._c.setting("ondemand_policy")
@@ -207,7 +212,9 @@ class Prewarmer:
         dep = actor.state
         if self._done.get(dep.deployment_id) == pred.at:
             return None
-        starts_at = pred.at - lead_s(self._c.start_history.expected_s(dep.deployment_id))
+        starts_at = pred.at - lead_s(
+            self._c.start_history.expected_s(dep.deployment_id), pred.early_s
+        )
         if wall < starts_at:
             return starts_at
         if wall > pred.at + pred.tolerance_s:

@@ -20,9 +20,10 @@ import os
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from actors.anticipation import HISTORY_S, Gaps
 from actors.controller import DEFAULT_SETTINGS, validate_settings
 from actors.deployment import Refusal
 from events import model as m
@@ -69,6 +70,9 @@ class History:
     names: dict[str, str]  # deployment id -> name (all, removed ones too)
     records: list[m.Recorded]  # the window's events (for the recorded column)
     dropped_requests: int = 0
+    # What the recorded box's learned policy knew at `since`: each deployment's idle gaps
+    # over the trace's last two weeks before it (`actors.anticipation`).
+    prior: dict[str, Gaps] = field(default_factory=dict)
 
 
 async def load_history(
@@ -125,6 +129,15 @@ async def load_history(
     window = [r for r in records if lo <= r.ts <= hi]
     starts = _recorded_starts(records)
     launches, stops = _recorded_launches_and_stops(records)
+    prior: dict[str, Gaps] = {}
+    for r in traffic:
+        if r.arrived >= lo:
+            break
+        if r.arrived >= lo - HISTORY_S:
+            gaps = prior.get(r.deployment_id)
+            if gaps is None:
+                gaps = prior[r.deployment_id] = Gaps()
+            gaps.observe(r.arrived, r.arrived + r.duration_s)
     traffic = [r for r in traffic if lo <= r.arrived <= hi]
     if deployment is not None:
         wanted = {i for i, n in names.items() if deployment in (i, n)}
@@ -149,6 +162,7 @@ async def load_history(
         names=names,
         records=window,
         dropped_requests=dropped,
+        prior=prior,
     )
 
 

@@ -265,6 +265,8 @@ async def _seed(
     for dep_id, dep in sorted(history.deployments.items(), key=lambda kv: kv[1].created_at):
         rec = await sim.controller.create(_spec(dep, per_dep.get(dep_id, {})), actor="admin:whatif")
         ids[dep_id] = rec.id
+        if dep_id in history.prior:  # what its learned policy knew of it then
+            sim.controller.prewarmer.adopt(rec.id, history.prior[dep_id])
     await sim.clock.advance(WARM_UP_S / 2)
     for dep_id, dep in history.deployments.items():
         if dep.lifecycle is not Lifecycle.READY and dep.mode == "on_demand":

@@ -21,6 +21,9 @@ function wholeIn(text, lo, hi, label) {
   return value;
 }
 
+// `ondemand_policy`: the DGXMM default of how on-demand models are kept warm (issue 44).
+const POLICY_WORDS = { seed: "Seed's rules (idle timeout)", learned: "Learned from each model's traffic" };
+
 export function render({ isAdmin, notify }) {
   const defaultsBody = h("div", { id: "defaults" }, h("p.muted", "Loading…"));
   const litellmBody = h("div", { id: "litellm" }, h("p.muted", "Loading…"));
@@ -43,6 +46,7 @@ export function render({ isAdmin, notify }) {
           h("div", [h("dt", "Longest wait for a request (minutes)"), h("dd", minutes(s.ondemand_queue_timeout_s))]),
           h("div", [h("dt", "Most requests waiting at a time"), h("dd", String(s.ondemand_max_queued))]),
           h("div", [h("dt", "Idle models make room"), h("dd", makeRoomText(s.ondemand_make_room_after_s))]),
+          h("div", [h("dt", "How models are kept warm"), h("dd", POLICY_WORDS[s.ondemand_policy || "seed"])]),
         ]),
         h("p.hint", "Only an administrator can change these."),
       );
@@ -69,9 +73,18 @@ export function render({ isAdmin, notify }) {
       h("input", { type: "number", min: "0", max: "86400", step: "1", value: room === null || room === undefined ? "" : String(room), placeholder: "full idle timeout", id: "set-make-room" }),
       "An idle on-demand model with no request for this long may be put to sleep so the request at the head of the queue can start. Empty: only after its full idle timeout (protects recently used models). 0: as soon as nothing is in flight (fast swaps, more cold starts).",
     );
+    const policy = field(
+      "How models are kept warm",
+      h(
+        "select",
+        { id: "set-policy" },
+        Object.entries(POLICY_WORDS).map(([value, words]) => h("option", { value, selected: (s.ondemand_policy || "seed") === value }, words)),
+      ),
+      "For on-demand deployments that use the default. Learned: each model stays warm through the gaps its own traffic usually has, and a model used on a schedule is started just before its next request (it needs the traffic trace).",
+    );
     const error = h("p.error", { role: "alert", hidden: true });
     const save = h("button.primary", { type: "submit" }, "Save defaults");
-    const form = h("form", { novalidate: true, id: "defaults-form" }, [idle.wrap, queue.wrap, maxQueued.wrap, makeRoom.wrap, error, h("div.actions", save)]);
+    const form = h("form", { novalidate: true, id: "defaults-form" }, [idle.wrap, queue.wrap, maxQueued.wrap, makeRoom.wrap, policy.wrap, error, h("div.actions", save)]);
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
       error.hidden = true;
@@ -84,6 +97,7 @@ export function render({ isAdmin, notify }) {
           ondemand_make_room_after_s: makeRoom.control.value.trim()
             ? wholeIn(makeRoom.control.value, 0, 86400, "Make room after (seconds)")
             : null,
+          ondemand_policy: policy.control.value,
         };
       } catch (err) {
         error.textContent = `${err.message}.`;

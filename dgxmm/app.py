@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +213,7 @@ class App:
         )
         await asyncio.to_thread(keys.load)
         keys.start()
-        self.gateway = Gateway(controller, access=access)
+        self.gateway = Gateway(controller, access=access, named=_id_named(controller))
         self.gateway.trace = await _traffic_trace(
             store, usable, total, cfg.memory.max_concurrent_starts, cfg.ondemand_defaults()
         )
@@ -500,6 +500,16 @@ class App:
 def stops_unfinished(states: Iterable[DeploymentState]) -> list[str]:
     """The deployments whose recorded stop has not finished (pure)."""
     return sorted(dep.name for dep in states if dep.lifecycle is Lifecycle.STOPPING)
+
+
+def _id_named(controller: Controller) -> Callable[[str], str | None]:
+    """The gateway's lookup of `/d/<name>/`: the id of the deployment of that name."""
+
+    def id_named(name: str) -> str | None:
+        actor = controller.find(name)
+        return None if actor is None else actor.deployment_id
+
+    return id_named
 
 
 async def _stop_every_engine(runtime: Runtime) -> None:

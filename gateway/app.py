@@ -21,6 +21,7 @@ import asyncio
 import enum
 import itertools
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -167,11 +168,15 @@ class Gateway:
         upstream: UpstreamPool | None = None,
         clock: Callable[[], float] = time.time,
         access: Access | None = None,
+        named: Callable[[str], str | None] | None = None,
     ) -> None:
         self.controller = controller
         # The gateway key check (`gateway.access`); None: no check (a gateway built alone, as
         # in tests of the relay; DGXMM always passes one).
         self.access = access
+        # A deployment's id by its name, for `/d/<name>/...` (names are unique per box); None:
+        # ids only.  LiteLLM's entries use ids, which always win and never ask for a name.
+        self.named = named
         self.config = config or GatewayConfig()
         self.upstream = upstream or UpstreamPool(UpstreamConfig())
         self.clock = clock
@@ -317,6 +322,8 @@ class Gateway:
         deployment_id, upstream_target, path = parts
         view = self.controller.view(deployment_id)
         if view is None:
+            view = self._view_named(deployment_id)
+        if view is None:
             await _reply(responder, queued.deployment_not_found(deployment_id))
             return
         route = classify_route(request.method, path, request.headers)
@@ -329,6 +336,15 @@ class Gateway:
             await self._model_get(request, responder, view, route, upstream_target)
         else:
             await _reply(responder, queued.route_not_found(_text(request.method), path))
+
+    def _view_named(self, segment: str) -> DeploymentView | None:
+        """The deployment `/d/<segment>/` names by its name (percent-decoded: a name may hold
+        "/").  Only here, after the id missed: the express lane, which requests by id take,
+        never looks a name up."""
+        if self.named is None:
+            return None
+        deployment_id = self.named(urllib.parse.unquote(segment))
+        return None if deployment_id is None else self.controller.view(deployment_id)
 
     async def _models_list(self, responder: Responder, view: DeploymentView) -> None:
         body = msgspec.json.encode({"object": "list", "data": [_model_object(view)]})

@@ -211,9 +211,13 @@ def bad_body(message: str) -> ErrorReply:
     return ErrorReply(400, "invalid_json", message)
 
 
-def deployment_not_found(deployment_id: str) -> ErrorReply:
-    """No deployment with this id behind the gateway."""
-    return ErrorReply(404, "deployment_not_found", f"no on-demand deployment {deployment_id}")
+def deployment_not_found(segment: str) -> ErrorReply:
+    """No deployment with this id or name behind the gateway."""
+    return ErrorReply(
+        404,
+        "deployment_not_found",
+        f"no deployment {segment}: the path is /d/<deployment id or name>/v1/...",
+    )
 
 
 def model_not_found(named: str, served: str) -> ErrorReply:

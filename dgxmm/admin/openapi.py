@@ -305,8 +305,23 @@ def _admin_operation(route: Route, schemas: dict[Any, dict[str, Any]]) -> dict[s
     return op
 
 
+DEPLOYMENT_SEGMENT = (
+    "The deployment's id (what LiteLLM's entries use), or its name: names are unique per box, "
+    "an id always wins over a name that looks like one, and a name holding `/` is written "
+    "`%2F`. Neither gives 404 `deployment_not_found`."
+)
+
+
 def _gateway_operation(method: str, path: str, summary: str) -> dict[str, Any]:
-    params = [{"name": "deployment", "in": "path", "required": True, "schema": {"type": "string"}}]
+    params = [
+        {
+            "name": "deployment",
+            "in": "path",
+            "required": True,
+            "description": DEPLOYMENT_SEGMENT,
+            "schema": {"type": "string"},
+        }
+    ]
     if "{model}" in path:
         params.append(
             {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}

@@ -127,6 +127,7 @@ def deployment_spec(body: bodies.DeploymentBody) -> DeploymentSpec:
         image=body.image,
         gpu=body.gpu,
         make_room_after_s=bodies.make_room_after(body.make_room_after_s),
+        ondemand_policy=body.ondemand_policy,
     )
 
 
@@ -621,7 +622,13 @@ class AdminApi:
         if not isinstance(body.make_room_after_s, msgspec.UnsetType):
             room = bodies.make_room_after(body.make_room_after_s)
         record = await self.controller.change_mode(
-            actor.deployment_id, body.mode, idle, keep, self._who(call), make_room_after_s=room
+            actor.deployment_id,
+            body.mode,
+            idle,
+            keep,
+            self._who(call),
+            make_room_after_s=room,
+            ondemand_policy=body.ondemand_policy,  # left out (UNSET): kept
         )
         return 200, deployment(record)
 

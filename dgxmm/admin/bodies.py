@@ -25,6 +25,7 @@ IdleTimeout = Annotated[float, msgspec.Meta(ge=60, le=86400)]
 MakeRoomAfter = Annotated[float, msgspec.Meta(ge=0, le=86400)]
 Mode = Literal["on_demand", "always_on"]
 Role = Literal["model", "decision"]
+Policy = Literal["seed", "learned"]  # ondemand_policy (`actors.anticipation`); null: the default
 
 # field -> (code, hint) for a value of the wrong type or out of range.
 RULES: dict[str, tuple[str, str]] = {
@@ -40,6 +41,7 @@ RULES: dict[str, tuple[str, str]] = {
     "gpu": ("invalid_field", "true or false"),
     "idle_timeout_s": ("invalid_idle_timeout", "null or 60 to 86400 seconds"),
     "make_room_after_s": ("invalid_make_room_after", "null or 0 to 86400 seconds"),
+    "ondemand_policy": ("invalid_policy", '"seed", "learned" or null (the DGXMM default)'),
 }
 # Login answers one way whatever is wrong with a field: it is required.
 LOGIN_RULES: dict[str, tuple[str, str]] = {
@@ -62,14 +64,17 @@ class DeploymentBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     image: NonEmpty | None = None
     gpu: bool = False
     make_room_after_s: MakeRoomAfter | None = None
+    ondemand_policy: Policy | None = None  # None: follows the DGXMM default
 
 
 class ModeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """`PATCH /deployments/{id}/mode`: an omitted idle timeout keeps the current one."""
+    """`PATCH /deployments/{id}/mode`: an omitted idle timeout, make-room-after or policy
+    keeps the current one."""
 
     mode: Mode
     idle_timeout_s: float | msgspec.UnsetType | None = msgspec.UNSET
     make_room_after_s: float | msgspec.UnsetType | None = msgspec.UNSET  # omitted: kept
+    ondemand_policy: Policy | msgspec.UnsetType | None = msgspec.UNSET  # null: the default
 
 
 class SwitchModelBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

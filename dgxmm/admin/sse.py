@@ -18,7 +18,7 @@ import asyncio
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -107,6 +107,7 @@ class Settings(msgspec.Struct, kw_only=True):
     ondemand_queue_timeout_s: int
     ondemand_max_queued: int
     ondemand_make_room_after_s: int | None
+    ondemand_policy: Literal["seed", "learned"] = "seed"  # the default of on-demand models
     litellm_enabled: bool | msgspec.UnsetType = _litellm("enabled")
     litellm_url: str | msgspec.UnsetType = _litellm("url")
     litellm_backend: str | msgspec.UnsetType = _litellm("backend")

@@ -90,6 +90,7 @@ class Prewarmer:
         # Pre-warms by outcome, for /metrics: used (a request came), wasted (none came),
         # abandoned (stopped for a queued request while starting).
         self.counts = {"started": 0, "used": 0, "wasted": 0, "abandoned": 0}
+        self.per_deployment: dict[str, dict[str, int]] = {}  # the same, per deployment id
         self._abandoning: set[str] = set()
         self._done: dict[str, float] = {}  # deployment -> the expected arrival pre-warmed for
         self._timer: Any = None
@@ -243,7 +244,7 @@ class Prewarmer:
             c.sleep_victims(victims, dep.deployment_id, dep.name)
         ahead = max(0.0, pred.at - wall)
         detail = f"next request expected in ~{duration_text(ahead)}: {pred.pattern}"
-        self.counts["started"] += 1
+        self._count(dep.deployment_id, "started")
         actor.tell(
             StartDeployment(
                 reason="prewarm",
@@ -302,12 +303,18 @@ class Prewarmer:
         """A deployment actor's report: its pre-warm was used, or ended unused."""
         if deployment_id in self._abandoning:
             self._abandoning.discard(deployment_id)
-            self.counts["abandoned"] += 1
+            self._count(deployment_id, "abandoned")
         else:
-            self.counts["used" if used else "wasted"] += 1
+            self._count(deployment_id, "used" if used else "wasted")
         self.on_decision(deployment_id)
+
+    def _count(self, deployment_id: str, outcome: str) -> None:
+        self.counts[outcome] += 1
+        mine = self.per_deployment.setdefault(deployment_id, dict.fromkeys(self.counts, 0))
+        mine[outcome] += 1
 
     def forget(self, deployment_id: str) -> None:
         """A removed deployment."""
         self.anticipator.forget(deployment_id)
         self._done.pop(deployment_id, None)
+        self.per_deployment.pop(deployment_id, None)

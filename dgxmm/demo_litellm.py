@@ -60,10 +60,21 @@ def pip_progress(text: str) -> tuple[int, int | None]:
     return found, installing
 
 
-def progress_line(venv: str, found: int, installing: int | None, elapsed_s: float) -> str:
+def installed_count(venv: Path) -> int:
+    """Packages installed in the venv so far (pip writes a dist-info as it installs each)."""
+    found = venv.glob("lib/python*/site-packages/*.dist-info")
+    return sum(1 for d in found if not d.name.startswith(("pip-", "setuptools-")))
+
+
+def progress_line(
+    venv: str, found: int, installing: int | None, elapsed_s: float, installed: int = 0
+) -> str:
     """One progress line while the venv is made."""
     if installing is not None:
-        return f"LiteLLM: {venv}: installing {installing} packages ({elapsed_s:.0f} s)"
+        done = min(installed, installing)
+        return f"LiteLLM: {venv}: installed {done} of {installing} packages ({elapsed_s:.0f} s)"
+    if not found:  # `python -m venv`, or pip still reading the index
+        return f"LiteLLM: {venv}: preparing ({elapsed_s:.0f} s)"
     return f"LiteLLM: {venv}: {found} packages fetched ({elapsed_s:.0f} s)"
 
 
@@ -166,7 +177,7 @@ class DemoLiteLLM:
                     " its own and set LITELLM_BIN to its bin/litellm)"
                 )
             return gunicorn.exists()
-        began = time.monotonic()
+        began, started = time.monotonic(), time.time()
         process = await asyncio.create_subprocess_exec(
             front.bootstrap,
             "--litellm-only",
@@ -182,9 +193,12 @@ class DemoLiteLLM:
         while not exited.done():
             await asyncio.wait({exited}, timeout=PROGRESS_S)
             if not exited.done() and pip_log:
-                text = await asyncio.to_thread(_read, pip_log[0])
+                # An older run's log stays until pip starts, after `python -m venv`.
+                text = await asyncio.to_thread(_read, pip_log[0], since=started)
                 found, installing = pip_progress(text)
-                self._say(progress_line(front.venv, found, installing, time.monotonic() - began))
+                installed = await asyncio.to_thread(installed_count, Path(front.venv))
+                elapsed = time.monotonic() - began
+                self._say(progress_line(front.venv, found, installing, elapsed, installed))
         await reader
         if exited.result() != 0:
             if not self._stopping:
@@ -285,8 +299,11 @@ class DemoLiteLLM:
         return False
 
 
-def _read(path: Path) -> str:
+def _read(path: Path, since: float = 0.0) -> str:
+    """The file's text ("" when it is missing, or was last written before `since`)."""
     try:
+        if path.stat().st_mtime < since:
+            return ""
         return path.read_text(errors="replace")
     except OSError:
         return ""

@@ -30,7 +30,12 @@ from dgxmm.demo import (
     plan_front,
     reload_command,
 )
-from dgxmm.demo_litellm import PARENT_DEATH_EXEC, pip_progress, progress_line
+from dgxmm.demo_litellm import (
+    PARENT_DEATH_EXEC,
+    installed_count,
+    pip_progress,
+    progress_line,
+)
 from tests.litellm_support import require_litellm
 from tests.serve_support import PROJECT, banner_auth, litellm_ready, start_demo, stop_demo
 
@@ -114,7 +119,9 @@ def test_the_banner_shows_the_openai_client_through_litellm_and_labels_the_curl(
     assert "DGXMM alone" in curl_label(front) and "without LiteLLM" in curl_label(front)
 
 
-def test_the_first_run_shows_the_venvs_progress_from_pips_log() -> None:
+def test_the_first_run_shows_the_venvs_progress_from_pips_log(tmp_path: Path) -> None:
+    preparing = "LiteLLM: .venv-litellm: preparing (10 s)"  # python -m venv, or pip's index
+    assert progress_line(".venv-litellm", 0, None, 9.6) == preparing
     log = (
         "Looking in indexes: https://pypi.org/simple\n"
         "Collecting litellm[proxy]==1.108.7\n"
@@ -128,8 +135,12 @@ def test_the_first_run_shows_the_venvs_progress_from_pips_log() -> None:
     )
     log += "Installing collected packages: six, fastuuid, litellm\n"
     assert pip_progress(log) == (3, 3)
-    assert progress_line(".venv-litellm", 3, 3, 40) == (
-        "LiteLLM: .venv-litellm: installing 3 packages (40 s)"
+    site = tmp_path / ".venv-litellm" / "lib" / "python3.11" / "site-packages"
+    for name in ("pip-25.1", "six-1.17.0", "fastuuid-0.14.0"):
+        (site / f"{name}.dist-info").mkdir(parents=True)
+    installed = installed_count(tmp_path / ".venv-litellm")  # pip's own is not one of them
+    assert progress_line(".venv-litellm", 3, 3, 40, installed) == (
+        "LiteLLM: .venv-litellm: installed 2 of 3 packages (40 s)"
     )
 
 

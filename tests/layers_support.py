@@ -41,6 +41,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "dgxmm.engines": frozenset({*_LOWER, "dgxmm.config"}),
     "dgxmm.litellm": frozenset({*_LOWER, "dgxmm.config"}),
     "dgxmm.demo": frozenset({*_LOWER, "dgxmm.config"}),  # what the demo does differently
+    # The demo's LiteLLM process: the demo's plan for it, and the gateway's HTTP client.
+    "dgxmm.demo_litellm": frozenset({*_LOWER, "dgxmm.config", "dgxmm.demo"}),
     "dgxmm.admin": frozenset(
         {*_LOWER, "dgxmm.config", "dgxmm.replay", "dgxmm.engines", "dgxmm.litellm"}
     ),
@@ -54,6 +56,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "dgxmm.admin",
             "dgxmm.private",
             "dgxmm.demo",
+            "dgxmm.demo_litellm",
         }
     ),
     "dgxmm.cli": frozenset(

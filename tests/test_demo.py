@@ -102,6 +102,16 @@ def test_no_litellm_runs_dgxmm_alone_and_a_configured_litellm_is_left_as_configu
     assert demo_config(own, None).litellm == own.litellm
 
 
+def test_no_litellm_goes_with_demo_only() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dgxmm.cli", "serve", "--no-litellm"],
+        env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True, text=True,
+        timeout=DEADLINE_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--no-litellm goes with --demo" in done.stderr
+
+
 def test_the_banner_shows_the_openai_client_through_litellm_and_labels_the_curl(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,7 +11,10 @@
 - **the usable-memory line** (`usable_bytes`, the budget engines may share);
 - **marks**: cold starts (at the start, with their duration once ready), idle sleeps,
   make-room evictions (with the deployment they made room for), other sleeps (watchdog),
-  and failures (a start that failed, an engine lost), each with its event as JSON;
+  failures (a start that failed, an engine lost), and the learned policy's decisions
+  (issue 44): a pre-warm (at its start request, with the next request it expects), a
+  sleep after a learned keep-warm (`kept_warm`), a pre-warm that no request came to
+  (`prewarm_unused`) and one abandoned for a queued request; each with its event as JSON;
 - **queue waits**: request id, deployment, from/to and outcome (the `RequestLeftQueue`
   reason, or `waiting` when it still waited at `until`).
 
@@ -67,8 +70,9 @@ DEPLOYMENT_TYPES = (
     "EngineAdopted",
 )
 WINDOW_TYPES = (*DEPLOYMENT_TYPES, *QUEUE_TYPES)
-# The events that are marks of their own (cold starts are marked at their end).
-_MARKED = (m.PutToSleep, m.EngineStartFailed, m.EngineLost)
+# The events that are marks of their own (cold starts are marked at their end); a start or
+# stop request only when the learned policy made it (`_mark`).
+_MARKED = (m.PutToSleep, m.EngineStartFailed, m.EngineLost, m.StartRequested, m.StopRequested)
 # One of the queue's events as `storage` reads them apart from the records: (ts, event).
 QueueMove = tuple[float, m.AnyEvent]
 
@@ -86,7 +90,9 @@ class Segment(msgspec.Struct, frozen=True, kw_only=True):
 class Mark(msgspec.Struct, frozen=True, kw_only=True):
     """Something that happened to a deployment at one moment."""
 
-    kind: str  # cold_start, idle_sleep, make_room, sleep, failure
+    # cold_start, idle_sleep, make_room, sleep, failure; the learned policy's: prewarm,
+    # kept_warm, prewarm_unused, prewarm_abandoned
+    kind: str
     ts: float
     seq: int
     deployment_id: str
@@ -251,6 +257,12 @@ class _Folder:
                     "make_room", rec, dep_id, f"{name} put to sleep to make room for {target}",
                     for_deployment=ev.for_deployment, for_name=ev.for_name,
                 )  # fmt: skip
+            case m.PutToSleep(reason="idle", prewarm_unused=True):
+                title = f"{name} put to sleep: no request came to its pre-warm"
+                self._add("prewarm_unused", rec, dep_id, title)
+            case m.PutToSleep(reason="idle") as ev if ev.kept_warm_s:
+                title = f"{name} kept warm {ev.kept_warm_s} s ({ev.kept_warm_reason}), then slept"
+                self._add("kept_warm", rec, dep_id, title)
             case m.PutToSleep(reason="idle") as ev:
                 title = f"{name} put to sleep after {ev.idle_timeout_s} s idle"
                 self._add("idle_sleep", rec, dep_id, title)
@@ -259,6 +271,12 @@ class _Folder:
             case m.EngineStartFailed() | m.EngineLost() as ev:
                 what = "start failed" if isinstance(ev, m.EngineStartFailed) else "engine lost"
                 self._add("failure", rec, dep_id, f"{name}: {what}: {ev.reason}")
+            case m.StartRequested(reason="prewarm") as ev:
+                why = f" ({ev.detail})" if ev.detail else ""
+                self._add("prewarm", rec, dep_id, f"{name} pre-warmed{why}")
+            case m.StopRequested(reason="prewarm_abandoned"):
+                title = f"{name}: pre-warm abandoned for a queued request"
+                self._add("prewarm_abandoned", rec, dep_id, title)
 
     def _add(
         self, kind: str, rec: m.Recorded, dep_id: str, title: str, **extra: str | None

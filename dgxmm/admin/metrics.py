@@ -1,10 +1,10 @@
 """`GET /metrics`: the Prometheus text exposition format (version 0.0.4), built by hand.
 
 Families: deployments by state and mode, per-deployment in flight / queued / waiting for a
-start / memory, the memory budget, the queue's gauges and counters, the admin API's event
-streams, the LiteLLM integration (config-file writes, i.e. LiteLLM restarts DGXMM caused, and
-whether LiteLLM loaded the last one), and the gateway's statistics when the composition root
-hands over a callable.
+start / memory, the memory budget, the queue's gauges and counters, the learned policy's
+pre-warms per deployment by outcome, the admin API's event streams, the LiteLLM integration
+(config-file writes, i.e. LiteLLM restarts DGXMM caused, and whether LiteLLM loaded the last
+one), and the gateway's statistics when the composition root hands over a callable.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from actors.controller import Controller
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 STATES = ("stopped", "starting", "ready", "stopping", "failed", "asleep")
 MODES = ("on_demand", "always_on")
+PREWARM_OUTCOMES = ("used", "wasted", "abandoned")
 
 # Gateway statistics that are levels, not running totals.
 _GAUGE_KEYS = frozenset(
@@ -131,7 +132,42 @@ def controller_families(controller: Controller) -> list[Family]:
     for key, value in sorted(stats.items()):
         if key != "waiting":
             outcomes.add(value, outcome=key)
-    return [by_state, *per.values(), up, memory, waiting, cap, outcomes]
+    return [
+        by_state,
+        *per.values(),
+        up,
+        memory,
+        waiting,
+        cap,
+        outcomes,
+        *prewarm_families(controller),
+    ]
+
+
+def prewarm_families(controller: Controller) -> list[Family]:
+    """The learned policy's pre-warms per on-demand deployment, since start: started, and
+    by outcome (used: a request came in its window; wasted: none came; abandoned: stopped
+    while starting for a queued request).  Zero for a deployment never pre-warmed."""
+    started = Family(
+        "dgxmm_ondemand_prewarms_started_total",
+        "counter",
+        "Pre-warms started by the learned policy (ondemand_policy = learned), since start.",
+    )
+    ended = Family(
+        "dgxmm_ondemand_prewarms_total",
+        "counter",
+        "Pre-warms ended, by outcome: used (a request came), wasted (none came), abandoned "
+        "(stopped while starting for a queued request), since start.",
+    )
+    counts = controller.prewarmer.per_deployment
+    for rec in controller.records():
+        if rec.mode != "on_demand":
+            continue
+        mine = counts.get(rec.id, {})
+        started.add(mine.get("started", 0), deployment=rec.name, id=rec.id)
+        for outcome in PREWARM_OUTCOMES:
+            ended.add(mine.get(outcome, 0), deployment=rec.name, id=rec.id, outcome=outcome)
+    return [started, ended]
 
 
 def _plain(value: Any) -> Any:

@@ -41,6 +41,7 @@ from dgxmm.replay.logview import (
     write_lines,
 )
 from dgxmm.replay.phases import WaitView, render_wait, request_wait
+from dgxmm.replay.prewarmed import prewarm_notes, trace_row
 from events import model as m
 from events.projections import AUDITED_TYPES, AuditRow, Projector, badge
 from events.state import EMPTY, DeploymentState, Lifecycle, SystemState
@@ -128,6 +129,8 @@ class StoryView(msgspec.Struct, frozen=True, kw_only=True):
     outcome: str
     story: list[TimelineItem]
     wait: WaitView | None = None  # a request that waited for a start: its phases
+    # What the learned policy had done to its model (`dgxmm.replay.prewarmed`), in words.
+    notes: list[str] = []
 
 
 def deployment_view(
@@ -230,14 +233,18 @@ async def story_view(
     started_for = [r for r in named if isinstance(r.event, m.StartRequested)]
     if not named:
         if await _given_out_by_this_log(store, until, request_id):
+            # Its deployment and arrival from the traffic trace, when it was on.
+            row = await trace_row(store, int(request_id), until)
+            dep = None if row is None else row.deployment_id
             return StoryView(
                 db=db,
                 until=until,
                 request_id=request_id,
-                deployment_id=None,
-                deployment=None,
+                deployment_id=dep,
+                deployment=None if dep is None else (await names_at(store, until)).get(dep),
                 outcome=SERVED_AT_ONCE,
                 story=[],
+                notes=[] if row is None else await prewarm_notes(store, dep or "", row.arrived),
             )
         raise NotInLog(
             f"request {request_id!r} is not in the log{until_text(until)}"
@@ -247,10 +254,13 @@ async def story_view(
     first = named[0].seq
     left = [r for r in own if isinstance(r.event, m.RequestLeftQueue)]
     last = left[-1].seq if left else (await store.last_seq())
+    arrived = named[0].ts
     if own:
         ev = own[0].event
         assert isinstance(ev, QUEUE_EVENTS)
         dep_id = ev.deployment_id
+        if isinstance(ev, m.RequestQueued):
+            arrived = ev.arrived_at
     else:
         dep_id = started_for[0].stream.partition(":")[2]
     items = [queue_item(rec, names, fmt) for rec in own]
@@ -288,6 +298,7 @@ async def story_view(
         outcome=outcome,
         story=items,
         wait=await request_wait(store, named, names),
+        notes=await prewarm_notes(store, dep_id, arrived),
     )
 
 
@@ -364,10 +375,13 @@ def render_tail(head: ReplayHead, queue: list[QueueView]) -> Iterable[str]:
 def render_story(view: StoryView) -> Iterable[str]:
     """A request's story as text lines."""
     if not view.story and view.outcome == SERVED_AT_ONCE:
-        yield f"request {view.request_id}: {view.outcome}"
+        target = view.deployment or view.deployment_id
+        yield f"request {view.request_id}{f' for {target}' if target else ''}: {view.outcome}"
+        yield from (f"  {note}" for note in view.notes)
         return
     target = view.deployment or view.deployment_id or "?"
     yield f"request {view.request_id} for {target}: {view.outcome}"
+    yield from (f"  {note}" for note in view.notes)
     for item in view.story:
         who = "queue" if item.kind == "queue" else (item.deployment or item.deployment_id or "")
         yield f"  {item.time}  {item.actor:<12} {who:<16} {item.title}"

@@ -5,7 +5,8 @@ API reads it (`storage.windows`: a snapshot and the window's events) and project
 `events.timeline`; this module only draws, in plain SVG written by hand (rectangles, lines,
 text; no browser, no library): each deployment's memory stacked in its state's colour, the
 usable-memory line, the marks (cold starts with their duration, sleeps, make-room evictions
-with an arrow to the model they made room for, failures) with their event as a tooltip, and
+with an arrow to the model they made room for, failures, the learned policy's pre-warms,
+kept-warm sleeps, unused and abandoned pre-warms) with their event as a tooltip, and
 the queue waits as bars under the chart, one row per model.  Every drawn element carries its
 data in `data-*` attributes, so a test (or a script) can read the picture back.
 
@@ -50,7 +51,29 @@ COLOURS = {  # fill, line: the web UI's light theme
     "asleep": ("#e7ebf6", "#3d4f7a"),
     "stopping": ("#eceef2", "#5b6475"),
 }
-GLYPHS = {"cold_start": "▶", "idle_sleep": "☾", "sleep": "☾", "make_room": "⇢", "failure": "✕"}
+GLYPHS = {
+    "cold_start": "▶",
+    "idle_sleep": "☾",
+    "sleep": "☾",
+    "make_room": "⇢",
+    "failure": "✕",
+    # The learned policy's (issue 44): a pre-warm, a sleep after its keep-warm, a pre-warm
+    # no request came to, one abandoned for a queued request.
+    "prewarm": "◆",
+    "kept_warm": "◐",
+    "prewarm_unused": "◇",
+    "prewarm_abandoned": "⊘",
+}
+LEGEND = (
+    ("cold start", "▶"),
+    ("sleep", "☾"),
+    ("made room", "⇢"),
+    ("failure", "✕"),
+    ("pre-warm", "◆"),
+    ("kept warm", "◐"),
+    ("pre-warm unused", "◇"),
+    ("pre-warm abandoned", "⊘"),
+)
 DEFAULT_WINDOW_S = 3600.0
 
 
@@ -107,7 +130,7 @@ def render_svg(timeline: Timeline, width: int = WIDTH, usable_source: str = "") 
     top_bytes = max([timeline.usable_bytes, *(p.high_bytes for p in pieces), GIB]) * 1.1
     names = {lane.deployment_id: lane.name for lane in timeline.lanes}
     wait_rows = list(dict.fromkeys(w.deployment_id for w in timeline.waits))
-    height = TOP + PLOT_H + 40 + ROW_H * len(wait_rows) + 60
+    height = TOP + PLOT_H + 40 + ROW_H * len(wait_rows) + 76
 
     def x(ts: float) -> float:
         return LEFT + (min(max(ts, since), until) - since) / span * plot_w
@@ -247,7 +270,7 @@ def render_svg(timeline: Timeline, width: int = WIDTH, usable_source: str = "") 
                 f" {escape(w.outcome)}</title></rect>"
             )
     # Legend.
-    ly = height - 22
+    ly = height - 38
     lx = float(LEFT)
     for state, (fill, line) in COLOURS.items():
         out.append(
@@ -255,9 +278,11 @@ def render_svg(timeline: Timeline, width: int = WIDTH, usable_source: str = "") 
             f'<text x="{lx + 16}" y="{ly}">{state}</text>'
         )
         lx += 90
-    for kind, glyph in (("cold start", "▶"), ("sleep", "☾"), ("made room", "⇢"), ("failure", "✕")):
-        out.append(f'<text x="{lx}" y="{ly}">{glyph} {kind}</text>')
-        lx += 100
+    for i, (kind, glyph) in enumerate(LEGEND):
+        if i == 4:  # the learned policy's marks: a row of their own, under the others
+            lx, ly = float(LEFT), ly + 16
+        out.append(f'<text class="legend-mark" x="{lx}" y="{ly}">{glyph} {kind}</text>')
+        lx += 40 + 7 * len(kind)
     if timeline.waits_omitted:
         out.append(
             f'<text x="{lx}" y="{ly}" fill="#5b6475">'

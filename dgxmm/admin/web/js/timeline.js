@@ -1,8 +1,8 @@
 // The memory and residency timeline (GET api/timeline, dgxmm/admin/timeline.py), drawn with
 // uPlot (js/vendor.js): each deployment's memory stacked in its state's colour under the
 // usable-memory line, marks for cold starts, sleeps, make-room evictions (with an arrow to
-// the model they made room for) and failures, and queue waits as bars under the chart, one
-// row per model. Hovering a mark shows its event; clicking a wait opens that request's story.
+// the model they made room for), failures and the learned policy's pre-warms and keep-warms,
+// and queue waits as bars under the chart, one row per model. Hovering a mark shows its event; clicking a wait opens that request's story.
 //
 // timelineChart({ live: true }) follows the box through the event stream (the same coalesced
 // messages as the badges, at most one reload a second): the last hour, or, on a box younger
@@ -23,14 +23,32 @@ const GIB = 1024 ** 3;
 const HOUR = 3600;
 const STATE_COLOURS = { starting: "start", ready: "ok", asleep: "sleep", stopping: "neutral" };
 const STATE_WORDS = { starting: "Starting", ready: "Ready", asleep: "Asleep", stopping: "Stopping" };
-const MARK_GLYPHS = { cold_start: "▶", idle_sleep: "☾", make_room: "⇢", sleep: "☾", failure: "✕" };
+// The learned policy's marks (issue 44): a pre-warm, a sleep after its learned keep-warm, a
+// pre-warm no request came to, and one abandoned for a queued request.
+const MARK_GLYPHS = {
+  cold_start: "▶",
+  idle_sleep: "☾",
+  make_room: "⇢",
+  sleep: "☾",
+  failure: "✕",
+  prewarm: "◆",
+  kept_warm: "◐",
+  prewarm_unused: "◇",
+  prewarm_abandoned: "⊘",
+};
 const MARK_WORDS = {
   cold_start: "Cold start",
   idle_sleep: "Idle sleep",
   make_room: "Made room",
   sleep: "Put to sleep",
   failure: "Failure",
+  prewarm: "Pre-warm",
+  kept_warm: "Kept warm, then slept",
+  prewarm_unused: "Pre-warm unused",
+  prewarm_abandoned: "Pre-warm abandoned",
 };
+// Shown in the legend only when the window has one: most boxes run the seed's policy.
+const LEARNED_MARKS = new Set(["prewarm", "kept_warm", "prewarm_unused", "prewarm_abandoned"]);
 const OUTCOME_WORDS = { waiting: "still waiting", served: "served" };
 
 function css(name, fallback) {
@@ -417,8 +435,9 @@ export function timelineChart({ live = false, focus = null, since = null, until 
       return h("li", [h("span.swatch", { style: `background:${fill};border:1.5px solid ${line}`, "aria-hidden": "true" }), word]);
     });
     items.push(h("li", [h("span.swatch.tl-usable-swatch", { "aria-hidden": "true" }), `Usable ${(data.usable_bytes / GIB).toFixed(0)} GiB`]));
+    const kinds = new Set(data.marks.map((mark) => mark.kind));
     for (const [kind, word] of Object.entries(MARK_WORDS)) {
-      if (kind === "sleep") continue;
+      if (kind === "sleep" || (LEARNED_MARKS.has(kind) && !kinds.has(kind))) continue;
       items.push(h("li", [h(`span.tl-glyph.tl-${kind}`, { "aria-hidden": "true" }, MARK_GLYPHS[kind]), word]));
     }
     replace(legend, items);

@@ -117,7 +117,17 @@ class Serve:
         )
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dgxmm.cli", "serve", "--demo", "--config", str(config)],
+            # DGXMM alone: the demo's LiteLLM would share the CPU with what is measured.
+            [
+                sys.executable,
+                "-m",
+                "dgxmm.cli",
+                "serve",
+                "--demo",
+                "--no-litellm",
+                "--config",
+                str(config),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             env=env(),

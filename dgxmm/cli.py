@@ -300,7 +300,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if problem is not None:
         _error(problem)
         return 2
-    if args.command not in _REMOTE:
+    if args.command not in (*_REMOTE, "serve"):  # serve's banner names its event log
         _say_where(args)
     try:
         match args.command:

@@ -17,7 +17,8 @@ Relative paths in a configuration file (`data_dir`, `db`, `[litellm] config_path
 relative to the file's directory, for `serve` and for every command given that file; the
 built-in configuration's are relative to the current directory.  `dgxmm.cli` prints
 `describe()` of the choice, one line on stderr, unless `--db` or `--url` named what the
-command uses.  `choose` decides; the rest reads and writes the files it decides on.
+command uses (or it is `serve`, whose banner names its event log and whose refusals are one
+line).  `choose` decides; the rest reads and writes the files it decides on.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import { logsPanel, queuePanel, startProgress } from "./ops.js";
 import { idleSeconds, makeRoomSeconds } from "./wizard.js";
 import { timelineChart } from "../timeline.js";
 
+const POLICY_WORDS = { seed: "Seed's rules (idle timeout)", learned: "Learned from its traffic" };
 const STATE_WORDS = {
   stopped: "Stopped",
   starting: "Starting",
@@ -242,13 +243,31 @@ export function render({ params, isAdmin, navigate, notify }) {
     if (stopHint) stopHint.hidden = rec.mode !== "on_demand";
   }
 
+  // ondemand_policy (issue 44): how an on-demand model is kept warm, and what the learned
+  // policy found in its traffic (rec.learned, in words).
+  function policyText(value) {
+    return POLICY_WORDS[value] || POLICY_WORDS.seed;
+  }
+  function ownPolicyText() {
+    if (rec.ondemand_policy) return policyText(rec.ondemand_policy);
+    return `${policyText(rec.effective_ondemand_policy)} (the default)`;
+  }
+  function learnedText() {
+    return rec.mode === "on_demand" && rec.learned ? `Learned: ${rec.learned}` : "";
+  }
+
   function buildModeCard() {
     // The decision model has no Mode card: it is always on.
     const card = h("section.card.mode-card", { id: "mode-card", "aria-labelledby": "mode-title" });
     const pending = h("p.pending", { role: "status", id: "mode-pending", hidden: true }, "Switching to always on");
+    const learned = h("p.hint", { id: "mode-learned", role: "status", hidden: true });
+    const drawLearned = () => {
+      learned.textContent = learnedText();
+      learned.hidden = !learned.textContent;
+    };
     if (!isAdmin) {
       const facts = h("dl.facts");
-      append(card, [h("h2#mode-title", "Mode"), pending, facts]);
+      append(card, [h("h2#mode-title", "Mode"), pending, facts, learned]);
       return {
         card,
         update() {
@@ -266,8 +285,10 @@ export function render({ params, isAdmin, navigate, notify }) {
               "Makes room for queued models",
               `${makeRoomText(rec.effective_make_room_after_s)}${rec.make_room_after_s === null ? " (the default)" : ""}`,
             ]);
+            rows.push(["Kept warm by", ownPolicyText()]);
           }
           replace(facts, rows.map(([k, v]) => h("div", [h("dt", k), h("dd", v)])));
+          drawLearned();
         },
       };
     }
@@ -282,6 +303,19 @@ export function render({ params, isAdmin, navigate, notify }) {
     const roomHint = h("p.hint", { id: "mode-make-room-hint" });
     room.setAttribute("aria-describedby", roomHint.id);
     const roomWrap = h("div.field", [h("label", { for: room.id }, "Make room after (seconds)"), room, roomHint]);
+    const policyDefault = h("option", { value: "" }, "Default");
+    const policy = h("select", { id: "mode-policy" }, [
+      policyDefault,
+      h("option", { value: "seed" }, POLICY_WORDS.seed),
+      h("option", { value: "learned" }, POLICY_WORDS.learned),
+    ]);
+    const policyHint = h(
+      "p.hint",
+      { id: "mode-policy-hint" },
+      "Learned: it stays warm through the gaps its own traffic usually has (the idle timeout the longest), and is started just before a request its history predicts. Default: the DGXMM default, set in Settings.",
+    );
+    policy.setAttribute("aria-describedby", policyHint.id);
+    const policyWrap = h("div.field", [h("label", { for: policy.id }, "Kept warm by"), policy, policyHint]);
     const error = h("p.error", { role: "alert", hidden: true });
     const save = h("button.primary", { type: "submit", id: "mode-save" }, "Save mode");
     const form = h("form", { novalidate: true }, [
@@ -292,10 +326,11 @@ export function render({ params, isAdmin, navigate, notify }) {
       ]),
       idleWrap,
       roomWrap,
+      policyWrap,
       error,
       h("div.actions", save),
     ]);
-    append(card, [h("h2#mode-title", "Mode"), pending, form]);
+    append(card, [h("h2#mode-title", "Mode"), pending, learned, form]);
     let dirty = false;
 
     function defaultMinutes() {
@@ -317,12 +352,18 @@ export function render({ params, isAdmin, navigate, notify }) {
       room.placeholder = "default";
       roomHint.textContent = `0 to 86400: how long without a request before it may sleep so a queued model can start. Empty: the DGXMM default${roomDefault}, set in Settings.`;
       roomWrap.hidden = !onDemand.checked;
+      // The DGXMM default: from the settings, else what this deployment follows by default.
+      const byDefault = (settings && settings.ondemand_policy) || (rec.ondemand_policy ? null : rec.effective_ondemand_policy);
+      policyDefault.textContent = byDefault ? `Default (${policyText(byDefault)})` : "Default";
+      policyWrap.hidden = !onDemand.checked;
+      drawLearned();
     }
     function fill() {
       onDemand.checked = rec.mode === "on_demand";
       alwaysOn.checked = rec.mode !== "on_demand";
       idle.value = rec.idle_timeout_s === null ? "" : minutes(rec.idle_timeout_s);
       room.value = rec.make_room_after_s === null || rec.make_room_after_s === undefined ? "" : String(rec.make_room_after_s);
+      policy.value = rec.ondemand_policy || "";
       dirty = false;
     }
     const markDirty = () => {
@@ -332,6 +373,7 @@ export function render({ params, isAdmin, navigate, notify }) {
     for (const el of [onDemand, alwaysOn]) el.addEventListener("change", markDirty);
     idle.addEventListener("input", markDirty);
     room.addEventListener("input", markDirty);
+    policy.addEventListener("change", markDirty);
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
       error.hidden = true;
@@ -353,7 +395,7 @@ export function render({ params, isAdmin, navigate, notify }) {
         const parsedRoom = makeRoomSeconds(room.value);
         if (parsedRoom.error) return refuse(room, parsedRoom.error);
         room.removeAttribute("aria-invalid");
-        body = { mode: "on_demand", idle_timeout_s: seconds, make_room_after_s: parsedRoom.seconds };
+        body = { mode: "on_demand", idle_timeout_s: seconds, make_room_after_s: parsedRoom.seconds, ondemand_policy: policy.value || null };
       } else {
         body = { mode: "always_on" };
       }

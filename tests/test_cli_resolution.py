@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -79,9 +80,9 @@ class Server:
                 self.proc.kill()
 
 
-def _pump(stream: object, lines: queue.Queue[str | None]) -> None:
+def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
     with contextlib.suppress(Exception):
-        for line in stream:  # type: ignore[attr-defined]
+        for line in stream:
             lines.put(line)
     lines.put(None)
 
@@ -123,10 +124,12 @@ TWO = Served(pid=202, data_dir="/srv/b/data", db="/srv/b/data/dgxmm.db")
 
 
 def test_the_flag_comes_first_then_the_environment_then_the_current_directory() -> None:
-    both = {"here": True, "running": [ONE], "creates": False}
-    assert choose(flag="a.toml", env="b.toml", **both) == Choice("a.toml", None, "--config a.toml")  # type: ignore[arg-type]
-    assert choose(flag=None, env="b.toml", **both).file == "b.toml"  # type: ignore[arg-type]
-    assert choose(flag=None, env=None, **both) == Choice(None, None, "the current directory")  # type: ignore[arg-type]
+    def chosen(flag: str | None, env: str | None) -> Choice:
+        return choose(flag=flag, env=env, here=True, running=[ONE], creates=False)
+
+    assert chosen("a.toml", "b.toml") == Choice("a.toml", None, "--config a.toml")
+    assert chosen(None, "b.toml") == Choice("b.toml", None, "DGXMM_CONFIG=b.toml")
+    assert chosen(None, None) == Choice(None, None, "the current directory")
 
 
 def test_the_one_running_server_is_taken_only_when_nothing_else_is_given() -> None:

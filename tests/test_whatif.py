@@ -167,6 +167,9 @@ def test_tune_recommends_a_point_that_meets_the_goal_and_shows_the_curve(log: Pa
     stages = [p["stage"] for p in out["points"]]
     assert stages.count("make room and idle timeouts") == 15
     assert "always on" in stages and "per model" in stages
+    # The learned policy (issue 44), on the best point so far.
+    learned = [p for p in out["points"] if p["stage"] == "learned policy"]
+    assert len(learned) == 1 and "ondemand_policy=learned" in learned[0]["changes"]
     best = out["recommended"]
     assert best is not None and best["feasible"] and best["figures"]["p99"] <= 60
     meeting = [p for p in out["points"] if p["feasible"] and p["figures"]["p99"] <= 60]

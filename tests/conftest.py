@@ -25,6 +25,7 @@ SIDE = (
     "tests/test_whatif_calibration.py",
     "tests/test_real_engine.py",
     "tests/test_keepalive_real.py",
+    "tests/test_prewarm_real.py",
     "tests/test_browser.py",
     "tests/test_quickstart.py",
     "tests/test_demo.py",

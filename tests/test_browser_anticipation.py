@@ -5,6 +5,9 @@ page's policy in its Mode card, and what the policy learned from the model's tra
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from tests.browser_support import Dgxmm, wait_for
@@ -97,3 +100,59 @@ def test_the_mode_card_sets_the_policy_and_the_page_shows_what_it_learned(
         expect(page.locator("#mode-learned")).to_be_hidden()
     finally:
         remove(api, "habit")
+
+
+def test_the_timeline_draws_the_learned_policys_marks_with_their_legend(
+    admin_page: Page, dgxmm: Dgxmm
+) -> None:
+    api = dgxmm.api()
+    record = create(api, "marked", mode="on_demand")
+    try:
+        answer = api.call("GET", "timeline")
+        at = (answer["since"] + answer["until"]) / 2
+        titles = {
+            "prewarm": "marked pre-warmed (next request expected in ~72 s: used every 15 min)",
+            "kept_warm": "marked kept warm 48 s (its usual gaps), then slept",
+            "prewarm_unused": "marked put to sleep: no request came to its pre-warm",
+            "prewarm_abandoned": "marked: pre-warm abandoned for a queued request",
+        }
+        answer["marks"] = [
+            {"kind": kind, "ts": at + i, "seq": 10_000 + i, "deployment_id": record["id"],
+             "title": title, "actor": "ondemand"}
+            for i, (kind, title) in enumerate(titles.items())
+        ]  # fmt: skip
+        # The real answer with the marks a learned policy's day would have (an hour of a
+        # periodic model is too long for a test).
+        page = admin_page
+        page.route(
+            re.compile(r"/dgxmm/api/timeline(\?|$)"),
+            lambda route: route.fulfill(
+                status=200, content_type="application/json", body=json.dumps(answer)
+            ),
+        )
+        open_hash(page, dgxmm, "/")
+        glyphs = {"prewarm": "◆", "kept_warm": "◐", "prewarm_unused": "◇", "prewarm_abandoned": "⊘"}
+        for kind, title in titles.items():
+            mark = page.locator(f"#dashboard-timeline .tl-mark.tl-{kind}")
+            expect(mark).to_have_attribute("aria-label", title)
+            expect(mark).to_have_text(glyphs[kind])
+        legend = page.locator("#dashboard-timeline-legend")
+        for glyph_words in (
+            "◆Pre-warm",
+            "◐Kept warm, then slept",
+            "◇Pre-warm unused",
+            "⊘Pre-warm abandoned",
+        ):
+            expect(legend.locator("li", has_text=glyph_words)).to_have_count(1)
+        page.locator("#dashboard-timeline .tl-mark.tl-prewarm").hover()
+        expect(page.locator("#dashboard-timeline-tip")).to_contain_text("used every 15 min")
+    finally:
+        remove(api, "marked")
+
+
+def test_a_seed_box_s_legend_has_no_learned_marks(admin_page: Page, dgxmm: Dgxmm) -> None:
+    page = admin_page
+    open_hash(page, dgxmm, "/")
+    legend = page.locator("#dashboard-timeline-legend")
+    expect(legend).to_contain_text("Cold start")
+    assert "Pre-warm" not in legend.inner_text() and "Kept warm" not in legend.inner_text()

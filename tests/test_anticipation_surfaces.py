@@ -230,3 +230,18 @@ def test_plain_replay_shows_the_learned_policys_titles(tmp_path: Path) -> None:
     assert "Pre-warmed (next request expected in ~" in text
     assert re.search(r"Kept warm \d+ s \(its usual gaps\)", text)
     assert "Put to sleep: no request came to its pre-warm" in text
+
+
+def test_plain_replay_names_a_deployments_own_policy(tmp_path: Path) -> None:
+    async def play(h: Harness, db: Path) -> Scene:
+        job = await h.deploy("job", 10, idle_timeout_s=300)
+        await h.controller.change_mode(
+            job, "on_demand", 300, False, "admin:test", ondemand_policy="seed"
+        )
+        return Scene(db=db, job=job, metrics="")
+
+    one = scene(tmp_path, 40, play)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["replay", "--db", str(one.db)]) == 0
+    assert "  mode       on demand, idle timeout 300 s, its own policy seed" in out.getvalue()

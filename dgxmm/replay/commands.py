@@ -89,6 +89,7 @@ class DeploymentView(msgspec.Struct, frozen=True, kw_only=True):
     runtime_id: str | None
     queued: int
     waiting_start: int
+    ondemand_policy: str | None = None  # its own (issue 44); None: the DGXMM default
 
 
 class QueueView(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,6 +164,7 @@ def deployment_view(
         runtime_id=dep.runtime_id,
         queued=queued,
         waiting_start=len(waiting) - queued,
+        ondemand_policy=dep.ondemand_policy,
     )
 
 
@@ -334,6 +336,8 @@ def render_deployment(d: DeploymentView) -> Iterable[str]:
     if d.mode == "on_demand":
         idle = "default" if d.idle_timeout_s is None else f"{d.idle_timeout_s} s"
         mode += f", idle timeout {idle}"
+        if d.ondemand_policy is not None:
+            mode += f", its own policy {d.ondemand_policy}"
     if d.pending_mode is not None:
         mode += f"; switching to {d.pending_mode.replace('_', ' ')} once ready"
     yield f"  mode       {mode}"

@@ -7,7 +7,9 @@ some waiting for memory; one box making room with a model idle for 20 s
 (`ondemand_make_room_after_s = 20`), the other at once (`= 0`).  Then `whatif` replays the
 first log with its recorded settings (the calibration: it should reproduce the first box,
 its cold starts and evictions among them) and with make-room at once (the counterfactual:
-it should predict the second box).
+it should predict the second box).  A third box runs under `ondemand_policy = "learned"`
+with a periodically used model beside two irregular ones, and `whatif` replays its log with
+its recorded settings: it should make the pre-warms the box made (below, `calibrate_learned`).
 
     python -m tests.whatif_calibration --minutes 20      # the table in docs/what-if.md
 
@@ -19,12 +21,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
+from actors.anticipation import lead_s
+from events import model as m
+from events.traffic import TrafficRecord, encode_batch
+from simulations import whatif_run
 from simulations.whatif import FATES, History, Report, load_history, measure_recorded, simulate
+from simulations.whatif_measure import build_report
+from storage.eventlog import EventStore
 from tests.gateway_support import Client
 from tests.serve_support import Serve, chat_body
 
@@ -80,7 +92,7 @@ def script(seconds: float, seed: int) -> list[Arrival]:
     return sorted(out, key=lambda a: a.at)
 
 
-def write_config(root: Path, make_room_after_s: int | None) -> Path:
+def write_config(root: Path, make_room_after_s: int | None, policy: str = "seed") -> Path:
     """A box of 8 GiB, idle timeouts of 60 s, the process runtime."""
     root.mkdir(parents=True, exist_ok=True)
     room = "" if make_room_after_s is None else f"ondemand_make_room_after_s = {make_room_after_s}"
@@ -88,6 +100,7 @@ def write_config(root: Path, make_room_after_s: int | None) -> Path:
     path.write_text(
         f"""
 ondemand_idle_timeout_s = {IDLE_S}
+ondemand_policy = "{policy}"
 {room}
 
 [server]
@@ -115,40 +128,51 @@ async def record(root: Path, arrivals: list[Arrival], make_room_after_s: int | N
     serve = Serve(root, write_config(root, make_room_after_s))
     await serve.start()
     try:
-        api = serve.api
-        assert api is not None
-        ids: dict[str, str] = {}
-        for model in MODELS:
-            body = {
-                "name": model.name,
-                "engine": "sim",
-                "model": served(model.name),
-                "memory_gib": model.gib,
-                "mode": "on_demand",
-                "args": ["--startup-delay", str(model.startup_s), "--token-delay",
-                         str(TOKEN_DELAY_S), "--tokens", "64"],
-            }  # fmt: skip
-            created = await api.ok("POST", "/dgxmm/api/deployments", body, 201)
-            ids[model.name] = created["id"]
-        began = time.monotonic()
-        tasks = []
-        for arrival in arrivals:
-            delay = began + arrival.at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)  # the script's clock: arrivals at their times
-            tasks.append(
-                asyncio.create_task(_send(serve.gateway_port, serve.gateway_key, ids, arrival))
-            )
-        statuses = await asyncio.wait_for(asyncio.gather(*tasks), timeout=900)
-        # Anything but an answer or a queue timeout means the traffic did not do its work
-        # (a request naming a model the engine does not serve is answered 404 at once).
-        wrong = sorted(s for s in statuses if s not in (200, 503))
-        if wrong:
-            raise RuntimeError(f"{len(wrong)} of {len(statuses)} requests answered {wrong[:5]}")
+        ids = await create(serve, MODELS)
+        await play(serve, ids, arrivals, time.monotonic())
     finally:
         await serve.terminate()
         serve.kill_engines()
     return serve.db
+
+
+async def create(serve: Serve, models: tuple[TrafficModel, ...]) -> dict[str, str]:
+    """The models' deployments (sim engines, on demand); name -> id."""
+    api = serve.api
+    assert api is not None
+    ids: dict[str, str] = {}
+    for model in models:
+        body = {
+            "name": model.name,
+            "engine": "sim",
+            "model": served(model.name),
+            "memory_gib": model.gib,
+            "mode": "on_demand",
+            "args": ["--startup-delay", str(model.startup_s), "--token-delay",
+                     str(TOKEN_DELAY_S), "--tokens", "64"],
+        }  # fmt: skip
+        created = await api.ok("POST", "/dgxmm/api/deployments", body, 201)
+        ids[model.name] = created["id"]
+    return ids
+
+
+async def play(serve: Serve, ids: dict[str, str], arrivals: list[Arrival], began: float) -> None:
+    """Send each arrival at its time (`began`: the monotonic clock's time of 0); every one
+    must be answered or time out in the queue."""
+    tasks = []
+    for arrival in arrivals:
+        delay = began + arrival.at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the script's clock: arrivals at their times
+        tasks.append(
+            asyncio.create_task(_send(serve.gateway_port, serve.gateway_key, ids, arrival))
+        )
+    statuses = await asyncio.wait_for(asyncio.gather(*tasks), timeout=900)
+    # Anything but an answer or a queue timeout means the traffic did not do its work
+    # (a request naming a model the engine does not serve is answered 404 at once).
+    wrong = sorted(s for s in statuses if s not in (200, 503))
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} of {len(statuses)} requests answered {wrong[:5]}")
 
 
 def served(name: str) -> str:
@@ -177,6 +201,10 @@ class Comparison:
     label: str
     recorded: Report
     simulated: Report
+    # The learned policy's: pre-warms per model name, and the job's requests that waited,
+    # (recorded, simulated).
+    prewarms: tuple[dict[str, int], dict[str, int]] | None = None
+    job_waited: tuple[int, int] | None = None
 
     def agreement(self) -> float:
         """Share of requests on which both agree whether they waited."""
@@ -203,6 +231,21 @@ class Comparison:
                 out.append(f"wait {q} {b:.2f} vs {a:.2f}")
         if self.agreement() < 0.95:
             out.append(f"waited agreement {self.agreement():.1%}")
+        if self.prewarms is not None:
+            # Pre-warms, per model: one either way.  A pre-warm due near the window's end
+            # may be made on one side and not yet on the other; and the real box hears its
+            # traffic in the trace's batches (every 10 s), the what-if at each arrival.
+            done, predicted = self.prewarms
+            for name in sorted(set(done) | set(predicted)):
+                a, b = done.get(name, 0), predicted.get(name, 0)
+                if abs(a - b) > 1:
+                    out.append(f"pre-warms of {name} {b} vs {a}")
+        if self.job_waited is not None:
+            # The pre-warmed model's requests that waited: one either way (the window's
+            # last session, as above).
+            a, b = self.job_waited
+            if abs(a - b) > 1:
+                out.append(f"job's requests that waited {b} vs {a}")
         return out
 
     def rows(self) -> list[str]:
@@ -222,15 +265,31 @@ class Comparison:
             ),
             f"| {self.label} | requests that waited | {r.waited} | {s.waited} |",
             f"| {self.label} | waited: same requests | | {self.agreement():.1%} |",
+            *self._learned_rows(),
         ]
+
+    def _learned_rows(self) -> list[str]:
+        rows = []
+        if self.prewarms is not None:
+            done, predicted = self.prewarms
+            for name in sorted(set(done) | set(predicted)):
+                rows.append(
+                    f"| {self.label} | pre-warms of {name} | {done.get(name, 0)}"
+                    f" | {predicted.get(name, 0)} |"
+                )
+        if self.job_waited is not None:
+            a, b = self.job_waited
+            rows.append(f"| {self.label} | job's requests that waited | {a} | {b} |")
+        return rows
 
 
 async def calibrate(root: Path, seconds: float, seed: int = 1) -> list[Comparison]:
     """Both boxes for real, then both predictions from the first box's log."""
     arrivals = script(seconds, seed)
-    first_db, now_db = await asyncio.gather(
+    first_db, now_db, learned = await asyncio.gather(
         record(root / f"room-after-{ROOM_AFTER_S}s", arrivals, ROOM_AFTER_S),
         record(root / "at-once", arrivals, 0),
+        calibrate_learned(root / "learned", seconds, seed),
     )
     first_log: History = await load_history(first_db)
     at_once_log: History = await load_history(now_db)
@@ -244,6 +303,7 @@ async def calibrate(root: Path, seconds: float, seed: int = 1) -> list[Compariso
     return [
         Comparison("recorded settings", measure_recorded(first_log), calibration),
         Comparison("make room after 0 s", at_once, predicted),
+        learned,
     ]
 
 
@@ -263,6 +323,160 @@ def same_requests(box: History, other: History) -> dict[int, int]:
 
     theirs = ranked(other)
     return {rid: theirs[key] for key, rid in ranked(box).items() if key in theirs}
+
+
+# --- the learned policy (issue 44) ---------------------------------------------------------
+#
+# A third box, under `ondemand_policy = "learned"`: "job" is used in short sessions every
+# `JOB_PERIOD_S` (a little jitter), "chat" and "coder" irregularly (Poisson); any two of the
+# three fit.  A period needs five session beginnings more than the idle timeout apart (six
+# minutes at least), longer than the 3-minute run: the box starts on a log that already
+# holds `PRIOR_S` of the same traffic (the trace's batches, written before its start as its
+# gateway would have written them), which it reads at start-up as it reads its last two
+# weeks; the what-if starts from the same history (`History.prior`: the window begins after
+# it).  Then the real traffic continues the pattern, and every job session should be
+# pre-warmed, on the real box and in the prediction.
+
+LEARNED_MODELS = (
+    TrafficModel("job", 3, 0.0, 3.0),
+    TrafficModel("chat", 3, 0.05, 2.0),
+    TrafficModel("coder", 3, 0.02, 2.0),
+)
+JOB_PERIOD_S = 70.0  # its gaps (~65 s) are longer than the idle timeout: sessions apart
+JOB_PHASE_S = 25.0  # its first session of the real traffic (the box has started by then)
+JOB_JITTER_S = 1.5  # each session comes up to this much early or late
+JOB_SESSION = (0.0, 3.0)  # a session: two requests, 3 s apart
+PRIOR_S = 1800.0  # the traffic written into the log before the box starts
+# The box starts again this long before the real traffic, and the prior ends a little before
+# that (none of it in the box's future); the job's last session of the prior and its first of
+# the real traffic are one period apart, so these add up to less than a period.
+RESTART_S = 35.0
+PRIOR_END_S = RESTART_S + 2.0
+# The box must be up this long before the job's first pre-warm is due (about 8 s before its
+# first session): it reads its history at start-up.
+UP_BEFORE_S = 5.0
+LEARNED_TOKENS = 20  # each answer: 1 s of service
+
+
+def learned_script(seconds: float, seed: int) -> list[Arrival]:
+    """The third box's traffic from -`PRIOR_S` to `seconds` (0: the real traffic begins);
+    none in (-`PRIOR_END_S`, 0), while the box starts again."""
+    rng = random.Random(seed)
+    out: list[Arrival] = []
+    k = -math.ceil((PRIOR_S + JOB_PHASE_S) / JOB_PERIOD_S)
+    while (begin := JOB_PHASE_S + k * JOB_PERIOD_S) < seconds:
+        k += 1
+        if begin < -PRIOR_S:
+            continue
+        begin += rng.uniform(-JOB_JITTER_S, JOB_JITTER_S)
+        out.extend(Arrival(begin + d, "job", LEARNED_TOKENS, False) for d in JOB_SESSION)
+    for model in LEARNED_MODELS[1:]:
+        at = -PRIOR_S
+        while (at := at + rng.expovariate(model.rate_per_s)) < seconds:
+            out.append(Arrival(at, model.name, LEARNED_TOKENS, rng.random() < 0.33))
+    return sorted(
+        (a for a in out if a.at >= 0 or a.at <= -PRIOR_END_S),
+        key=lambda a: a.at,
+    )
+
+
+async def write_prior(db: Path, ids: dict[str, str], arrivals: list[Arrival], t0: float) -> None:
+    """The arrivals before the real traffic, as the trace's batches (served at once), in the
+    log of a stopped box; `t0`: the epoch time of the real traffic's 0."""
+    rows = [
+        TrafficRecord(
+            request_id=int((t0 - PRIOR_S) * 1_000_000) + n,
+            deployment_id=ids[a.model],
+            arrived=t0 + a.at,
+            wait_s=0.0,
+            ttfb_s=0.05,
+            duration_s=a.tokens * TOKEN_DELAY_S,
+            outcome="served",
+            streamed=a.stream,
+        )
+        for n, a in enumerate(arrivals)
+    ]
+    store = await EventStore.open(db, create=False)
+    try:
+        for i in range(0, len(rows), 200):
+            await store.append(m.STREAM_TRAFFIC, [encode_batch(rows[i : i + 200])], actor="system")
+    finally:
+        await store.close()
+
+
+async def record_learned(root: Path, arrivals: list[Arrival]) -> tuple[Path, float]:
+    """The third box: created, stopped, given its prior traffic, started again under the
+    learned policy and sent the real traffic; its log and the window's start (epoch)."""
+    config = write_config(root, ROOM_AFTER_S, policy="learned")
+    serve = Serve(root, config)
+    await serve.start()
+    try:
+        ids = await create(serve, LEARNED_MODELS)
+    finally:
+        await serve.terminate()
+        serve.kill_engines()
+    t0 = time.time() + RESTART_S + PRIOR_END_S
+    await write_prior(serve.db, ids, [a for a in arrivals if a.at < 0], t0)
+    began = time.monotonic() + (t0 - time.time())
+    wait = began - RESTART_S - time.monotonic()
+    if wait > 0:
+        await asyncio.sleep(wait)  # the script's clock: the box starts at -RESTART_S
+    await serve.start()  # the same data dir (its admin password from the first start)
+    try:
+        since = time.time()
+        job_start_s = LEARNED_MODELS[0].startup_s + 1.0  # its launch and first probe
+        if since > t0 + JOB_PHASE_S - lead_s(job_start_s, 2 * JOB_JITTER_S) - UP_BEFORE_S:
+            raise RuntimeError(f"the box took {since - t0 + RESTART_S:.0f} s to start again")
+        await play(serve, ids, [a for a in arrivals if a.at >= 0], began)
+    finally:
+        await serve.terminate()
+        serve.kill_engines()
+    return serve.db, since
+
+
+def prewarms_of(records: Iterable[m.Recorded]) -> dict[str, int]:
+    """Pre-warms per deployment id."""
+    found: dict[str, int] = {}
+    for r in records:
+        if isinstance(r.event, m.StartRequested) and r.event.reason == "prewarm":
+            dep = r.stream.partition(":")[2]
+            found[dep] = found.get(dep, 0) + 1
+    return found
+
+
+async def simulate_prewarms(
+    history: History, overrides: dict[str, Any], label: str
+) -> tuple[Report, dict[str, int]]:
+    """The what-if's column and its pre-warms per deployment (`Report` has none: they are
+    read from the events `simulate` hands to `build_report`, which is watched, not changed)."""
+    with mock.patch.object(whatif_run, "build_report", wraps=build_report) as spy:
+        report = await simulate(history, overrides, label=label)
+    return report, prewarms_of(spy.call_args.args[2])
+
+
+async def calibrate_learned(root: Path, seconds: float, seed: int) -> Comparison:
+    """The third box for real, then its prediction from its log with the recorded settings."""
+    db, since = await record_learned(root, learned_script(seconds, seed))
+    history = await load_history(db, since=since)
+    report, predicted = await simulate_prewarms(history, {}, "learned")
+    recorded = measure_recorded(history)
+    names = history.names
+    return Comparison(
+        "learned policy",
+        recorded,
+        report,
+        prewarms=(
+            {names[d]: n for d, n in prewarms_of(history.records).items()},
+            {names[d]: n for d, n in predicted.items()},
+        ),
+        job_waited=(job_waited(history, recorded), job_waited(history, report)),
+    )
+
+
+def job_waited(history: History, report: Report) -> int:
+    """The job's requests that waited, in a column."""
+    job = {r.request_id for r in history.traffic if history.names[r.deployment_id] == "job"}
+    return len(job & set(report.waited_ids))
 
 
 def main() -> None:

@@ -95,7 +95,8 @@ async def used_then_unused(h: Harness, db: Path) -> Scene:
         request_id=rid, deployment_id=job, arrived=arrived, wait_s=0.0, ttfb_s=0.1,
         duration_s=2.0, outcome="served", streamed=False,
     )  # fmt: skip
-    await h.store.append(m.STREAM_TRAFFIC, [encode_batch([row])], actor="system")
+    failed = msgspec.structs.replace(row, request_id=rid + 1, outcome="engine_error")
+    await h.store.append(m.STREAM_TRAFFIC, [encode_batch([row, failed])], actor="system")
     before = [r.ts for r in prewarms if r.ts <= arrived]
     return Scene(
         db=db,
@@ -213,6 +214,11 @@ def test_a_request_story_says_its_model_was_pre_warmed_before_it(tmp_path: Path)
     assert at_once[0].startswith(f"request {one.served_at_once} for job: served at once")
     ago = round(one.prewarmed_ago_s)
     assert at_once[1:] == [f"  the model was pre-warmed {ago} s before this request"]
+    failed = asyncio.run(story(one.db, str(one.served_at_once + 1)))
+    assert failed[0] == (
+        f"request {one.served_at_once + 1} for job:"
+        " did not wait; the traffic trace records it as engine_error"
+    )
 
 
 def test_a_queued_requests_story_shows_the_pre_warm_abandoned_for_it(tmp_path: Path) -> None:

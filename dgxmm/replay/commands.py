@@ -238,13 +238,16 @@ async def story_view(
             # Its deployment and arrival from the traffic trace, when it was on.
             row = await trace_row(store, int(request_id), until)
             dep = None if row is None else row.deployment_id
+            outcome = SERVED_AT_ONCE
+            if row is not None and row.outcome != "served":
+                outcome = f"did not wait; the traffic trace records it as {row.outcome}"
             return StoryView(
                 db=db,
                 until=until,
                 request_id=request_id,
                 deployment_id=dep,
                 deployment=None if dep is None else (await names_at(store, until)).get(dep),
-                outcome=SERVED_AT_ONCE,
+                outcome=outcome,
                 story=[],
                 notes=[] if row is None else await prewarm_notes(store, dep or "", row.arrived),
             )

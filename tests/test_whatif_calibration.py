@@ -69,3 +69,16 @@ def test_whatif_of_the_learned_policy_reproduces_its_pre_warms_cold_starts_and_w
     assert learned.recorded.cold_starts >= 2
     assert learned.recorded.fates.total() == learned.recorded.requests
     assert learned.problems() == []
+
+
+def test_whatif_begins_the_learned_policys_pre_warms_when_the_box_did(
+    compared: tuple[Comparison, Comparison, Comparison],
+) -> None:
+    """Fails today: the box begins its first pre-warm after its restart 1.2 x 30 s (the
+    policy's default for a model it never saw start: the job's only start before the window
+    was cut short by the box's stop) before the session, the what-if 1.2 x ~3.4 s: its
+    simulated box learns a cold start from its own warm-up start (`whatif_run._seed`), which
+    the recorded box never had."""
+    _, _, learned = compared
+    assert learned.prewarm_times is not None
+    assert learned.prewarm_timing() == []

@@ -102,6 +102,9 @@ function draw(body, result, onApplied) {
   const [key, unit] = OBJECTIVES[goal.minimise];
   const infeasible = result.points.filter((p) => !p.feasible);
   const words = [h("p.hint", `Searched ${result.searched}.`)];
+  if (!result.baseline.feasible) {
+    words.push(h("p.error#tune-baseline-unsafe", `The settings as they are are not safe either: ${result.baseline.infeasible}.`));
+  }
   if (!best) {
     words.push(h("p#tune-recommended", "No safe setting meets this goal; the curve shows the nearest."));
   } else if (Object.keys(best.settings).length === 0) {

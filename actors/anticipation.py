@@ -12,8 +12,8 @@ decisions, both pure functions of one model's idle gaps (`Gaps`):
   becomes a cold start the seed would not have had).  The idle timeout stays the upper
   bound; fewer than `MIN_GAPS` gaps, or a keep-warm that would reach the idle timeout, is
   the seed's rule.
-- **next arrival** (`next_arrival`): a *session* begins with a request that found the
-  model asleep (its gap is longer than the keep-warm in force).  Sessions are predictable
+- **next arrival** (`next_arrival`): a *session* begins with a request after a pause
+  (one longer than the keep-warm in force, or than `SESSION_PAUSE_S`).  Sessions are predictable
   when the last `PERIOD_GAPS` gaps between their beginnings agree within
   `PERIOD_TOLERANCE` (a job every 15 minutes: from its fifth run, in its second hour), or
   when they begin around the same time of day on each of the comparable days before
@@ -57,6 +57,7 @@ DAYS_AGREE = 3  # ... of which this many at least, and all but one, must agree
 # A time-of-day pattern must be this unlikely to be chance, given how many sessions a day
 # the model begins (noise that begins one every hour matches any time of day somewhere).
 CHANCE = 0.05
+SESSION_PAUSE_S = 300.0  # a pause this long (or one it sleeps through) ends a session
 LEAD_MARGIN = 1.2  # a pre-warm begins its median cold start times this before the arrival
 DEFAULT_START_S = 30.0  # a model never timed starting
 
@@ -136,7 +137,7 @@ def keep_warm(gaps: Iterable[float], idle_timeout_s: float) -> KeepWarm:
     allowed = int(KEEP_EXTRA_COLD * long_)
     short.sort()
     covered = short[len(short) - 1 - allowed] * KEEP_MARGIN if len(short) > allowed else 0.0
-    seconds = max(KEEP_FLOOR_S, covered)
+    seconds = float(math.ceil(max(KEEP_FLOOR_S, covered)))  # whole seconds, as recorded
     if seconds >= idle_timeout_s:
         return KeepWarm(seconds=None, reason="its gaps need its whole idle timeout")
     reason = "its usual gaps" if short else "its next request is usually far away"
@@ -332,8 +333,11 @@ class Anticipator:
             return NO_DATA
         gaps.forget_before(now - HISTORY_S)
         keep = keep_warm((gap for _, gap in gaps.items), idle_timeout_s)
-        separator = idle_timeout_s if keep.seconds is None else keep.seconds
-        starts = session_starts(gaps.items, separator)
+        # A session begins after a pause: one it would sleep through, or one of
+        # `SESSION_PAUSE_S` (a model kept warm through its pauses, whose next session a
+        # busier model's request may evict it before, is predicted all the same).
+        kept = idle_timeout_s if keep.seconds is None else keep.seconds
+        starts = session_starts(gaps.items, min(kept, SESSION_PAUSE_S))
         prediction = next_arrival(starts, now, self.tz_offset_s)
         learned = Learned(keep=keep, prediction=prediction)
         # Computed again an hour on at the latest (the history moves), or once the

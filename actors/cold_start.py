@@ -128,6 +128,15 @@ class StartHistory:
         elif isinstance(rec.event, m.DeploymentRemoved):
             self._done.pop(rec.stream.partition(":")[2], None)
 
+    def reset(self, deployment_id: str, seconds: Iterable[float]) -> None:
+        """Its starts are these (a what-if's box: the recorded box's, not its own warm-up's)."""
+        done = collections.deque(seconds, maxlen=self._keep)
+        if done:
+            self._done[deployment_id] = done
+        else:
+            self._done.pop(deployment_id, None)
+        self._pairing.forget(deployment_id)
+
     def expected_s(self, deployment_id: str) -> float | None:
         """The median of its last cold starts (an estimate), or None without history."""
         done = self._done.get(deployment_id)

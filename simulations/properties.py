@@ -656,7 +656,13 @@ def check_sleeps(facts: RunFacts) -> list[str]:
                 f"t={t:.1f}: {name} ({before.mode}, {before.role}) put to sleep by {rec.actor}"
             )
         timeout = before.effective_idle_timeout_s(_default_idle(state, facts))
-        if ev.reason == "make_room":
+        if ev.kept_warm_s:  # the learned policy's keep-warm, shorter than the idle timeout
+            if ev.kept_warm_s > timeout:
+                problems.append(f"t={t:.1f}: {name} kept warm {ev.kept_warm_s} s > {timeout} s")
+            timeout = ev.kept_warm_s
+        if ev.prewarm_unused:
+            timeout = 0  # nothing used it since it was pre-warmed: as if it were asleep
+        elif ev.reason == "make_room":
             default_room = state.settings.get(
                 "ondemand_make_room_after_s", facts.default_make_room_s
             )
@@ -690,6 +696,53 @@ def _default_idle(state: SystemState, facts: RunFacts) -> int:
     return int(value)
 
 
+def check_prewarms(facts: RunFacts) -> list[str]:
+    """A pre-warm starts only while no request waits; one abandoned had none waiting for
+    it, nor in flight; one that sleeps unused served nothing since it was pre-warmed."""
+    problems: list[str] = []
+    prewarmed: dict[str, float] = {}  # deployment -> when its pending pre-warm began
+    for rec in facts.records:
+        ev, t = rec.event, rec.ts - facts.wall_offset
+        dep = rec.stream.partition(":")[2]
+        name = facts.names.get(dep, dep)
+        if isinstance(ev, m.StartRequested) and ev.reason == "prewarm":
+            prewarmed[dep] = t
+            waiting = [
+                r.request_id for r in facts.results if r.arrived < t - EPS and _pending_at(r, t)
+            ]
+            if waiting:
+                problems.append(f"t={t:.1f}: {name} pre-warmed while {waiting[:3]} waited")
+        elif isinstance(ev, m.StopRequested) and ev.reason == "prewarm_abandoned":
+            mine = [
+                r.request_id
+                for r in facts.results
+                if r.deployment_id == dep and r.arrived < t - EPS and _pending_at(r, t)
+            ]
+            if mine or dep not in prewarmed:
+                problems.append(f"t={t:.1f}: {name}'s pre-warm abandoned with {mine} for it")
+        elif isinstance(ev, m.PutToSleep) and ev.prewarm_unused:
+            since = prewarmed.get(dep)
+            used = [
+                r.request_id
+                for r in facts.results
+                if r.deployment_id == dep
+                and since is not None
+                and r.admitted_at is not None
+                and since - EPS <= r.admitted_at <= t + EPS
+            ]
+            if since is None or used:
+                problems.append(f"t={t:.1f}: {name} called its pre-warm unused; {used} used it")
+        if isinstance(ev, m.EngineStopped | m.EngineStartFailed | m.EngineLost):
+            prewarmed.pop(dep, None)
+    return problems
+
+
+def _pending_at(r: RequestResult, t: float) -> bool:
+    """Whether request `r` was waiting (not yet admitted, refused or gone) at `t`."""
+    ended = r.admitted_at if r.admitted_at is not None else r.finished_at
+    return ended is None or ended > t + EPS
+
+
 def check_run(facts: RunFacts) -> list[str]:
     """Every after-the-fact property."""
     return [
@@ -697,6 +750,7 @@ def check_run(facts: RunFacts) -> list[str]:
         *check_endings(facts),
         *check_queue_cap(facts),
         *check_sleeps(facts),
+        *check_prewarms(facts),
     ]
 
 

@@ -73,6 +73,8 @@ class History:
     # What the recorded box's learned policy knew at `since`: each deployment's idle gaps
     # over the trace's last two weeks before it (`actors.anticipation`).
     prior: dict[str, Gaps] = field(default_factory=dict)
+    # ... and the cold starts it had timed then (its pre-warms' lead).
+    prior_starts: dict[str, list[float]] = field(default_factory=dict)
 
 
 async def load_history(
@@ -128,6 +130,7 @@ async def load_history(
             changes.append(Change(rec.ts, ev, dep_id))
     window = [r for r in records if lo <= r.ts <= hi]
     starts = _recorded_starts(records)
+    prior_starts = _recorded_starts(r for r in records if r.ts < lo)
     launches, stops = _recorded_launches_and_stops(records)
     prior: dict[str, Gaps] = {}
     for r in traffic:
@@ -163,6 +166,7 @@ async def load_history(
         records=window,
         dropped_requests=dropped,
         prior=prior,
+        prior_starts=prior_starts,
     )
 
 

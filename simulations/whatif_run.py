@@ -268,6 +268,9 @@ async def _seed(
         if dep_id in history.prior:  # what its learned policy knew of it then
             sim.controller.prewarmer.adopt(rec.id, history.prior[dep_id])
     await sim.clock.advance(WARM_UP_S / 2)
+    for dep_id, sim_id in ids.items():
+        # The warm-up's starts are not the recorded box's: its starts then are.
+        sim.controller.start_history.reset(sim_id, history.prior_starts.get(dep_id, []))
     for dep_id, dep in history.deployments.items():
         if dep.lifecycle is not Lifecycle.READY and dep.mode == "on_demand":
             actor = sim.controller.actors.get(ids[dep_id])

@@ -95,6 +95,8 @@ def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
             mode: dict[str, Any] = {"mode": ev.mode, "idle_timeout_s": ev.idle_timeout_s}
             if not isinstance(ev.make_room_after_s, msgspec.UnsetType):
                 mode["make_room_after_s"] = ev.make_room_after_s
+            if not isinstance(ev.ondemand_policy, msgspec.UnsetType):
+                mode["ondemand_policy"] = ev.ondemand_policy
             return "ondemand_mode", mode
         case m.PendingModeSet():  # the switch of a model that is not ready, applied once it is
             return "ondemand_mode", {"mode": ev.mode, "once": "ready"}
@@ -215,6 +217,8 @@ def _title(rec: m.Recorded, names: dict[str, str]) -> str | None:
                 if ev.idle_timeout_s is None
                 else (f"sleep after {minutes(ev.idle_timeout_s)} min idle")
             )
+            if isinstance(ev.ondemand_policy, str):
+                idle += f"; {ev.ondemand_policy} policy"
             return f"Mode changed to on demand ({idle})"
         case m.ModeChanged():
             return "Mode changed to always on"

@@ -344,3 +344,21 @@ def test_an_unknown_policy_is_refused_and_changes_nothing(tmp_path: Path) -> Non
         assert record.learned == "no traffic recorded yet: the seed's rules apply"
 
     box(tmp_path, t)
+
+
+def test_a_policy_change_is_audited_and_titled(tmp_path: Path) -> None:
+    async def t(h: Harness) -> None:
+        dep = await h.deploy("x", 1)
+        await h.controller.change_mode(
+            dep, "on_demand", None, True, "admin:alice", ondemand_policy="learned"
+        )
+        recs = await h.events()
+        rows = [r for r in audit_rows(recs) if r.action == "ondemand_mode"]
+        assert rows[-1].details["ondemand_policy"] == "learned"
+        assert rows[-1].actor == "admin:alice"
+        assert (
+            titles(recs, dep)[-1]
+            == "Mode changed to on demand (default idle timeout; learned policy)"
+        )
+
+    box(tmp_path, t)

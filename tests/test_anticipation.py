@@ -185,6 +185,32 @@ async def job_runs(h: Harness, dep: str, runs: int, period: float = 900.0) -> li
     return results
 
 
+async def learned_job(h: Harness, **others: float) -> tuple[str, dict[str, str], float]:
+    """A 10 GiB job of five runs every 15 minutes, beside `others` (name: GiB, stopped):
+    its id, theirs, and when its sixth run is expected."""
+    job = await h.deploy("job", 10, idle_timeout_s=300)
+    ids = {name: await h.deploy(name, gib, idle_timeout_s=300) for name, gib in others.items()}
+    await h.advance(START_S + 5)
+    for dep in ids.values():
+        await h.controller.stop(dep, "admin:test")
+    await job_runs(h, job, 5)
+    learned = h.controller.prewarmer.learned(h.controller.actors[job].state)
+    assert learned is not None and learned.prediction is not None
+    return job, ids, learned.prediction.at
+
+
+async def abandon_a_starting_pre_warm(h: Harness) -> tuple[str, Any]:
+    """The job's pre-warm is still starting when `other`'s request needs its memory (in a
+    15 GiB box): the job, and that request once served."""
+    job, ids, expected = await learned_job(h, other=10)
+    await until(h, expected - 40)
+    assert h.state(job) == "starting"
+    r = h.request(ids["other"], hold_s=1)
+    await h.advance(START_S + 10)
+    assert r.outcome == "served"
+    return job, r
+
+
 def test_a_periodic_model_is_pre_warmed_and_its_next_request_waits_for_nothing(
     tmp_path: Path,
 ) -> None:
@@ -247,20 +273,7 @@ def test_a_model_kept_warm_by_its_gaps_sleeps_after_them_not_after_its_idle_time
 
 def test_a_pre_warm_still_starting_is_abandoned_for_a_queued_request(tmp_path: Path) -> None:
     async def t(h: Harness) -> None:
-        job = await h.deploy("job", 10, idle_timeout_s=300)
-        other = await h.deploy("other", 10, idle_timeout_s=300)
-        await h.advance(START_S + 5)
-        await h.controller.stop(other, "admin:test")
-        await job_runs(h, job, 5)
-        # The sixth run's pre-warm begins about 72 s before it; a request for `other`
-        # comes while it is loading, and only one of them fits.
-        prediction = h.controller.prewarmer.learned(h.controller.actors[job].state)
-        assert prediction is not None and prediction.prediction is not None
-        await until(h, prediction.prediction.at - 40)
-        assert h.state(job) == "starting"
-        r = h.request(other, hold_s=1)
-        await h.advance(START_S + 10)
-        assert r.outcome == "served"
+        job, _ = await abandon_a_starting_pre_warm(h)
         recs = await h.events()
         assert "Pre-warm abandoned for a queued request" in titles(recs, job)
         assert h.controller.prewarmer.counts["abandoned"] == 1
@@ -270,20 +283,13 @@ def test_a_pre_warm_still_starting_is_abandoned_for_a_queued_request(tmp_path: P
 
 def test_no_pre_warm_starts_while_a_request_is_queued(tmp_path: Path) -> None:
     async def t(h: Harness) -> None:
-        job = await h.deploy("job", 10, idle_timeout_s=300)
-        busy = await h.deploy("busy", 30, idle_timeout_s=300)
-        big = await h.deploy("big", 30, idle_timeout_s=300)
-        await h.advance(START_S + 5)
-        await h.controller.stop(big, "admin:test")
-        await job_runs(h, job, 5)
-        learned = h.controller.prewarmer.learned(h.controller.actors[job].state)
-        assert learned is not None and learned.prediction is not None
+        job, ids, expected = await learned_job(h, busy=30, big=30)
         # `busy` holds 30 of 40 GiB with a long request; `big` waits in the queue for it,
         # while the 10 GiB free would fit the pre-warm of `job`.
-        h.request(busy, hold_s=3000)
+        h.request(ids["busy"], hold_s=3000)
         await h.advance(1)
-        waiting = h.request(big, hold_s=1)
-        await until(h, learned.prediction.at + 60)
+        waiting = h.request(ids["big"], hold_s=1)
+        await until(h, expected + 60)
         assert waiting.outcome == "pending" and len(h.controller.queue) == 1
         assert h.state(job) == "stopped"
         recs = await h.events()
@@ -299,16 +305,10 @@ def test_an_unused_pre_warm_is_the_first_to_make_room_and_delays_no_request(
     tmp_path: Path,
 ) -> None:
     async def t(h: Harness) -> None:
-        job = await h.deploy("job", 10, idle_timeout_s=300)
-        other = await h.deploy("other", 10, idle_timeout_s=300)
-        await h.advance(START_S + 5)
-        await h.controller.stop(other, "admin:test")
-        await job_runs(h, job, 5)
-        learned = h.controller.prewarmer.learned(h.controller.actors[job].state)
-        assert learned is not None and learned.prediction is not None
-        await until(h, learned.prediction.at - 5)
+        job, ids, expected = await learned_job(h, other=10)
+        await until(h, expected - 5)
         assert h.state(job) == "ready"  # pre-warmed, waiting for its request
-        r = h.request(other, hold_s=1)
+        r = h.request(ids["other"], hold_s=1)
         await h.advance(1)
         assert h.state(job) in ("stopping", "stopped")  # made room at once
         await h.advance(START_S + 5)

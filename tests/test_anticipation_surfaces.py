@@ -25,7 +25,7 @@ from events.traffic import TrafficRecord, encode_batch
 from simulations.harness import Harness
 from simulations.runtime import EngineBehaviour
 from storage.eventlog import EventStore
-from tests.test_anticipation import START_S, job_runs, until
+from tests.test_anticipation import START_S, abandon_a_starting_pre_warm, job_runs, until
 
 GIB = 1 << 30
 LEARNED = {"ondemand_policy": "learned"}
@@ -110,18 +110,7 @@ async def used_then_unused(h: Harness, db: Path) -> Scene:
 
 async def abandoned(h: Harness, db: Path) -> Scene:
     """The job's pre-warm is still starting when another model's request needs its memory."""
-    job = await h.deploy("job", 10, idle_timeout_s=300)
-    other = await h.deploy("other", 10, idle_timeout_s=300)
-    await h.advance(START_S + 5)
-    await h.controller.stop(other, "admin:test")
-    await job_runs(h, job, 5)
-    learned = h.controller.prewarmer.learned(h.controller.actors[job].state)
-    assert learned is not None and learned.prediction is not None
-    await until(h, learned.prediction.at - 40)
-    assert h.state(job) == "starting"
-    r = h.request(other, hold_s=1)
-    await h.advance(START_S + 10)
-    assert r.outcome == "served"
+    job, r = await abandon_a_starting_pre_warm(h)
     return Scene(db=db, job=job, metrics=render(prewarm_families(h.controller)),
                  waited_request=r.request_id)  # fmt: skip
 

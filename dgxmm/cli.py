@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
 import os
 import re
@@ -357,8 +358,9 @@ def _main(argv: Sequence[str] | None) -> int:
                 return _run(whatif_command, args)
             case "tune":
                 from dgxmm.replay.tune import tune_command
+                from dgxmm.tune_apply import apply
 
-                return _run(tune_command, args)
+                return _run(functools.partial(tune_command, apply=apply), args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -125,12 +125,6 @@ class Tuning(msgspec.Struct, kw_only=True):
     searched: str  # the search's size, in words
 
 
-def most_used(history: History, k: int) -> list[str]:
-    """The `k` deployments with the most requests (ids)."""
-    counts = Counter(r.deployment_id for r in history.traffic)
-    return [dep for dep, _ in counts.most_common(k)]
-
-
 def _deployments(history: History) -> dict[str, tuple[str, int, str]]:
     """Every deployment of the window: id -> (name, memory, mode as now)."""
     out: dict[str, tuple[str, int, str]] = {

@@ -71,8 +71,11 @@ ALLOWED: dict[str, frozenset[str]] = {
             "dgxmm.app",
             "dgxmm.private",
             "dgxmm.where",
+            "dgxmm.tune_apply",
         }
     ),
+    # `dgxmm tune --apply`: the tune command's recommendation, sent through the admin client.
+    "dgxmm.tune_apply": frozenset({*_LOWER, "simulations", "dgxmm.replay", "dgxmm.admin"}),
     # Which DGXMM a command works on: the configuration, and the server's token file's name.
     "dgxmm.where": frozenset({"dgxmm.config", "dgxmm.admin"}),
     "dgxmm.__main__": frozenset({"dgxmm.cli"}),

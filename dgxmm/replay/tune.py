@@ -18,6 +18,7 @@ import argparse
 import logging
 import shlex
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -54,7 +55,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser, time_type: Any) -> Non
     p.add_argument("--token", metavar="TOKEN", help="with --apply: an API token")
 
 
-async def tune_command(args: argparse.Namespace) -> int:
+async def tune_command(
+    args: argparse.Namespace, apply: Callable[[argparse.Namespace, Tuning], int] | None = None
+) -> int:
+    """`dgxmm tune`; with --apply, `apply` sends the recommendation to the running DGXMM
+    (`dgxmm.tune_apply`: the admin client is the application's, not the replay's)."""
     """Run the search; 2 for a bad goal or a log that cannot answer."""
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR),
@@ -76,47 +81,8 @@ async def tune_command(args: argparse.Namespace) -> int:
         sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
     else:
         sys.stdout.write(text(result, db))
-    if args.apply:
+    if args.apply and apply is not None:
         return apply(args, result)
-    return 0
-
-
-def apply(args: argparse.Namespace, result: Tuning) -> int:
-    """Send the recommendation to the running DGXMM, after asking (unless --yes)."""
-    from dgxmm.admin.client import AdminClient, ClientError, find_server
-
-    best = result.recommended
-    if best is None:
-        sys.stderr.write("dgxmm: tune --apply: nothing to apply (no safe point meets the goal)\n")
-        return 1
-    if not best.settings:
-        sys.stderr.write("dgxmm: tune --apply: the settings as they are are the recommendation\n")
-        return 0
-    out = sys.stderr if args.json else sys.stdout
-    out.write("\nto apply:\n" + "".join(f"  {c}\n" for c in best.changes))
-    if not args.yes:
-        if not sys.stdin.isatty():
-            sys.stderr.write("dgxmm: tune --apply: not a terminal to ask on; add --yes\n")
-            return 1
-        answer = input("apply these settings? [y/N] ").strip().lower()
-        if answer not in ("y", "yes"):
-            out.write("nothing changed\n")
-            return 1
-    try:
-        client = AdminClient(
-            find_server(
-                args.loaded_config,
-                args.url,
-                args.token,
-                configured=bool(getattr(args, "config", None)),
-            )
-        )
-        applied = client.call("POST", "/dgxmm/api/settings/tune/apply", apply_body(result))
-    except ClientError as exc:
-        sys.stderr.write(f"dgxmm: tune --apply: {exc.message}\n")
-        return exc.status
-    seq = applied["applied"]["seq"]
-    out.write(f"applied (audit #{seq}); see it and undo it on the Settings page\n")
     return 0
 
 

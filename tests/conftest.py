@@ -27,8 +27,14 @@ SIDE = (
     "tests/test_keepalive_real.py",
     "tests/test_prewarm_real.py",
     "tests/test_browser.py",
+    "tests/test_browser_anticipation.py",
+    "tests/test_browser_dashboard.py",
+    "tests/test_browser_timeline.py",
+    "tests/test_browser_tune.py",
     "tests/test_quickstart.py",
     "tests/test_demo.py",
+    "tests/test_shutdown_signals.py",
+    "tests/test_cli_resolution.py",
 )
 _PROPERTY = "dgxmm-tried"
 _TRIED: list[tuple[str, str]] = []  # (test, line)

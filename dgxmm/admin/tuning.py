@@ -142,12 +142,11 @@ class Applied(msgspec.Struct, kw_only=True):
     applied: TuneApplication | None
 
 
-async def measure_since(db_path: str, since: float) -> TuneFigures:
-    """What really happened since `since`: `dgxmm whatif --recorded-only` run apart, the
-    code that measures the recorded column; TuneFailed when it cannot answer."""
+async def _dgxmm(args: list[str], doing: str) -> tuple[int, bytes, bytes]:
+    """`dgxmm ARGS` run apart, within `DEADLINE_S`: its exit code, stdout and stderr;
+    TuneFailed ("DOING took more than ...") when it does not end in time."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dgxmm", "whatif", "--db", db_path, "--json", "--recorded-only",
-        "--since", str(since),
+        sys.executable, "-m", "dgxmm", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -156,10 +155,25 @@ async def measure_since(db_path: str, since: float) -> TuneFigures:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
-        raise TuneFailed(f"measuring took more than {DEADLINE_S:g} s") from None
-    if proc.returncode != 0:
-        lines = err.decode(errors="replace").strip().splitlines()
-        raise TuneFailed(lines[-1].removeprefix("dgxmm: ") if lines else "it failed")
+        raise TuneFailed(f"{doing} took more than {DEADLINE_S:g} s") from None
+    return proc.returncode or 0, out, err
+
+
+def _last_line(err: bytes) -> str | None:
+    lines = err.decode(errors="replace").strip().splitlines()
+    return lines[-1] if lines else None
+
+
+async def measure_since(db_path: str, since: float) -> TuneFigures:
+    """What really happened since `since`: `dgxmm whatif --recorded-only` run apart, the
+    code that measures the recorded column; TuneFailed when it cannot answer."""
+    code, out, err = await _dgxmm(
+        ["whatif", "--db", db_path, "--json", "--recorded-only", "--since", str(since)],
+        "measuring",
+    )
+    if code != 0:
+        line = _last_line(err)
+        raise TuneFailed(line.removeprefix("dgxmm: ") if line else "it failed")
     try:
         return msgspec.convert(msgspec.json.decode(out)["figures"][0], TuneFigures)
     except (msgspec.DecodeError, msgspec.ValidationError, KeyError, IndexError) as exc:
@@ -189,21 +203,10 @@ class TuneRunner:
         return value
 
     async def _run(self, goal: str, now: float) -> Tuned:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dgxmm", "tune", "--db", self.db_path, "--json",
-            "--since", str(now - WINDOW_S), "--goal", goal,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), DEADLINE_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise TuneFailed(f"tune took more than {DEADLINE_S:g} s") from None
-        if proc.returncode != 0:
-            lines = err.decode(errors="replace").strip().splitlines()
-            raise TuneFailed(lines[-1] if lines else f"tune exited {proc.returncode}")
+        args = ["tune", "--db", self.db_path, "--json", "--since", str(now - WINDOW_S)]
+        code, out, err = await _dgxmm([*args, "--goal", goal], "tune")
+        if code != 0:
+            raise TuneFailed(_last_line(err) or f"tune exited {code}")
         extra = {"goal_text": goal, "since": now - WINDOW_S, "until": now}
         try:
             return msgspec.convert({**msgspec.json.decode(out), **extra}, Tuned)

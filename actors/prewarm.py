@@ -24,7 +24,6 @@ The rules a pre-warm keeps, whatever the policy (and checked by property tests):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
@@ -97,7 +96,6 @@ class Prewarmer:
         self._history: asyncio.Task[None] | None = None
         self._loaded = False
         self._early: list[m.Recorded] = []  # batches heard while the history loads
-        self.on_decision: Callable[[str], None] = lambda deployment_id: None
 
     # --- hearing the traffic -------------------------------------------------------------
 
@@ -137,25 +135,23 @@ class Prewarmer:
         )
 
     def start(self) -> None:
-        """Read the trace's last two weeks (once the policy is in use) and tick."""
-        if self.in_use() and self._history is None and not self._loaded:
-            self._history = asyncio.get_running_loop().create_task(self._load_history())
+        """Tick (`refresh` reads the trace's last two weeks first, once the policy is in use)."""
         self.refresh()
 
     async def _load_history(self) -> None:
         store = self._c.store
+        fed = 0  # the last batch read from the log: a batch heard meanwhile may be in it
         try:
             since = await store.seq_at(self._c.clock.wall() - HISTORY_S)
             async for rec in store.iterate(
                 since_seq=since, stream=m.STREAM_TRAFFIC, types=TRAFFIC_TYPES
             ):
                 self._feed(rec)
+                fed = rec.seq
         except Exception as exc:  # policy: a log that cannot be read leaves the seed's rules
             log.error("prewarm_history_unreadable", error=str(exc))
-        seen = set()
         for rec in self._early:
-            if rec.seq not in seen:
-                seen.add(rec.seq)
+            if rec.seq > fed:
                 self._feed(rec)
         self._early.clear()
         self._loaded = True
@@ -306,7 +302,6 @@ class Prewarmer:
             self._count(deployment_id, "abandoned")
         else:
             self._count(deployment_id, "used" if used else "wasted")
-        self.on_decision(deployment_id)
 
     def _count(self, deployment_id: str, outcome: str) -> None:
         self.counts[outcome] += 1

@@ -20,6 +20,7 @@ and the 15 s tick arrive through the mailbox.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from actors.memory_broker import Candidate, MemoryBroker, gib
 from actors.runtime import Actor, Clock, TimerHandle
 from events import model as m
 from events.state import Lifecycle
+from storage.errors import StoreClosed
 from storage.eventlog import EventStore
 
 log = structlog.get_logger("dgxmm.queue")
@@ -128,10 +130,12 @@ class QueueActor(Actor):
         self._candidate_due = candidate_due
         self._due_timer: TimerHandle | None = None
         self._waiting: dict[str, WaiterImpl] = {}  # insertion order is arrival order
+        self._waiting_for: Counter[str] = Counter()  # the waiting requests per deployment
+        self._head: str | None = None  # the head its make-room timer was last armed for
         self._starting: set[str] = set()  # deployments started for requests, not yet settled
         self._made_room: dict[str, None] = {}  # of those, the heads that put models to sleep
         self._lost: set[str] = set()  # lost under waiting requests: to start for them
-        self._writes: set[asyncio.Task[Any]] = set()
+        self._writes: set[asyncio.Future[Any]] = set()
         self._stats = {"served": 0, "refused": 0, "timeouts": 0, "client_gone": 0, "admitted": 0}
         self.on_change: Callable[[str], None] = lambda deployment_id: None
         # The head cannot fit: stop pre-warms still starting whose memory it needs (True: some).
@@ -215,6 +219,7 @@ class QueueActor(Actor):
                 is_head = False
                 break
         self._waiting[request_id] = waiter
+        self._waiting_for[dep.deployment_id] += 1
         position = len(self._waiting)
         free = self._broker.free()
         admitted = self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
@@ -247,7 +252,7 @@ class QueueActor(Actor):
 
     def leave(self, waiter: WaiterImpl, reason: m.LeaveReason) -> None:
         """Remove a waiting request (client gone); idempotent."""
-        if self._waiting.pop(waiter.request_id, None) is None:
+        if not self._remove(waiter):
             return
         if waiter.timer is not None:
             waiter.timer.cancel()
@@ -258,8 +263,16 @@ class QueueActor(Actor):
         self.on_change(waiter.deployment_id)
         self._tell_recheck("left")
 
-    def _finish(self, waiter: WaiterImpl, reason: m.LeaveReason, error: Refused | None) -> None:
+    def _remove(self, waiter: WaiterImpl) -> bool:
         if self._waiting.pop(waiter.request_id, None) is None:
+            return False
+        self._waiting_for[waiter.deployment_id] -= 1
+        if not self._waiting_for[waiter.deployment_id]:
+            del self._waiting_for[waiter.deployment_id]
+        return True
+
+    def _finish(self, waiter: WaiterImpl, reason: m.LeaveReason, error: Refused | None) -> None:
+        if not self._remove(waiter):
             return
         if waiter.timer is not None:
             waiter.timer.cancel()
@@ -293,16 +306,18 @@ class QueueActor(Actor):
 
     def _record(self, event: m.AnyEvent) -> None:
         # Queue events go through group commit; nobody waits for their fsync.
-        task = asyncio.get_running_loop().create_task(
-            self._store.append(m.STREAM_QUEUE, [event], actor="ondemand")
-        )
-        self._writes.add(task)
-        task.add_done_callback(self._written)
+        try:
+            written = self._store.append_soon(m.STREAM_QUEUE, [event], actor="ondemand")
+        except StoreClosed as exc:
+            log.error("queue_event_not_recorded", error=str(exc))
+            return
+        self._writes.add(written)
+        written.add_done_callback(self._written)
 
-    def _written(self, task: asyncio.Task[Any]) -> None:
-        self._writes.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("queue_event_not_recorded", error=str(task.exception()))
+    def _written(self, written: asyncio.Future[Any]) -> None:
+        self._writes.discard(written)
+        if not written.cancelled() and written.exception() is not None:
+            log.error("queue_event_not_recorded", error=str(written.exception()))
 
     def poke(self, why: str) -> None:
         """Look at the queue again soon (something the queue does not watch changed)."""
@@ -449,6 +464,7 @@ class QueueActor(Actor):
 
     def _arm_due(self, head_id: str) -> None:
         """Look again when the next model becomes a make-room candidate for the head."""
+        self._head = head_id
         due = self._candidate_due(head_id)
         if self._due_timer is not None:
             self._due_timer.cancel()
@@ -478,8 +494,17 @@ class QueueActor(Actor):
         actor = self._lookup(deployment_id)
         if actor is None or actor.activity.in_flight:
             return
-        if any(w.kind == "queued" for w in self._waiting.values()) or self._starting:
+        if not (self._starting or any(w.kind == "queued" for w in self._waiting.values())):
+            return
+        # What its last request's end changes for the queue: its own waiters may be served,
+        # and its memory may be taken for the head at once.  A model that becomes a candidate
+        # only later does so on the head's timer, which must count it from now; nothing else
+        # changed, and a walk of the whole queue (once per request ended on a busy box) would
+        # find what the last one found.
+        if deployment_id in self._waiting_for or actor.idle_candidate() is not None:
             self._tell_recheck("activity")
+        elif self._head is not None:
+            self._arm_due(self._head)
 
     def _fail_all(self, deployment_id: str, reason: m.LeaveReason, error: Refused) -> None:
         for w in [w for w in self._waiting.values() if w.deployment_id == deployment_id]:

@@ -31,7 +31,7 @@ import itertools
 import math
 import statistics
 import time
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -63,43 +63,78 @@ DEFAULT_START_S = 30.0  # a model never timed starting
 
 
 class Gaps:
-    """One model's idle gaps: (the arrival that ended it, its length), oldest first."""
+    """One model's idle gaps: (the arrival that ended it, its length), oldest first.
 
-    __slots__ = ("busy_until", "first_seen", "items")
+    Beside them, for the decisions asked after every request: the finite gaps in order
+    (`keep_warm_sorted`) and the beginnings of sessions after the last pause asked for
+    (`starts`), both kept as gaps come and go, each a bisection rather than a pass over up
+    to `MAX_GAPS` gaps."""
+
+    __slots__ = ("_ordered", "_pause", "_starts", "busy_until", "first_seen", "items")
 
     def __init__(self) -> None:
-        self.items: deque[tuple[float, float]] = deque(maxlen=MAX_GAPS)
+        self.items: deque[tuple[float, float]] = deque()
         self.busy_until = -math.inf  # the end of its latest request
         self.first_seen: float | None = None
+        self._ordered: list[float] = []  # the finite gaps, shortest first
+        self._pause: float | None = None  # the pause `_starts` was made for
+        self._starts: deque[float] = deque()
 
     def observe(self, arrived: float, ended: float) -> bool:
         """One request; True when it began a session (no request for `GAP_FLOOR_S` or more)."""
         if self.first_seen is None:
             self.first_seen = arrived
-            self.items.append((arrived, math.inf))
+            self._add(arrived, math.inf)
             self.busy_until = ended
             return True
         began = False
         gap = arrived - self.busy_until
         if gap >= GAP_FLOOR_S:
-            self.items.append((arrived, gap))
+            self._add(arrived, gap)
             began = True
         if ended > self.busy_until:
             self.busy_until = ended
         return began
 
+    def _add(self, arrived: float, gap: float) -> None:
+        if len(self.items) >= MAX_GAPS:
+            self._drop_oldest()
+        self.items.append((arrived, gap))
+        if gap != math.inf:
+            insort(self._ordered, gap)
+        if self._pause is not None and gap > self._pause:
+            self._starts.append(arrived)
+
+    def _drop_oldest(self) -> None:
+        at, gap = self.items.popleft()
+        if gap != math.inf:
+            del self._ordered[bisect_left(self._ordered, gap)]
+        if self._starts and self._starts[0] == at:
+            self._starts.popleft()
+
     def copy(self) -> Gaps:
         """Another with the same history (a what-if's box starts from the recorded one's)."""
         other = Gaps()
         other.items.extend(self.items)
+        other._ordered = list(self._ordered)
         other.busy_until, other.first_seen = self.busy_until, self.first_seen
         return other
 
     def forget_before(self, when: float) -> None:
         """Drop the gaps that ended before `when` (`HISTORY_S` ago)."""
-        items = self.items
-        while items and items[0][0] < when:
-            items.popleft()
+        while self.items and self.items[0][0] < when:
+            self._drop_oldest()
+
+    def keep_warm(self, idle_timeout_s: float) -> KeepWarm:
+        """`keep_warm` of these gaps."""
+        return keep_warm_sorted(self._ordered, idle_timeout_s)
+
+    def starts(self, pause_s: float) -> list[float]:
+        """`session_starts` of these gaps after pauses longer than `pause_s`."""
+        if pause_s != self._pause:
+            self._pause = pause_s
+            self._starts = deque(session_starts(self.items, pause_s))
+        return list(self._starts)
 
 
 class KeepWarm(msgspec.Struct, frozen=True, kw_only=True):
@@ -121,26 +156,23 @@ class Prediction(msgspec.Struct, frozen=True, kw_only=True):
 
 def keep_warm(gaps: Iterable[float], idle_timeout_s: float) -> KeepWarm:
     """The learned keep-warm from a model's gaps (seconds, `inf` for its first request); pure."""
-    short: list[float] = []
-    long_ = 0
-    for gap in gaps:
-        if gap == math.inf:
-            continue
-        if gap <= idle_timeout_s:
-            short.append(gap)
-        else:
-            long_ += 1
-    if len(short) + long_ < MIN_GAPS:
+    return keep_warm_sorted(sorted(g for g in gaps if g != math.inf), idle_timeout_s)
+
+
+def keep_warm_sorted(ordered: Sequence[float], idle_timeout_s: float) -> KeepWarm:
+    """`keep_warm` of finite gaps given shortest first; pure."""
+    n_short = bisect_right(ordered, idle_timeout_s)  # the gaps within the idle timeout
+    long_ = len(ordered) - n_short
+    if len(ordered) < MIN_GAPS:
         return KeepWarm(seconds=None, reason="too few pauses recorded yet")
     if not long_:
         return KeepWarm(seconds=None, reason="it is never idle for its whole idle timeout")
     allowed = int(KEEP_EXTRA_COLD * long_)
-    short.sort()
-    covered = short[len(short) - 1 - allowed] * KEEP_MARGIN if len(short) > allowed else 0.0
+    covered = ordered[n_short - 1 - allowed] * KEEP_MARGIN if n_short > allowed else 0.0
     seconds = float(math.ceil(max(KEEP_FLOOR_S, covered)))  # whole seconds, as recorded
     if seconds >= idle_timeout_s:
         return KeepWarm(seconds=None, reason="its gaps need its whole idle timeout")
-    reason = "its usual gaps" if short else "its next request is usually far away"
+    reason = "its usual gaps" if n_short else "its next request is usually far away"
     return KeepWarm(seconds=seconds, reason=reason)
 
 
@@ -332,12 +364,12 @@ class Anticipator:
         if gaps is None:
             return NO_DATA
         gaps.forget_before(now - HISTORY_S)
-        keep = keep_warm((gap for _, gap in gaps.items), idle_timeout_s)
+        keep = gaps.keep_warm(idle_timeout_s)
         # A session begins after a pause: one it would sleep through, or one of
         # `SESSION_PAUSE_S` (a model kept warm through its pauses, whose next session a
         # busier model's request may evict it before, is predicted all the same).
         kept = idle_timeout_s if keep.seconds is None else keep.seconds
-        starts = session_starts(gaps.items, min(kept, SESSION_PAUSE_S))
+        starts = gaps.starts(min(kept, SESSION_PAUSE_S))
         prediction = next_arrival(starts, now, self.tz_offset_s)
         learned = Learned(keep=keep, prediction=prediction)
         # Computed again an hour on at the latest (the history moves), or once the

@@ -50,6 +50,7 @@ from typing import Any
 import msgspec
 
 from actors.memory_broker import GIB
+from events import model as m
 from simulations.whatif import (
     Figures,
     History,
@@ -223,11 +224,64 @@ def _on_demand(history: History) -> list[str]:
     return sorted(found, key=lambda d: (-counts[d], deps[d][0]))
 
 
+def _recorded_make_room(history: History) -> set[int | None]:
+    """The global make-room-after values the recorded box had in force over the window."""
+    key = "ondemand_make_room_after_s"
+    found = {history.settings.get(key, history.defaults.get(key))}
+    for change in history.changes:
+        if isinstance(change.event, m.SettingsChanged) and key in change.event.changes:
+            found.add(change.event.changes[key])
+    return found
+
+
+def _recorded_idle(history: History) -> set[int]:
+    """The idle timeouts the recorded box's models had in force over the window."""
+    key = "ondemand_idle_timeout_s"
+    default = {history.settings.get(key, history.defaults.get(key))}
+    found: set[Any] = {s.idle_timeout_s for s in history.deployments.values()}
+    for change in history.changes:
+        ev = change.event
+        if isinstance(ev, m.SettingsChanged) and key in ev.changes:
+            default.add(ev.changes[key])
+        elif isinstance(ev, m.ModeChanged | m.DeploymentCreated):
+            found.add(ev.idle_timeout_s)
+    return {int(v) for v in (found | default) if v is not None}
+
+
+def _ever_on_demand(history: History) -> set[str]:
+    """The deployments on demand at any time of the window."""
+    found = {d for d, s in history.deployments.items() if s.mode == "on_demand"}
+    for change in history.changes:
+        ev = change.event
+        if isinstance(ev, m.DeploymentCreated) and ev.mode == "on_demand":
+            found.add(ev.deployment_id)
+        elif isinstance(ev, m.ModeChanged) and ev.mode == "on_demand" and change.deployment_id:
+            found.add(change.deployment_id)
+    return found
+
+
 def first_stage(history: History) -> list[dict[str, Any]]:
-    """Make-room-after against the idle timeouts of every on-demand model."""
+    """Make-room-after against the idle timeouts of every on-demand model.
+
+    A model makes room after min(make-room-after, its idle timeout), so making room after the
+    longest idle timeout in force or later is the seed's rule: those points are one
+    simulation, the first of them.  ("As now", the recorded make-room-after, is one of them
+    only when the recorded box never made room sooner than that.)"""
     on_demand = sorted(_on_demand(history))
-    out = []
+    recorded, recorded_idle = _recorded_make_room(history), _recorded_idle(history)
+    # ... and only when the idle timeout is every on-demand model's: none of the window is
+    # on demand for a while only (its own idle timeout would meet the make-room-after).
+    whole = _ever_on_demand(history) <= set(on_demand)
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[int | str | None, int | None]] = set()
     for room, idle in itertools.product(MAKE_ROOM, IDLE):
+        rooms = recorded if room is None else {room}
+        longest = idle if idle is not None else max(recorded_idle, default=None)
+        same = whole and longest is not None and all(r is None or r >= longest for r in rooms)
+        key = ("the idle timeout" if same else room, idle)
+        if key in seen:
+            continue
+        seen.add(key)
         over: dict[str, Any] = {}
         if room is not None:
             over["ondemand_make_room_after_s"] = room

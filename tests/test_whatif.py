@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from simulations.tune import Goal, tune
-from simulations.whatif import load_history, parse_overrides, simulate
+from simulations.tune import Goal, _named, first_stage, tune
+from simulations.whatif import figures, load_history, parse_overrides, simulate
 from simulations.whatif_measure import _covered, _merged
 from tests.gateway_support import run
 from tests.whatif_support import Model, write_log
@@ -163,9 +163,11 @@ def test_tune_recommends_a_point_that_meets_the_goal_and_shows_the_curve(log: Pa
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    # 15 make-room x idle timeouts, then always-on sets and per-model settings on the best.
+    # 15 make-room x idle timeouts (12 simulations: the recorded box makes room after the idle
+    # timeout, 300 s, which making room after 300 s repeats, as after 120 or 300 s do with one
+    # of 120 s), then always-on sets and per-model settings on the best.
     stages = [p["stage"] for p in out["points"]]
-    assert stages.count("make room and idle timeouts") == 15
+    assert stages.count("make room and idle timeouts") == 12
     assert "always on" in stages and "per model" in stages
     # The learned policy (issue 44), on the best point so far.
     learned = [p for p in out["points"] if p["stage"] == "learned policy"]
@@ -177,6 +179,33 @@ def test_tune_recommends_a_point_that_meets_the_goal_and_shows_the_curve(log: Pa
     assert best["figures"]["cold_starts_per_hour"] == fewest
     assert any(p["pareto"] for p in out["points"])
     assert out["baseline"]["settings"] == {} and out["baseline"]["label"] == "as now (no change)"
+
+
+def test_points_that_make_room_only_after_the_idle_timeout_are_simulated_once(log: Path) -> None:
+    history = run(load_history(log))
+    points = [sorted(_named(history, p)) for p in first_stage(history)]
+    assert len(points) == 12, points
+    room = "ondemand_make_room_after_s="
+    # With an idle timeout of 120 s, making room after 120 or 300 s is making room after it.
+    assert [p for p in points if "chat.idle_timeout_s=120" in p] == [
+        [f"{n}.idle_timeout_s=120" for n in ("big", "chat", "coder")],
+        *[[f"{n}.idle_timeout_s=120" for n in ("big", "chat", "coder")] + [f"{room}{r}"]
+          for r in (0, 30)],
+    ]  # fmt: skip
+    # As recorded (idle timeouts of 300 s, the seed's rule), making room after 300 s is too.
+    assert [p for p in points if not any("idle_timeout_s" in c for c in p)] == [
+        [],
+        [f"{room}0"],
+        [f"{room}30"],
+        [f"{room}120"],
+    ]
+    # Each left out is the same simulation as the first of its kind.
+    idle = {f"{d}.idle_timeout_s": 120 for d in history.deployments}
+    first = run(simulate(history, idle), timeout=120)
+    later = run(simulate(history, {**idle, "ondemand_make_room_after_s": 300}), timeout=120)
+    assert figures(first) == figures(later)
+    sooner = run(simulate(history, {**idle, "ondemand_make_room_after_s": 0}), timeout=120)
+    assert figures(sooner) != figures(first)  # (a setting that does change it shows)
 
 
 def test_tune_in_two_processes_finds_what_it_finds_in_one(log: Path) -> None:

@@ -31,6 +31,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ class Column(msgspec.Struct, kw_only=True):
     label: str
     requests: int
     waited: int  # requests that waited for their model
+    waited_by_model: dict[str, int] = {}  # the same, per model (by its name)
     waited_p50: float  # of those that waited (s)
     waited_p90: float
     timed_out: int  # left the queue at its deadline
@@ -132,12 +134,16 @@ async def column(history: History, overrides: dict[str, Any], label: str) -> Col
         report = await simulate(history, overrides, label=label)
     outcomes, records = spy.call_args.args[1], spy.call_args.args[2]
     waited = waits([o.wait for o in outcomes if o.waited and fate(o.outcome) in MEASURED])
+    by_model = Counter(
+        history.names.get(o.deployment_id, o.deployment_id) for o in outcomes if o.waited
+    )
     prewarms = sum(
         isinstance(r.event, m.StartRequested) and r.event.reason == "prewarm" for r in records
     )
     unused = sum(isinstance(r.event, m.PutToSleep) and r.event.prewarm_unused for r in records)
     return Column(
-        label=label, requests=report.requests, waited=report.waited, waited_p50=waited.p50,
+        label=label, requests=report.requests, waited=report.waited,
+        waited_by_model=dict(sorted(by_model.items())), waited_p50=waited.p50,
         waited_p90=waited.p90, timed_out=report.fates.timed_out, refused=report.fates.refused,
         cold_starts=report.cold_starts, prewarms=prewarms, prewarms_unused=unused,
         idle_gib_hours=report.idle_gib_hours,
@@ -176,6 +182,10 @@ def verdicts(targets: Targets, seed: Column, learned: Column) -> list[Verdict]:
     return out
 
 
+def _waited_of(model: str) -> Callable[[Column], str]:
+    return lambda c: f"{c.waited_by_model.get(model, 0):,}"
+
+
 def table(seed: Column, learned: Column | None, found: list[Verdict]) -> list[str]:
     """The trace's rows: each figure under both policies, and the targets' ratios."""
     rows: list[tuple[str, Callable[[Column], str]]] = [
@@ -190,6 +200,8 @@ def table(seed: Column, learned: Column | None, found: list[Verdict]) -> list[st
         ("  unused (slept before a request)", lambda c: f"{c.prewarms_unused:,}"),
         ("idle GiB-hours", lambda c: f"{c.idle_gib_hours:.1f}"),
     ]
+    for model in reversed(seed.waited_by_model):  # whose waits remain
+        rows.insert(2, (f"  of them {model}'s", _waited_of(model)))
     lines = [f"{'':34}{'seed (tuned)':>14}{'learned':>14}"]
     for name, fmt in rows:
         lines.append(f"{name:34}{fmt(seed):>14}{fmt(learned) if learned else 'pending':>14}")

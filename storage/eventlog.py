@@ -280,7 +280,9 @@ class EventStore:
         expected_version: int | None = None,
     ) -> list[m.Recorded]:
         """Append `events` to `stream`; returns them recorded once they are durable."""
-        return await self.append_soon(stream, events, actor=actor, expected_version=expected_version)
+        return await self.append_soon(
+            stream, events, actor=actor, expected_version=expected_version
+        )
 
     def append_soon(
         self,

@@ -289,6 +289,34 @@ def test_with_30_s_a_model_used_20_s_ago_is_not_stopped_but_is_at_30_s(tmp_path:
     run(main())
 
 
+def test_a_model_whose_request_ends_while_the_head_waits_makes_room_on_time(tmp_path: Path) -> None:
+    """The end of a request does not walk the queue unless it can change it now: the model
+    it ended on becomes a candidate 10 s later, and the head's timer must count it from its
+    end (the queue's 15 s tick would come up to 5 s late: the request ends just after one)."""
+
+    async def main() -> None:
+        h = await box(tmp_path, ondemand_make_room_after_s=10)
+        try:
+            a, b = await two_models(h)  # the queue ticks every 15 s from 0
+            tick = 15.0 * (h.clock.now() // 15.0 + 5)
+            await h.advance(tick - 44.0 - h.clock.now())
+            h.request(a, hold_s=45)  # ends 1 s after a tick
+            await h.advance(5)
+            r = h.request(b, hold_s=1)  # a is busy: no candidate, none due
+            await h.advance(1)
+            assert r.queued
+            ended = tick + 1.0
+            await h.advance(ended + 9.5 - h.clock.now())
+            assert r.admitted_at is None and h.state(a) == "ready"
+            await h.advance(1 + STARTUP_S + 1)
+            assert r.admitted_at is not None
+            assert r.admitted_at - (ended + 10) <= STARTUP_S + 0.5, r.admitted_at - ended
+        finally:
+            await h.close()
+
+    run(main())
+
+
 def test_a_deployment_override_keeps_one_model_warm_while_the_default_is_zero(
     tmp_path: Path,
 ) -> None:

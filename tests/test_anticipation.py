@@ -16,10 +16,12 @@ import pytest
 from actors.anticipation import (
     KEEP_FLOOR_S,
     Anticipator,
+    Gaps,
     daily,
     keep_warm,
     next_arrival,
     periodic,
+    session_starts,
 )
 from actors.deployment import Refusal
 from events import model as m
@@ -62,6 +64,29 @@ def test_gaps_spread_up_to_the_idle_timeout_keep_it_whole() -> None:
     rng = random.Random(3)
     gaps = [rng.expovariate(1 / 400) for _ in range(5000)]  # noise: as many just under 300
     assert keep_warm(gaps, 300).seconds is None
+
+
+def test_the_gaps_kept_in_order_decide_as_the_gaps_themselves(monkeypatch: Any) -> None:
+    """`Gaps` keeps its finite gaps sorted and its session beginnings per pause as gaps come
+    and go (the oldest forgotten, the full history's oldest dropped): what they say is what
+    the pure rules say of its gaps, after every step."""
+    import actors.anticipation
+
+    monkeypatch.setattr(actors.anticipation, "MAX_GAPS", 40)
+    rng = random.Random(5)
+    gaps, t = Gaps(), T0
+    for step in range(600):
+        t += rng.choice([rng.uniform(0, 30), rng.uniform(10, 400), rng.uniform(300, 4000)])
+        gaps.observe(t, t + rng.uniform(0, 20))
+        if step % 97 == 0:
+            gaps.forget_before(t - rng.uniform(600, 6000))
+        assert len(gaps.items) <= 40
+        pause = rng.choice([15.0, 60.0, 300.0, 301.0])
+        for idle in (60.0, 300.0, 900.0):
+            assert gaps.keep_warm(idle) == keep_warm((g for _, g in gaps.items), idle)
+        assert gaps.starts(pause) == session_starts(gaps.items, pause)
+        copy = gaps.copy()
+        assert copy.items == gaps.items and copy.starts(pause) == gaps.starts(pause)
 
 
 # --- prediction --------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ The search (`tune`) runs in stages, each one `simulate` of the same recorded tra
 point, the stage's points side by side:
 
 1. the global `ondemand_make_room_after_s` (as now, 0, 30, 120, 300 s) against the on-demand
-   models' idle timeouts (as now, 120 s or 900 s for every model): 15 points;
+   models' idle timeouts (as now, 120 s or 900 s for every model): 15 points, of which those
+   that make room only after the longest idle timeout in force are one simulation (12 on a
+   box on the defaults);
 2. on the best of those, always-on for the most used on-demand models (each set of at most
    `k` of the `TOP` most used): a set whose memory leaves another model unable to start is
    not simulated, it is shown infeasible with the reason;
@@ -13,9 +15,9 @@ point, the stage's points side by side:
 4. on the best so far, the learned policy of starting models ahead (`ondemand_policy`),
    where the what-if knows it;
 
-about 25 points with k = 1 (15 + 3 + 6 + 1; fewer where a point repeats one already
-simulated), fewer simulations than the single grid of 30 it replaces, so a week still fits
-in 15 minutes on two cores.  The goal is a bound and an objective: "p90 wait
+about 22 simulations with k = 1 (12 + 3 + 6 + 1; fewer where a point repeats one already
+simulated), fewer than the single grid of 30 it replaces: the bench's week (a million
+requests) in 12.3 minutes on two cores (`python -m tests.perf.bench_whatif --tune`).  The goal is a bound and an objective: "p90 wait
 <= 30 s with the fewest cold starts" is `Goal(bound="p90", limit_s=30,
 minimise="cold_starts")`.
 

@@ -1,5 +1,5 @@
 """How fast the what-if runs: a recorded week (about 1M requests over 8 models) simulated
-under one alternative, and `tune`'s staged search (about 25 points).
+under one alternative, and `tune`'s staged search (about 22 simulations).
 
     python -m tests.perf.bench_whatif [--tune] [--hours 168]
 

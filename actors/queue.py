@@ -33,7 +33,6 @@ from actors.memory_broker import Candidate, MemoryBroker, gib
 from actors.runtime import Actor, Clock, TimerHandle
 from events import model as m
 from events.state import Lifecycle
-from storage.errors import StoreClosed
 from storage.eventlog import EventStore
 
 log = structlog.get_logger("dgxmm.queue")
@@ -135,7 +134,7 @@ class QueueActor(Actor):
         self._starting: set[str] = set()  # deployments started for requests, not yet settled
         self._made_room: dict[str, None] = {}  # of those, the heads that put models to sleep
         self._lost: set[str] = set()  # lost under waiting requests: to start for them
-        self._writes: set[asyncio.Future[Any]] = set()
+        self._writes: set[asyncio.Task[Any]] = set()
         self._stats = {"served": 0, "refused": 0, "timeouts": 0, "client_gone": 0, "admitted": 0}
         self.on_change: Callable[[str], None] = lambda deployment_id: None
         # The head cannot fit: stop pre-warms still starting whose memory it needs (True: some).
@@ -306,18 +305,16 @@ class QueueActor(Actor):
 
     def _record(self, event: m.AnyEvent) -> None:
         # Queue events go through group commit; nobody waits for their fsync.
-        try:
-            written = self._store.append_soon(m.STREAM_QUEUE, [event], actor="ondemand")
-        except StoreClosed as exc:
-            log.error("queue_event_not_recorded", error=str(exc))
-            return
-        self._writes.add(written)
-        written.add_done_callback(self._written)
+        task = asyncio.get_running_loop().create_task(
+            self._store.append(m.STREAM_QUEUE, [event], actor="ondemand")
+        )
+        self._writes.add(task)
+        task.add_done_callback(self._written)
 
-    def _written(self, written: asyncio.Future[Any]) -> None:
-        self._writes.discard(written)
-        if not written.cancelled() and written.exception() is not None:
-            log.error("queue_event_not_recorded", error=str(written.exception()))
+    def _written(self, task: asyncio.Task[Any]) -> None:
+        self._writes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("queue_event_not_recorded", error=str(task.exception()))
 
     def poke(self, why: str) -> None:
         """Look at the queue again soon (something the queue does not watch changed)."""

@@ -280,38 +280,17 @@ class EventStore:
         expected_version: int | None = None,
     ) -> list[m.Recorded]:
         """Append `events` to `stream`; returns them recorded once they are durable."""
-        return await self.append_soon(
-            stream, events, actor=actor, expected_version=expected_version
-        )
-
-    def append_soon(
-        self,
-        stream: str,
-        events: Sequence[m.AnyEvent],
-        *,
-        actor: str,
-        expected_version: int | None = None,
-    ) -> asyncio.Future[list[m.Recorded]]:
-        """`append` for a writer that does not wait: hands `events` to the group commit at once
-        and returns the future of their records (raises StoreClosed now).  When the writer's
-        inbox is full, the future is a task that waits for room (backpressure, as `append`)."""
         if self._closed or self._writer is None:
             raise StoreClosed(f"{self.path}: the event log is closed")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[list[m.Recorded]] = loop.create_future()
         if not events:
-            fut.set_result([])
-            return fut
+            return []
+        fut: asyncio.Future[list[m.Recorded]] = asyncio.get_running_loop().create_future()
         item = _Append(stream, events, actor, expected_version, fut)
         try:
             self._inbox.put_nowait(item)  # the common case, without a coroutine round trip
         except asyncio.QueueFull:
-            return loop.create_task(self._put_then_wait(item))
-        return fut
-
-    async def _put_then_wait(self, item: _Append) -> list[m.Recorded]:
-        await self._inbox.put(item)  # backpressure: wait for the writer
-        return await item.future
+            await self._inbox.put(item)  # backpressure: wait for the writer
+        return await fut
 
     def add_listener(self, listener: Callable[[list[m.Recorded]], None]) -> None:
         """Call `listener` with every batch of records right after it is durable."""

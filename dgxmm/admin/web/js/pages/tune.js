@@ -72,7 +72,7 @@ function fatesTable(id, heads, columns) {
 }
 
 export function tunePanel() {
-  const body = h("div#tune-body", h("p.muted", "Simulates the last 24 hours of traffic under about 25 settings; this takes a while. Only a setting that lets every model start and serves every request the box served is recommended."));
+  const body = h("div#tune-body", h("p.muted", "Simulates the last 24 hours of traffic under about 20 settings; this takes a while. Only a setting that lets every model start and serves every request the box served is recommended."));
   const since = h("div#tune-since");
   const goal = h("select#tune-goal", { "aria-label": "Goal" }, GOALS.map(([value, label]) => h("option", { value }, label)));
   const run = h("button#tune-run", { type: "button" }, "Recommend");

@@ -1201,8 +1201,6 @@ class DeploymentActor(Actor):
 
     def idle_candidate(self) -> Candidate | None:
         """This deployment as a make-room candidate, when it may sleep for room right now."""
-        if self.state.lifecycle not in _AWAKE:
-            return None  # the idle rules' first test, before their settings are looked up
         idle, _ = self._idle_for("make_room")
         if not idle:
             return None

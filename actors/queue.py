@@ -20,7 +20,6 @@ and the 15 s tick arrive through the mailbox.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -129,7 +128,6 @@ class QueueActor(Actor):
         self._candidate_due = candidate_due
         self._due_timer: TimerHandle | None = None
         self._waiting: dict[str, WaiterImpl] = {}  # insertion order is arrival order
-        self._waiting_for: Counter[str] = Counter()  # the waiting requests per deployment
         self._head: str | None = None  # the head its make-room timer was last armed for
         self._starting: set[str] = set()  # deployments started for requests, not yet settled
         self._made_room: dict[str, None] = {}  # of those, the heads that put models to sleep
@@ -218,7 +216,6 @@ class QueueActor(Actor):
                 is_head = False
                 break
         self._waiting[request_id] = waiter
-        self._waiting_for[dep.deployment_id] += 1
         position = len(self._waiting)
         free = self._broker.free()
         admitted = self._try_admit(actor, may_make_room=is_head, jumped=not is_head)
@@ -251,7 +248,7 @@ class QueueActor(Actor):
 
     def leave(self, waiter: WaiterImpl, reason: m.LeaveReason) -> None:
         """Remove a waiting request (client gone); idempotent."""
-        if not self._remove(waiter):
+        if self._waiting.pop(waiter.request_id, None) is None:
             return
         if waiter.timer is not None:
             waiter.timer.cancel()
@@ -262,16 +259,8 @@ class QueueActor(Actor):
         self.on_change(waiter.deployment_id)
         self._tell_recheck("left")
 
-    def _remove(self, waiter: WaiterImpl) -> bool:
-        if self._waiting.pop(waiter.request_id, None) is None:
-            return False
-        self._waiting_for[waiter.deployment_id] -= 1
-        if not self._waiting_for[waiter.deployment_id]:
-            del self._waiting_for[waiter.deployment_id]
-        return True
-
     def _finish(self, waiter: WaiterImpl, reason: m.LeaveReason, error: Refused | None) -> None:
-        if not self._remove(waiter):
+        if self._waiting.pop(waiter.request_id, None) is None:
             return
         if waiter.timer is not None:
             waiter.timer.cancel()
@@ -498,7 +487,8 @@ class QueueActor(Actor):
         # only later does so on the head's timer, which must count it from now; nothing else
         # changed, and a walk of the whole queue (once per request ended on a busy box) would
         # find what the last one found.
-        if deployment_id in self._waiting_for or actor.idle_candidate() is not None:
+        own = any(w.deployment_id == deployment_id for w in self._waiting.values())
+        if own or actor.idle_candidate() is not None:
             self._tell_recheck("activity")
         elif self._head is not None:
             self._arm_due(self._head)

@@ -12,6 +12,12 @@ decisions, both pure functions of one model's idle gaps (`Gaps`):
   becomes a cold start the seed would not have had).  The idle timeout stays the upper
   bound; fewer than `MIN_GAPS` gaps, or a keep-warm that would reach the idle timeout, is
   the seed's rule.
+- **between sessions** (`between_sessions`): a model used every so often (`periodic`) need
+  not stay warm from one session to the next, since a pre-warm starts it again before the
+  next one: it keeps warm only through the gaps within its sessions, when the pause between
+  them leaves it asleep for longer than the start a pre-warm takes (the pre-warm window and
+  keep-alive window of Shahrad et al.).  A job run every 15 minutes then holds its memory
+  for its runs, not for the 13 minutes between them.
 - **next arrival** (`next_arrival`): a *session* begins with a request after a pause
   (one longer than the keep-warm in force, or than `SESSION_PAUSE_S`).  Sessions are predictable
   when the last `PERIOD_GAPS` gaps between their beginnings agree within
@@ -59,6 +65,7 @@ DAYS_AGREE = 3  # ... of which this many at least, and all but one, must agree
 CHANCE = 0.05
 SESSION_PAUSE_S = 300.0  # a pause this long (or one it sleeps through) ends a session
 LEAD_MARGIN = 1.2  # a pre-warm begins its median cold start times this before the arrival
+BETWEEN_REASON = "a pre-warm starts it again before its next session"
 DEFAULT_START_S = 30.0  # a model never timed starting
 
 
@@ -129,6 +136,10 @@ class Gaps:
         """`keep_warm` of these gaps."""
         return keep_warm_sorted(self._ordered, idle_timeout_s)
 
+    def between_sessions(self, pause_s: float, lead: float, keep: KeepWarm) -> KeepWarm:
+        """`between_sessions` of these gaps."""
+        return between_sessions(self._ordered, pause_s, lead, keep)
+
     def starts(self, pause_s: float) -> list[float]:
         """`session_starts` of these gaps after pauses longer than `pause_s`."""
         if pause_s != self._pause:
@@ -152,6 +163,7 @@ class Prediction(msgspec.Struct, frozen=True, kw_only=True):
     tolerance_s: float  # it may come this much later (a pre-warm waits that long)
     pattern: str
     early_s: float = 0.0  # ... or this much earlier (a pre-warm is ready by then)
+    period_s: float | None = None  # sessions come this often (None: a time-of-day pattern)
 
 
 def keep_warm(gaps: Iterable[float], idle_timeout_s: float) -> KeepWarm:
@@ -174,6 +186,35 @@ def keep_warm_sorted(ordered: Sequence[float], idle_timeout_s: float) -> KeepWar
         return KeepWarm(seconds=None, reason="its gaps need its whole idle timeout")
     reason = "its usual gaps" if n_short else "its next request is usually far away"
     return KeepWarm(seconds=seconds, reason=reason)
+
+
+def between_sessions(
+    ordered: Sequence[float], pause_s: float, lead: float, keep: KeepWarm
+) -> KeepWarm:
+    """The keep-warm of a periodic model whose pre-warm starts it before each session
+    (`lead` seconds ahead), from its finite gaps shortest first; pure.
+
+    It covers the gaps within its sessions (those no longer than `pause_s`) as `keep_warm`
+    covers gaps, and applies only where the pauses between its sessions (their median) leave
+    it asleep for at least as long as the pre-warm's lead, and where it is shorter than
+    `keep`, the keep-warm it would have otherwise."""
+    n_within = bisect_right(ordered, pause_s)
+    pauses = ordered[n_within:]
+    if not pauses:
+        return keep
+    if not n_within:  # its requests never pause within a session
+        seconds = KEEP_FLOOR_S
+    else:
+        # As `keep_warm`: at most this share of its sessions pays a start within one (none
+        # until `MIN_GAPS` gaps say how it pauses).
+        beyond = int(KEEP_EXTRA_COLD * len(pauses)) if n_within >= MIN_GAPS else 0
+        beyond = min(n_within - 1, beyond)
+        seconds = max(KEEP_FLOOR_S, ordered[n_within - 1 - beyond] * KEEP_MARGIN)
+    seconds = float(math.ceil(seconds))
+    asleep = pauses[len(pauses) // 2] - seconds - lead
+    if asleep < lead or (keep.seconds is not None and keep.seconds <= seconds):
+        return keep
+    return KeepWarm(seconds=seconds, reason=BETWEEN_REASON)
 
 
 def session_starts(items: Iterable[tuple[float, float]], keep_s: float) -> list[float]:
@@ -201,7 +242,9 @@ def periodic(starts: Sequence[float], now: float) -> Prediction | None:
             break
         held = a
     pattern = f"used every {duration_text(period)} for {duration_text(starts[-1] - held)}"
-    return Prediction(at=at, tolerance_s=tolerance, pattern=pattern, early_s=spread)
+    return Prediction(
+        at=at, tolerance_s=tolerance, pattern=pattern, early_s=spread, period_s=period
+    )
 
 
 _WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
@@ -331,7 +374,8 @@ class Anticipator:
     def __init__(self, tz_offset_s: float | None = None) -> None:
         self.tz_offset_s = local_offset_s() if tz_offset_s is None else tz_offset_s
         self._gaps: dict[str, Gaps] = {}
-        self._cache: dict[str, tuple[float, float, Learned]] = {}  # (timeout, until, what)
+        # (idle timeout, median start, until, what)
+        self._cache: dict[str, tuple[float, float | None, float, Learned]] = {}
 
     def observe(self, deployment_id: str, arrived: float, ended: float) -> None:
         """One recorded request (any outcome: each is demand)."""
@@ -355,11 +399,14 @@ class Anticipator:
         """Whether any request of it was recorded."""
         return deployment_id in self._gaps
 
-    def learned(self, deployment_id: str, idle_timeout_s: float, now: float) -> Learned:
-        """Its keep-warm and next predicted session, as of `now` (epoch seconds)."""
+    def learned(
+        self, deployment_id: str, idle_timeout_s: float, now: float, start_s: float | None = None
+    ) -> Learned:
+        """Its keep-warm and next predicted session, as of `now` (epoch seconds), for a model
+        whose median cold start is `start_s` (None: never timed)."""
         cached = self._cache.get(deployment_id)
-        if cached is not None and cached[0] == idle_timeout_s and now < cached[1]:
-            return cached[2]
+        if cached is not None and cached[:2] == (idle_timeout_s, start_s) and now < cached[2]:
+            return cached[3]
         gaps = self._gaps.get(deployment_id)
         if gaps is None:
             return NO_DATA
@@ -371,13 +418,18 @@ class Anticipator:
         kept = idle_timeout_s if keep.seconds is None else keep.seconds
         starts = gaps.starts(min(kept, SESSION_PAUSE_S))
         prediction = next_arrival(starts, now, self.tz_offset_s)
+        if prediction is not None and prediction.period_s is not None:
+            # The sessions themselves still begin after the pauses above: a gap within a
+            # session it sleeps through between them does not begin one.
+            lead = lead_s(start_s, prediction.early_s)
+            keep = gaps.between_sessions(min(kept, SESSION_PAUSE_S), lead, keep)
         learned = Learned(keep=keep, prediction=prediction)
         # Computed again an hour on at the latest (the history moves), or once the
         # prediction has passed.
         until = now + 3600.0
         if prediction is not None:
             until = min(until, prediction.at + prediction.tolerance_s)
-        self._cache[deployment_id] = (idle_timeout_s, until, learned)
+        self._cache[deployment_id] = (idle_timeout_s, start_s, until, learned)
         return learned
 
 

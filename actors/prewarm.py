@@ -174,7 +174,8 @@ class Prewarmer:
         if not governed(dep, default):
             return None
         idle = dep.effective_idle_timeout_s(int(c.setting("ondemand_idle_timeout_s")))
-        return self.anticipator.learned(dep.deployment_id, idle, c.clock.wall())
+        start = c.start_history.expected_s(dep.deployment_id)
+        return self.anticipator.learned(dep.deployment_id, idle, c.clock.wall(), start)
 
     def refresh(self) -> None:
         """Tell every model its keep-warm; pre-warm the ones due; tick again."""

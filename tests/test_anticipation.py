@@ -14,9 +14,12 @@ from typing import Any
 import pytest
 
 from actors.anticipation import (
+    BETWEEN_REASON,
     KEEP_FLOOR_S,
     Anticipator,
     Gaps,
+    KeepWarm,
+    between_sessions,
     daily,
     keep_warm,
     next_arrival,
@@ -51,6 +54,26 @@ def test_a_model_whose_next_request_is_always_far_away_sleeps_soon_after_its_las
     keep = keep_warm([3600.0 * (1 + i % 3) for i in range(20)], 900)
     assert keep.seconds == KEEP_FLOOR_S
     assert keep.reason == "its next request is usually far away"
+
+
+def test_a_periodic_model_keeps_warm_through_its_sessions_gaps_only() -> None:
+    rng = random.Random(3)
+    # Runs of requests 10-30 s apart, 13 minutes between the runs; a pre-warm 170 s ahead.
+    within = [rng.uniform(10, 30) for _ in range(200)]
+    pauses = [rng.uniform(760, 800) for _ in range(20)]
+    ordered = sorted(within + pauses)
+    seed = KeepWarm(seconds=None, reason="its gaps need its whole idle timeout")
+    keep = between_sessions(ordered, 300, 170, seed)
+    assert keep.reason == BETWEEN_REASON
+    assert keep.seconds is not None and 30 < keep.seconds <= math.ceil(1.25 * 30)
+    # A run whose requests never pause sleeps soon after its last.
+    assert between_sessions(sorted(pauses), 300, 170, seed).seconds == KEEP_FLOOR_S
+    # Not where the pause would leave it asleep for less than the pre-warm's lead, nor where
+    # the keep-warm it has is already as short, nor without a pause between sessions.
+    assert between_sessions(ordered, 300, 380, seed) is seed
+    short = KeepWarm(seconds=20.0, reason="its usual gaps")
+    assert between_sessions(ordered, 300, 170, short) is short
+    assert between_sessions(sorted(within), 300, 170, seed) is seed
 
 
 def test_steady_traffic_and_too_little_history_keep_the_seeds_idle_timeout() -> None:
@@ -260,6 +283,38 @@ def test_a_periodic_model_is_pre_warmed_and_its_next_request_waits_for_nothing(
         assert record.learned is not None and "next expected around" in record.learned
 
     box(tmp_path, t, settings={"ondemand_policy": "learned"})
+
+
+def test_a_periodic_model_sleeps_between_its_runs_and_is_pre_warmed_for_each(
+    tmp_path: Path,
+) -> None:
+    """Its idle timeout (15 min) would keep it warm from one run to the next; once its period
+    is known it sleeps after each run and a pre-warm starts it before the next."""
+    slept: dict[str, list[m.PutToSleep]] = {}
+
+    async def t(h: Harness) -> None:
+        job = await h.deploy("job", 10, idle_timeout_s=900)
+        await h.advance(START_S + 5)
+        results = await job_runs(h, job, 9)
+        recs = await h.events()
+        policy = h.controller.setting("ondemand_policy")
+        slept[policy] = [
+            r.event for r in recs
+            if isinstance(r.event, m.PutToSleep) and r.stream.endswith(job)
+        ]  # fmt: skip
+        if policy == "learned":
+            waited = [r.admitted_at - r.arrived > 1 for r in results]  # type: ignore[operator]
+            assert not any(waited[10:]), waited  # runs 6 to 9: pre-warmed, both requests
+            kept = [t for t in titles(recs, job) if t.startswith("Kept warm")]
+            assert kept and set(kept) == {f"Kept warm 35 s ({BETWEEN_REASON})"}, kept
+
+    for policy in ("learned", "seed"):
+        (tmp_path / policy).mkdir()
+        box(tmp_path / policy, t, settings={"ondemand_policy": policy})
+    # The seed's: once, idle from its creation until the first run; then warm to the end.
+    assert [e.idle_for_s >= 900 for e in slept["seed"]] == [True]
+    between = [e for e in slept["learned"] if e.kept_warm_reason == BETWEEN_REASON]
+    assert len(between) >= 3 and all(e.reason == "idle" and e.kept_warm_s == 35 for e in between)
 
 
 def test_under_the_seed_policy_the_same_model_cold_starts_every_run(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from actors.anticipation import BETWEEN_REASON
 from dgxmm import cli
 from dgxmm.admin.metrics import prewarm_families, render
 from dgxmm.replay.commands import render_story, story_view
@@ -178,7 +179,8 @@ def test_the_timeline_marks_pre_warms_kept_warm_sleeps_unused_and_abandoned_pre_
     ), pre.title
     assert pre.actor == "ondemand" and isinstance(pre.event, m.StartRequested)
     kept = next(k for k in marks if k.kind == "kept_warm")
-    assert re.fullmatch(r"job kept warm \d+ s \(its usual gaps\), then slept", kept.title)
+    # Used every 15 minutes, it sleeps between its runs: a pre-warm starts it before each.
+    assert re.fullmatch(rf"job kept warm \d+ s \({BETWEEN_REASON}\), then slept", kept.title)
     svg = render_svg(timeline_of(asyncio.run(read(one.db))))
     for kind, glyph in (("prewarm", "◆"), ("kept_warm", "◐"), ("prewarm_unused", "◇")):
         assert re.search(rf'<g class="mark" data-kind="{kind}"[^>]*><title>[^<]*</title>'
@@ -223,7 +225,7 @@ def test_plain_replay_shows_the_learned_policys_titles(tmp_path: Path) -> None:
         assert cli.main(["replay", "--db", str(one.db), "--all"]) == 0
     text = out.getvalue()
     assert "Pre-warmed (next request expected in ~" in text
-    assert re.search(r"Kept warm \d+ s \(its usual gaps\)", text)
+    assert re.search(rf"Kept warm \d+ s \({BETWEEN_REASON}\)", text)
     assert "Put to sleep: no request came to its pre-warm" in text
 
 

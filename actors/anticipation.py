@@ -179,13 +179,18 @@ def keep_warm_sorted(ordered: Sequence[float], idle_timeout_s: float) -> KeepWar
         return KeepWarm(seconds=None, reason="too few pauses recorded yet")
     if not long_:
         return KeepWarm(seconds=None, reason="it is never idle for its whole idle timeout")
-    allowed = int(KEEP_EXTRA_COLD * long_)
-    covered = ordered[n_short - 1 - allowed] * KEEP_MARGIN if n_short > allowed else 0.0
-    seconds = float(math.ceil(max(KEEP_FLOOR_S, covered)))  # whole seconds, as recorded
+    seconds = _covering(ordered, n_short, int(KEEP_EXTRA_COLD * long_))
     if seconds >= idle_timeout_s:
         return KeepWarm(seconds=None, reason="its gaps need its whole idle timeout")
     reason = "its usual gaps" if n_short else "its next request is usually far away"
     return KeepWarm(seconds=seconds, reason=reason)
+
+
+def _covering(ordered: Sequence[float], n: int, beyond: int) -> float:
+    """A keep-warm covering the `n` shortest of `ordered` gaps but the `beyond` longest of
+    them, plus a quarter; never under `KEEP_FLOOR_S`; whole seconds, as recorded."""
+    covered = ordered[n - 1 - beyond] * KEEP_MARGIN if n > beyond else 0.0
+    return float(math.ceil(max(KEEP_FLOOR_S, covered)))
 
 
 def between_sessions(
@@ -202,15 +207,10 @@ def between_sessions(
     pauses = ordered[n_within:]
     if not pauses:
         return keep
-    if not n_within:  # its requests never pause within a session
-        seconds = KEEP_FLOOR_S
-    else:
-        # As `keep_warm`: at most this share of its sessions pays a start within one (none
-        # until `MIN_GAPS` gaps say how it pauses).
-        beyond = int(KEEP_EXTRA_COLD * len(pauses)) if n_within >= MIN_GAPS else 0
-        beyond = min(n_within - 1, beyond)
-        seconds = max(KEEP_FLOOR_S, ordered[n_within - 1 - beyond] * KEEP_MARGIN)
-    seconds = float(math.ceil(seconds))
+    # As `keep_warm`: at most this share of its sessions pays a start within one (none
+    # until `MIN_GAPS` gaps say how it pauses; with no gap within them, the floor).
+    beyond = int(KEEP_EXTRA_COLD * len(pauses))
+    seconds = _covering(ordered, n_within, min(n_within - 1, beyond) if n_within >= MIN_GAPS else 0)
     asleep = pauses[len(pauses) // 2] - seconds - lead
     if asleep < lead or (keep.seconds is not None and keep.seconds <= seconds):
         return keep
@@ -416,13 +416,14 @@ class Anticipator:
         # `SESSION_PAUSE_S` (a model kept warm through its pauses, whose next session a
         # busier model's request may evict it before, is predicted all the same).
         kept = idle_timeout_s if keep.seconds is None else keep.seconds
-        starts = gaps.starts(min(kept, SESSION_PAUSE_S))
+        pause = min(kept, SESSION_PAUSE_S)
+        starts = gaps.starts(pause)
         prediction = next_arrival(starts, now, self.tz_offset_s)
         if prediction is not None and prediction.period_s is not None:
             # The sessions themselves still begin after the pauses above: a gap within a
             # session it sleeps through between them does not begin one.
             lead = lead_s(start_s, prediction.early_s)
-            keep = gaps.between_sessions(min(kept, SESSION_PAUSE_S), lead, keep)
+            keep = gaps.between_sessions(pause, lead, keep)
         learned = Learned(keep=keep, prediction=prediction)
         # Computed again an hour on at the latest (the history moves), or once the
         # prediction has passed.

@@ -65,6 +65,9 @@ DAYS_AGREE = 3  # ... of which this many at least, and all but one, must agree
 CHANCE = 0.05
 SESSION_PAUSE_S = 300.0  # a pause this long (or one it sleeps through) ends a session
 LEAD_MARGIN = 1.2  # a pre-warm begins its median cold start times this before the arrival
+# ... and at least this much more than the start: a start of a second or two (a small model's
+# process) varies by about a second on a busy box, which a fifth of it does not cover.
+LEAD_SLACK_S = 2.0
 BETWEEN_REASON = "a pre-warm starts it again before its next session"
 DEFAULT_START_S = 30.0  # a model never timed starting
 
@@ -352,7 +355,7 @@ def lead_s(median_start_s: float | None, early_s: float = 0.0) -> float:
     """How long before a predicted arrival a pre-warm begins: so that it is ready by the
     earliest the arrival has come (`early_s` before it)."""
     start = DEFAULT_START_S if median_start_s is None else median_start_s
-    return LEAD_MARGIN * start + early_s
+    return max(LEAD_MARGIN * start, start + LEAD_SLACK_S) + early_s
 
 
 def local_offset_s(at: float | None = None) -> float:

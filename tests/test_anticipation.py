@@ -22,6 +22,7 @@ from actors.anticipation import (
     between_sessions,
     daily,
     keep_warm,
+    lead_s,
     next_arrival,
     periodic,
     session_starts,
@@ -74,6 +75,15 @@ def test_a_periodic_model_keeps_warm_through_its_sessions_gaps_only() -> None:
     short = KeepWarm(seconds=20.0, reason="its usual gaps")
     assert between_sessions(ordered, 300, 170, short) is short
     assert between_sessions(sorted(within), 300, 170, seed) is seed
+
+
+def test_a_pre_warm_leads_by_a_fifth_more_than_the_start_and_at_least_two_seconds_more() -> None:
+    assert lead_s(90.0) == pytest.approx(108.0)  # a large model: a fifth of its start
+    assert lead_s(90.0, early_s=30.0) == pytest.approx(138.0)  # ... and the sessions' spread
+    # A small model's start of about a second took two on a busy box (the real llama.cpp's
+    # pre-warm test, in the suite's side lane): a fifth of it would have been 0.2 s.
+    assert lead_s(1.1) == pytest.approx(3.1)
+    assert lead_s(None) == pytest.approx(36.0)  # never timed: 30 s assumed
 
 
 def test_steady_traffic_and_too_little_history_keep_the_seeds_idle_timeout() -> None:

@@ -91,12 +91,20 @@ class Gaps:
         self._starts: deque[float] = deque()
 
     def observe(self, arrived: float, ended: float) -> bool:
-        """One request; True when it began a session (no request for `GAP_FLOOR_S` or more)."""
+        """One request; True when it began a session (no request for `GAP_FLOOR_S` or more),
+        or, heard after a later one, changed the gaps.
+
+        A box hears its requests as they end (the traffic trace's batches), not as they
+        arrive: a session's first request, waiting out a cold start beside the next ones,
+        may be heard after them.  The gaps are the holes of the union of the requests'
+        spans, whatever the order they are heard in (`_heard_late`)."""
         if self.first_seen is None:
             self.first_seen = arrived
             self._add(arrived, math.inf)
             self.busy_until = ended
             return True
+        if self.items and arrived < self.items[-1][0]:
+            return self._heard_late(arrived, ended)
         began = False
         gap = arrived - self.busy_until
         if gap >= GAP_FLOOR_S:
@@ -114,6 +122,33 @@ class Gaps:
             insort(self._ordered, gap)
         if self._pause is not None and gap > self._pause:
             self._starts.append(arrived)
+
+    def _heard_late(self, arrived: float, ended: float) -> bool:
+        """A request that arrived before the latest gaps ended: it takes its span out of
+        each of them (a gap it splits leaves the pieces `GAP_FLOOR_S` or longer)."""
+        later: list[tuple[float, float]] = []
+        while self.items and self.items[-1][0] > arrived:
+            at, gap = self.items.pop()
+            if gap != math.inf:
+                del self._ordered[bisect_left(self._ordered, gap)]
+            if self._starts and self._starts[-1] == at:
+                self._starts.pop()
+            later.append((at, gap))
+        for at, gap in reversed(later):
+            began = at - gap  # -inf: the first request heard so far
+            if ended <= began:
+                self._add(at, gap)  # it ended before this gap began: no change
+                continue
+            if arrived > began:
+                before = arrived - began
+                if before >= GAP_FLOOR_S:
+                    self._add(arrived, before)
+            if at - ended >= GAP_FLOOR_S:
+                self._add(at, at - ended)
+        if self.first_seen is None or arrived < self.first_seen:
+            self.first_seen = arrived
+        self.busy_until = max(self.busy_until, ended)
+        return True
 
     def _drop_oldest(self) -> None:
         at, gap = self.items.popleft()

@@ -122,6 +122,52 @@ def test_the_gaps_kept_in_order_decide_as_the_gaps_themselves(monkeypatch: Any) 
         assert copy.items == gaps.items and copy.starts(pause) == gaps.starts(pause)
 
 
+def test_a_session_begins_at_its_first_arrival_whichever_request_is_heard_first() -> None:
+    """A box hears its requests as they end: a session's first request, waiting out a cold
+    start beside the next one, may be heard after it; its beginning is still its first."""
+    gaps = Gaps()
+    gaps.observe(T0, T0 + 5)
+    gaps.observe(T0 + 600, T0 + 700)  # the second request, heard first (ended first)
+    assert gaps.observe(T0 + 597, T0 + 701)  # the first: it began the session
+    assert list(gaps.items) == [(T0, math.inf), (T0 + 597, 592.0)]
+    assert gaps.starts(300.0) == [T0, T0 + 597]
+    # A long stream heard last takes its span out of every gap it covered.
+    gaps.observe(T0 + 1100, T0 + 1101)
+    gaps.observe(T0 + 1500, T0 + 1501)
+    assert gaps.starts(300.0) == [T0, T0 + 597, T0 + 1100, T0 + 1500]
+    gaps.observe(T0 + 705, T0 + 1495)
+    assert list(gaps.items) == [(T0, math.inf), (T0 + 597, 592.0)]
+    assert gaps.starts(300.0) == [T0, T0 + 597] and gaps.busy_until == T0 + 1501
+
+
+def test_the_gaps_are_the_same_whatever_order_the_requests_are_heard_in() -> None:
+    """Arrival order (the what-if), end order (the box's traffic batches) or any order: the
+    same gaps, beginnings and keep-warm, checked after every request against the pure
+    rules as above."""
+    rng = random.Random(11)
+    for trial in range(200):
+        t, spans = T0, []
+        for _ in range(rng.randint(1, 40)):
+            t += rng.choice([rng.uniform(0, 15), rng.uniform(5, 120), rng.uniform(200, 2000)])
+            spans.append((t, t + rng.choice([rng.uniform(0, 5), rng.uniform(5, 90), 1500.0])))
+        shuffled = spans[:]
+        rng.shuffle(shuffled)
+        heard = {}
+        for name, order in (
+            ("arrival", spans),
+            ("end", sorted(spans, key=lambda s: s[1])),
+            ("any", shuffled),
+        ):
+            gaps = Gaps()
+            gaps.starts(300.0)  # kept as they come from here on
+            for arrived, ended in order:
+                gaps.observe(arrived, ended)
+                assert gaps.starts(300.0) == session_starts(gaps.items, 300.0)
+                assert gaps.keep_warm(900.0) == keep_warm((g for _, g in gaps.items), 900.0)
+            heard[name] = (list(gaps.items), gaps.busy_until, gaps.first_seen)
+        assert heard["end"] == heard["arrival"] == heard["any"], (trial, spans)
+
+
 # --- prediction --------------------------------------------------------------------------------
 
 

@@ -75,11 +75,12 @@ def test_whatif_of_the_learned_policy_reproduces_its_pre_warms_cold_starts_and_w
 def test_whatif_begins_the_learned_policys_pre_warms_when_the_box_did(
     compared: tuple[Comparison, Comparison, Comparison],
 ) -> None:
-    """Each model's n-th pre-warm begins within `PREWARM_TIME_S` of the box's n-th.  The
-    first one after the box's restart is the test: the box had never timed the job's start
-    (its only start before the window was cut short by the stop) and led by its default
-    (`DEFAULT_START_S`); the what-if's box, which times its own warm-up start, must lead as
-    the recorded box did (`StartHistory.reset` in `whatif_run._seed`), not by ~3.4 s."""
+    """Each of the box's pre-warms begins within `PREWARM_TIME_S` of the what-if's nearest
+    (`prewarms_apart`).  The first after the box's restart is the test: the box had never
+    timed the job's start (its only start before the window was cut short by the stop) and
+    led by its default (`DEFAULT_START_S`); the what-if's box, which times its own warm-up
+    start, must lead as the recorded box did (`StartHistory.reset` in `whatif_run._seed`),
+    not by ~3.4 s."""
     _, _, learned = compared
     assert learned.prewarm_times is not None
     assert learned.prewarm_timing() == []

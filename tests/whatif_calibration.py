@@ -206,9 +206,11 @@ def prewarms_apart(
         ours, theirs = done[name], predicted[name]
         pairs = sorted((abs(a - b), i, j) for i, a in enumerate(ours) for j, b in enumerate(theirs))
         paired: dict[int, int] = {}
+        taken: set[int] = set()
         for _, i, j in pairs:
-            if i not in paired and j not in paired.values():
+            if i not in paired and j not in taken:
                 paired[i] = j
+                taken.add(j)
         for i, j in sorted(paired.items()):
             a, b = ours[i], theirs[j]
             if abs(a - b) > tolerance_s:

@@ -3,7 +3,8 @@
 Under `ondemand_policy = "learned"` (issue 44) a model is governed by its recorded traffic,
 after "Serverless in the Wild" (Shahrad et al., USENIX ATC 2020), which keeps a histogram of
 each application's idle times and derives a keep-alive and a pre-warm window from it.  Two
-decisions, both pure functions of one model's idle gaps (`Gaps`):
+decisions, both pure functions of one model's gaps (`Gaps`: idle as served, and in its
+demand, `Traffic`):
 
 - **keep-warm** (`keep_warm`): how long it stays warm after its last request.  It covers the
   gaps the model usually has up to its idle timeout, and stops sooner when a longer wait
@@ -19,16 +20,18 @@ decisions, both pure functions of one model's idle gaps (`Gaps`):
   keep-alive window of Shahrad et al.).  A job run every 15 minutes then holds its memory
   for its runs, not for the 13 minutes between them.
 - **next arrival** (`next_arrival`): a *session* begins with a request after a pause
-  (one longer than the keep-warm in force, or than `SESSION_PAUSE_S`).  Sessions are predictable
+  (one longer than the keep-warm in force, or than `SESSION_PAUSE_S`) in the model's
+  demand, its requests' waits left out (`Traffic`).  Sessions are predictable
   when the last `PERIOD_GAPS` gaps between their beginnings agree within
   `PERIOD_TOLERANCE` (a job every 15 minutes: from its fifth run, in its second hour), or
   when they begin around the same time of day on each of the comparable days before
   (the last three weekdays, the last two weekend days, or the same weekday in the last two
   weeks).  Anything else is never predicted, so never pre-warmed.
 
-`Anticipator` keeps each model's gaps (bounded: `MAX_GAPS`, `HISTORY_S`), fed with every
-request the traffic trace records (or, in a what-if, with each replayed request); the
-controller asks it and does the rest (memory, the queue, the events).
+`Anticipator` keeps each model's gaps (`Traffic`; bounded: `MAX_GAPS`, `HISTORY_S`), fed
+with every request the traffic trace records (in a what-if, each replayed request when the
+simulated box's trace would record it); the controller asks it and does the rest (memory,
+the queue, the events).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from events.projections import duration_text
 
 DAY_S = 86_400.0
 HISTORY_S = 15 * DAY_S  # two weeks and a day: the weekly pattern's two weeks
-MAX_GAPS = 20_000  # per model; older gaps are forgotten first
+MAX_GAPS = 20_000  # per set of gaps (a model has two: `Traffic`); oldest forgotten first
 GAP_FLOOR_S = 10.0  # shorter gaps are never worth sleeping through: not kept
 MIN_GAPS = 8  # fewer kept gaps: too little to learn from (the seed's rule)
 KEEP_FLOOR_S = 15.0  # never sleeps sooner after a request than this
@@ -184,6 +187,41 @@ class Gaps:
             self._pause = pause_s
             self._starts = deque(session_starts(self.items, pause_s))
         return list(self._starts)
+
+
+class Traffic:
+    """One model's requests, as two sets of gaps.
+
+    - `idle`: between the requests as the box served them (each from its arrival to its
+      end): how long the model sat idle, which its keep-warm is learned from.
+    - `demand`: between the requests as if each had been served at once (from its arrival
+      for its service, its wait left out): where its sessions begin, which its next
+      arrival is predicted from.  A wait is the box's doing, not the traffic's: a run whose
+      requests waited ten minutes for memory would otherwise seem to last until the next
+      run, which would then begin no session, and the period would be lost."""
+
+    __slots__ = ("demand", "idle")
+
+    def __init__(self) -> None:
+        self.idle = Gaps()
+        self.demand = Gaps()
+
+    def observe(self, arrived: float, ended: float, wait_s: float = 0.0) -> bool:
+        """One request; True when either set of gaps changed what it says (`Gaps.observe`)."""
+        idle = self.idle.observe(arrived, ended)
+        demand = self.demand.observe(arrived, max(arrived, ended - wait_s))
+        return idle or demand
+
+    def copy(self) -> Traffic:
+        """Another with the same history."""
+        other = Traffic()
+        other.idle, other.demand = self.idle.copy(), self.demand.copy()
+        return other
+
+    def forget_before(self, when: float) -> None:
+        """Both sets' `Gaps.forget_before`."""
+        self.idle.forget_before(when)
+        self.demand.forget_before(when)
 
 
 class KeepWarm(msgspec.Struct, frozen=True, kw_only=True):
@@ -411,31 +449,34 @@ class Anticipator:
 
     def __init__(self, tz_offset_s: float | None = None) -> None:
         self.tz_offset_s = local_offset_s() if tz_offset_s is None else tz_offset_s
-        self._gaps: dict[str, Gaps] = {}
+        self._traffic: dict[str, Traffic] = {}
         # (idle timeout, median start, until, what)
         self._cache: dict[str, tuple[float, float | None, float, Learned]] = {}
 
-    def observe(self, deployment_id: str, arrived: float, ended: float) -> None:
-        """One recorded request (any outcome: each is demand)."""
-        gaps = self._gaps.get(deployment_id)
-        if gaps is None:
-            gaps = self._gaps[deployment_id] = Gaps()
-        if gaps.observe(arrived, ended):
+    def observe(
+        self, deployment_id: str, arrived: float, ended: float, wait_s: float = 0.0
+    ) -> None:
+        """One recorded request (any outcome: each is demand), which waited `wait_s` of
+        its arrival to its end for its model."""
+        traffic = self._traffic.get(deployment_id)
+        if traffic is None:
+            traffic = self._traffic[deployment_id] = Traffic()
+        if traffic.observe(arrived, ended, wait_s):
             self._cache.pop(deployment_id, None)
 
-    def adopt(self, deployment_id: str, gaps: Gaps) -> None:
+    def adopt(self, deployment_id: str, traffic: Traffic) -> None:
         """A history learned elsewhere (a what-if: the traffic before its window)."""
-        self._gaps[deployment_id] = gaps.copy()
+        self._traffic[deployment_id] = traffic.copy()
         self._cache.pop(deployment_id, None)
 
     def forget(self, deployment_id: str) -> None:
         """A removed deployment's history."""
-        self._gaps.pop(deployment_id, None)
+        self._traffic.pop(deployment_id, None)
         self._cache.pop(deployment_id, None)
 
     def has_data(self, deployment_id: str) -> bool:
         """Whether any request of it was recorded."""
-        return deployment_id in self._gaps
+        return deployment_id in self._traffic
 
     def learned(
         self, deployment_id: str, idle_timeout_s: float, now: float, start_s: float | None = None
@@ -445,17 +486,18 @@ class Anticipator:
         cached = self._cache.get(deployment_id)
         if cached is not None and cached[:2] == (idle_timeout_s, start_s) and now < cached[2]:
             return cached[3]
-        gaps = self._gaps.get(deployment_id)
-        if gaps is None:
+        traffic = self._traffic.get(deployment_id)
+        if traffic is None:
             return NO_DATA
-        gaps.forget_before(now - HISTORY_S)
+        traffic.forget_before(now - HISTORY_S)
+        gaps = traffic.idle
         keep = gaps.keep_warm(idle_timeout_s)
         # A session begins after a pause: one it would sleep through, or one of
         # `SESSION_PAUSE_S` (a model kept warm through its pauses, whose next session a
         # busier model's request may evict it before, is predicted all the same).
         kept = idle_timeout_s if keep.seconds is None else keep.seconds
         pause = min(kept, SESSION_PAUSE_S)
-        starts = gaps.starts(pause)
+        starts = traffic.demand.starts(pause)
         prediction = next_arrival(starts, now, self.tz_offset_s)
         if prediction is not None and prediction.period_s is not None:
             # The sessions themselves still begin after the pauses above: a gap within a

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from actors.anticipation import HISTORY_S, Anticipator, Gaps, Learned, lead_s
+from actors.anticipation import HISTORY_S, Anticipator, Learned, Traffic, lead_s
 from actors.cold_start import StartHistory
 from actors.deployment import DeploymentActor, StartDeployment, StopDeployment
 from actors.memory_broker import Candidate, MemoryBroker
@@ -115,17 +115,17 @@ class Prewarmer:
         assert isinstance(rec.event, m.TrafficRecorded)
         observe = self.anticipator.observe
         for row in decode_batch(rec.event):
-            observe(row.deployment_id, row.arrived, row.arrived + row.duration_s)
+            observe(row.deployment_id, row.arrived, row.arrived + row.duration_s, row.waited_s)
 
-    def observe(self, deployment_id: str, arrived: float, ended: float) -> None:
+    def observe(self, deployment_id: str, arrived: float, ended: float, wait_s: float) -> None:
         """One request, told directly (a what-if's replayed traffic)."""
         self._loaded = True
-        self.anticipator.observe(deployment_id, arrived, ended)
+        self.anticipator.observe(deployment_id, arrived, ended, wait_s)
 
-    def adopt(self, deployment_id: str, gaps: Gaps) -> None:
+    def adopt(self, deployment_id: str, traffic: Traffic) -> None:
         """A history learned elsewhere (a what-if: the recorded box's before its window)."""
         self._loaded = True
-        self.anticipator.adopt(deployment_id, gaps)
+        self.anticipator.adopt(deployment_id, traffic)
 
     def in_use(self) -> bool:
         """Whether any deployment, or the default, is under the learned policy."""

@@ -35,9 +35,12 @@ from events.model import TrafficRecorded
 # The outcome codes, in the order of their numbers (the schema only grows: append).
 OUTCOMES = ("served", "engine_error", "client_gone", "queue_full", "queue_timeout", "refused")
 SERVED, ENGINE_ERROR, CLIENT_GONE, QUEUE_FULL, QUEUE_TIMEOUT, REFUSED = range(len(OUTCOMES))
+# A request with one of these never had its model (its row's wait is 0).
+NEVER_LEASED = frozenset(("queue_full", "queue_timeout", "refused"))
 
 MAX_DEPLOYMENTS = 255  # per batch: the index is one byte
 LAYOUT = 1  # what `pack_layout1` writes (`TrafficRecorded.layout`)
+FLUSH_EVERY_S = 10.0  # the gateway's trace writes its batch this often (so the log hears it)
 ROW_LAYOUT0 = struct.Struct("<BBiffff")
 _F32 = struct.Struct("<f")
 
@@ -68,6 +71,12 @@ class TrafficRecord(msgspec.Struct, frozen=True, kw_only=True):
     def service_s(self) -> float:
         """What the engine took once the request had its lease."""
         return max(0.0, self.duration_s - self.wait_s)
+
+    @property
+    def waited_s(self) -> float:
+        """How long it waited for its model: to its lease, or all its time if it never had
+        one (the trace writes those a wait of 0)."""
+        return self.duration_s if self.outcome in NEVER_LEASED else self.wait_s
 
 
 Row = tuple[int, int, bool, int, float, float, float, float]

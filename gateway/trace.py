@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from events import model as m
-from events.traffic import LAYOUT, MAX_DEPLOYMENTS, last_uses, pack_layout1
+from events.traffic import FLUSH_EVERY_S, LAYOUT, MAX_DEPLOYMENTS, last_uses, pack_layout1
 
 if TYPE_CHECKING:
     import numpy as np
@@ -120,7 +120,7 @@ class TrafficTrace:
         sink: Sink,
         *,
         batch_size: int = 4096,
-        flush_every_s: float = 10.0,
+        flush_every_s: float = FLUSH_EVERY_S,
         max_in_flight: int = 4,
         wall: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,

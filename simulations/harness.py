@@ -246,7 +246,9 @@ class Harness:
             await self._exchange(result, hold_s, hang_up)
         finally:
             # What the gateway's traffic trace records of it (at its end, as a flush would).
-            self.controller.prewarmer.observe(result.deployment_id, arrived, self.clock.wall())
+            self.controller.prewarmer.observe(
+                result.deployment_id, arrived, self.clock.wall(), result.waited
+            )
 
     async def _exchange(self, result: RequestResult, hold_s: float, hang_up: float | None) -> None:
         c = self.controller

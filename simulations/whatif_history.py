@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.anticipation import HISTORY_S, Gaps
+from actors.anticipation import HISTORY_S, Traffic
 from actors.controller import DEFAULT_SETTINGS, validate_settings
 from actors.deployment import Refusal
 from events import model as m
@@ -70,9 +70,9 @@ class History:
     names: dict[str, str]  # deployment id -> name (all, removed ones too)
     records: list[m.Recorded]  # the window's events (for the recorded column)
     dropped_requests: int = 0
-    # What the recorded box's learned policy knew at `since`: each deployment's idle gaps
-    # over the trace's last two weeks before it (`actors.anticipation`).
-    prior: dict[str, Gaps] = field(default_factory=dict)
+    # What the recorded box's learned policy knew at `since`: each deployment's traffic
+    # over the trace's last two weeks before it (`actors.anticipation.Traffic`).
+    prior: dict[str, Traffic] = field(default_factory=dict)
     # ... and the cold starts it had timed then (its pre-warms' lead).
     prior_starts: dict[str, list[float]] = field(default_factory=dict)
 
@@ -132,15 +132,15 @@ async def load_history(
     starts = _recorded_starts(records)
     prior_starts = _recorded_starts(r for r in records if r.ts < lo)
     launches, stops = _recorded_launches_and_stops(records)
-    prior: dict[str, Gaps] = {}
+    prior: dict[str, Traffic] = {}
     for r in traffic:
         if r.arrived >= lo:
             break
         if r.arrived >= lo - HISTORY_S:
-            gaps = prior.get(r.deployment_id)
-            if gaps is None:
-                gaps = prior[r.deployment_id] = Gaps()
-            gaps.observe(r.arrived, r.arrived + r.duration_s)
+            known = prior.get(r.deployment_id)
+            if known is None:
+                known = prior[r.deployment_id] = Traffic()
+            known.observe(r.arrived, r.arrived + r.duration_s, r.waited_s)
     traffic = [r for r in traffic if lo <= r.arrived <= hi]
     if deployment is not None:
         wanted = {i for i, n in names.items() if deployment in (i, n)}

@@ -38,7 +38,7 @@ from actors.readiness import whole_seconds
 from actors.runtime import VirtualClock
 from events import model as m
 from events.state import DeploymentState, Lifecycle
-from events.traffic import TrafficRecord
+from events.traffic import FLUSH_EVERY_S, TrafficRecord
 from simulations.harness import sim_launch_spec
 from simulations.runtime import EngineBehaviour, SimProbe, SimRuntime
 from simulations.whatif_history import (
@@ -153,6 +153,9 @@ class _Sim:
     controller: Controller
     origin: float  # virtual now = epoch - origin
     releases: list[tuple[float, int, Any]] = field(default_factory=list)
+    # Requests ended and not yet heard by the learned policy: (end, seq, deployment,
+    # arrival, end as epoch seconds, wait), end in virtual seconds (`_heard`).
+    unheard: list[tuple[float, int, str, float, float, float]] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     seq: int = 0
@@ -298,8 +301,6 @@ async def _run(
             ci = await _changes_until(sim, changes, ci, t, ids, per_dep, own)
         await _advance(sim, t)
         dep = ids.get(rec.deployment_id)
-        if dep is not None:  # what the box's traffic trace tells the learned policy
-            sim.controller.prewarmer.observe(dep, rec.arrived, rec.arrived + rec.duration_s)
         served_before = rec.outcome in SERVED_TRACED
         if dep is None:  # its deployment does not exist here (its creation was refused)
             sim.outcomes.append(
@@ -314,7 +315,7 @@ async def _run(
         )
         lease = sim.controller.try_acquire(dep)
         if lease is not None:
-            _hold(sim, lease, hold)
+            _hold(sim, lease, hold, dep, rec.arrived)
             sim.outcomes.append(
                 Outcome(
                     rec.request_id, dep, 0.0, False, "served", (rec.arrived, rec.arrived + hold),
@@ -369,23 +370,55 @@ def _services(history: History) -> dict[str, float]:
     return {d: statistics.median(v) for d, v in by.items()}
 
 
-def _hold(sim: _Sim, lease: Any, hold: float) -> None:
+def _hold(sim: _Sim, lease: Any, hold: float, dep: str, arrived: float) -> None:
     sim.seq += 1
     heapq.heappush(sim.releases, (sim.clock.now() + hold, sim.seq, lease))
+    _heard(sim, dep, arrived, hold)
+
+
+def _heard(sim: _Sim, dep: str, arrived: float, left_s: float = 0.0) -> None:
+    """A request leased now (or never: refused, timed out) that ends `left_s` from now, as
+    the simulated box's traffic trace will record it: its learned policy hears it when the
+    box's would, at the trace's first flush after its end (`_flush_at`; the flushes' phase
+    is the what-if's own), with its simulated span and wait (here, not on the recorded
+    box; one never leased waited all its time, as `Prewarmer._feed` reads the box's)."""
+    sim.seq += 1
+    now = sim.clock.wall()
+    end = sim.clock.now() + left_s
+    heapq.heappush(sim.unheard, (end, sim.seq, dep, arrived, now + left_s, now - arrived))
+
+
+def _flush_at(sim: _Sim) -> float:
+    """When the trace next tells the learned policy what ended (virtual), or inf."""
+    if not sim.unheard:
+        return math.inf
+    return math.ceil(sim.unheard[0][0] / FLUSH_EVERY_S) * FLUSH_EVERY_S
+
+
+def _flush(sim: _Sim, at: float) -> None:
+    observe = sim.controller.prewarmer.observe
+    unheard = sim.unheard
+    while unheard and unheard[0][0] <= at:
+        _, _, dep, arrived, ended, wait = heapq.heappop(unheard)
+        observe(dep, arrived, ended, wait)
 
 
 async def _advance(sim: _Sim, target: float) -> None:
-    """Time to `target`: our releases and the actors' timers in their order; the loop runs
-    only when a timer falls due or something waits."""
+    """Time to `target`: our releases, the trace's flushes and the actors' timers in their
+    order; the loop runs only when a timer falls due or something waits."""
     clock, releases, controller = sim.clock, sim.releases, sim.controller
     ready = getattr(asyncio.get_running_loop(), "_ready", None)
     while True:
         nxt = releases[0][0] if releases else math.inf
         timer = clock.next_deadline()
         timer = math.inf if timer is None else timer
-        if min(nxt, timer) > target:
+        heard = _flush_at(sim)
+        if min(nxt, timer, heard) > target:
             break
-        if nxt <= timer:
+        if heard < nxt and heard <= timer:  # a release at the flush's instant is in it
+            clock.jump_to(heard)
+            _flush(sim, heard)
+        elif nxt <= timer:
             _, _, lease = heapq.heappop(releases)
             clock.jump_to(nxt)
             lease.release()
@@ -414,6 +447,7 @@ async def _wait(sim: _Sim, dep: str, rec: TrafficRecord, hold: float) -> None:
     try:
         waiter = sim.controller.enqueue(dep, str(rec.request_id))
     except Refused as exc:
+        _heard(sim, dep, arrived)
         sim.outcomes.append(Outcome(rec.request_id, dep, 0.0, True, _refusal(exc), None, before))
         return
     try:
@@ -422,6 +456,7 @@ async def _wait(sim: _Sim, dep: str, rec: TrafficRecord, hold: float) -> None:
         now = sim.clock.wall()
         timed_out = exc.code == "ondemand_queue_timeout"
         outcome = "queue_timeout" if timed_out else _refusal(exc)
+        _heard(sim, dep, arrived)
         sim.outcomes.append(
             Outcome(rec.request_id, dep, now - arrived, True, outcome, None, before)
         )
@@ -434,7 +469,7 @@ async def _wait(sim: _Sim, dep: str, rec: TrafficRecord, hold: float) -> None:
         )
         raise
     now = sim.clock.wall()
-    _hold(sim, lease, hold)
+    _hold(sim, lease, hold, dep, arrived)
     sim.outcomes.append(
         Outcome(rec.request_id, dep, now - arrived, True, "served", (now, now + hold), before)
     )

@@ -30,6 +30,7 @@ from actors.anticipation import (
 from actors.deployment import Refusal
 from events import model as m
 from events.projections import audit_rows, deployment_events
+from events.traffic import TrafficRecord, encode_batch
 from simulations.harness import Harness
 from simulations.runtime import EngineBehaviour
 
@@ -194,6 +195,25 @@ def test_gaps_that_disagree_by_more_than_10_percent_are_no_period() -> None:
 def test_a_period_that_did_not_come_is_no_longer_predicted() -> None:
     starts = fifteen_minute_job(6)
     assert periodic(starts, starts[-1] + 900 + 200) is None
+
+
+def test_a_run_that_waited_long_for_memory_still_leaves_the_next_run_its_beginning() -> None:
+    """A job of two requests every 15 minutes.  Its fifth run's requests wait ten minutes
+    for memory, so the box serves them until five minutes before the sixth run: as served,
+    the job was idle less than `SESSION_PAUSE_S` before it.  Its sessions are where its
+    demand begins, the waits left out, so the sixth run begins one and the period holds."""
+    a = Anticipator(tz_offset_s=0.0)
+    for run in range(6):
+        t = T0 + run * 900
+        wait = 600.0 if run == 4 else 0.0
+        a.observe("job", t, t + wait + 2, wait)
+        a.observe("job", t + 30, t + wait + 4, max(0.0, wait - 28))
+    learned = a.learned("job", 900, T0 + 5 * 900 + 120)
+    assert learned.prediction is not None
+    assert learned.prediction.at == pytest.approx(T0 + 6 * 900)
+    # The keep-warm is still learned from the gaps as served (the ten minutes were busy).
+    idle = dict(a._traffic["job"].idle.items)
+    assert idle[T0 + 5 * 900] == pytest.approx(900 - 604)
 
 
 def weekday_mornings(days: int, at_h: float = 9.0, seed: int = 5) -> list[float]:
@@ -403,6 +423,33 @@ def test_a_model_kept_warm_by_its_gaps_sleeps_after_them_not_after_its_idle_time
         assert kept and re.fullmatch(r"Kept warm 4\d s \(its usual gaps\)", kept[-1]), kept
         sleeps = [r for r in audit_rows(recs) if r.action == "ondemand_sleep"]
         assert 40 <= sleeps[-1].details["kept_warm_s"] <= 50
+
+    box(tmp_path, t, settings={"ondemand_policy": "learned"})
+
+
+def test_the_box_hears_each_request_of_its_trace_with_its_wait(tmp_path: Path) -> None:
+    """The gateway's trace writes a wait of 0 for a request that never had its model (timed
+    out in the queue): it waited all its time, which its demand leaves out."""
+
+    async def t(h: Harness) -> None:
+        job = await h.deploy("job", 10, idle_timeout_s=300)
+        await h.advance(START_S + 5)
+        heard: list[tuple[Any, ...]] = []
+        h.controller.prewarmer.anticipator.observe = lambda *a: heard.append(a)  # type: ignore[method-assign]
+        at = h.clock.wall()
+        rows = [
+            TrafficRecord(
+                request_id=1, deployment_id=job, arrived=at, wait_s=30.0, ttfb_s=30.5,
+                duration_s=32.0, outcome="served", streamed=False,
+            ),
+            TrafficRecord(
+                request_id=2, deployment_id=job, arrived=at + 1, wait_s=0.0, ttfb_s=None,
+                duration_s=120.0, outcome="queue_timeout", streamed=False,
+            ),
+        ]  # fmt: skip
+        await h.store.append(m.STREAM_TRAFFIC, [encode_batch(rows)], actor="system")
+        await h.advance(1)
+        assert heard == [(job, at, at + 32.0, 30.0), (job, at + 1, at + 121.0, 120.0)]
 
     box(tmp_path, t, settings={"ondemand_policy": "learned"})
 

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -150,6 +151,81 @@ def test_each_model_cold_starts_in_the_median_of_its_own_recorded_starts(
     report = run(main(), timeout=120)
     quick, slow = report.per_model["quick"], report.per_model["slow"]  # type: ignore[attr-defined]
     assert 2.0 <= quick.max <= 2.2 and 12.0 <= slow.max <= 12.2, (quick, slow)
+
+
+def test_the_learned_policy_hears_each_request_when_the_simulated_box_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A box's learned policy hears a request from its traffic trace: at the trace's first
+    flush after the request ended (every `FLUSH_EVERY_S`), with its span and wait on that
+    box.  The what-if's hears it the same way, from the simulated box: not at its arrival,
+    and not as it went on the recorded box."""
+    from unittest import mock
+
+    from actors.prewarm import Prewarmer
+    from events.traffic import FLUSH_EVERY_S, TrafficRecord
+    from simulations import whatif_run
+    from simulations.whatif_measure import build_report
+    from tests.whatif_support import T0
+
+    begin = T0 + 21 + 100  # after `write_log`'s deployment and its 20-s start
+    rows = [  # (arrival, wait on the recorded box, duration there)
+        (begin + 10.0, 0.0, 2.0),
+        (begin + 100.0, 60.0, 62.0),  # waited a cold start there
+        (begin + 200.0, 0.0, 300.0),  # a five-minute stream
+        (begin + 230.0, 0.0, 1.5),  # heard first: it ends before the stream
+        (begin + 900.0, 0.0, 2.0),  # after a pause longer than the idle timeout below
+    ]
+    traffic = [
+        TrafficRecord(
+            request_id=0, deployment_id="d0", arrived=at, wait_s=wait, ttfb_s=wait + 0.1,
+            duration_s=duration, outcome="served", streamed=True,
+        )
+        for at, wait, duration in rows
+    ]  # fmt: skip
+    path = tmp_path / "log.db"
+    heard: list[tuple[float, float, float, float]] = []
+    observe = Prewarmer.observe
+
+    def spy(self: Prewarmer, dep: str, arrived: float, ended: float, wait_s: float) -> None:
+        heard.append((self._c.clock.wall(), arrived, ended, wait_s))
+        observe(self, dep, arrived, ended, wait_s)
+
+    monkeypatch.setattr(Prewarmer, "observe", spy)
+
+    async def main(settings: list[str]) -> list[Any]:
+        heard.clear()
+        history = await load_history(path)
+        with mock.patch.object(whatif_run, "build_report", wraps=build_report) as report:
+            await simulate(history, parse_overrides(history, settings))
+        arrivals = {r.request_id: r.arrived for r in history.traffic}
+        outcomes = report.call_args.args[1]
+        return sorted((arrivals[o.request_id], o.wait) for o in outcomes)
+
+    run(write_log(path, [Model("job", 10, 0.0, 1.0)], hours=1.0, traffic=traffic))
+    waits = run(main(["job.mode=always_on", "ondemand_policy=learned"]), timeout=120)
+    assert [w for _, w in waits] == [0.0] * len(rows)
+    spans = [(arrived, round(ended - arrived, 3), wait) for _, arrived, ended, wait in heard]
+    assert spans == [
+        (begin + 10.0, 2.0, 0.0),
+        (begin + 100.0, 2.0, 0.0),  # its service: it waited for nothing here
+        (begin + 230.0, 1.5, 0.0),
+        (begin + 200.0, 300.0, 0.0),
+        (begin + 900.0, 2.0, 0.0),
+    ], heard
+    for now, _, ended, _ in heard:
+        assert ended <= now + 1e-6 <= ended + FLUSH_EVERY_S + 1e-6, (now, ended)
+
+    # Asleep after a minute idle: the last request waits for its start here, and is heard
+    # with that wait, its span from its arrival to its end after the start.
+    waits = run(main(["job.idle_timeout_s=60", "ondemand_policy=learned"]), timeout=120)
+    assert waits[-1][1] > 15.0, waits
+    _, arrived, ended, wait = max(heard, key=lambda h: h[1])
+    assert arrived == begin + 900.0
+    assert (round(ended - arrived - wait, 3), round(wait, 3)) == (2.0, round(waits[-1][1], 3))
+    for now, arrived, ended, wait in heard:
+        assert (arrived, pytest.approx(wait)) in waits
+        assert ended <= now + 1e-6 <= ended + FLUSH_EVERY_S + 1e-6, (now, ended)
 
 
 # --- tune ------------------------------------------------------------------------------------

@@ -265,8 +265,8 @@ class Comparison:
             out.append(f"waited agreement {self.agreement():.1%}")
         if self.prewarms is not None:
             # Pre-warms, per model: one either way.  A pre-warm due near the window's end
-            # may be made on one side and not yet on the other; and the real box hears its
-            # traffic in the trace's batches (every 10 s), the what-if at each arrival.
+            # may be made on one side and not yet on the other; and the trace's batches
+            # (every 10 s) are flushed on each side at its own phase.
             done, predicted = self.prewarms
             for name in sorted(set(done) | set(predicted)):
                 a, b = done.get(name, 0), predicted.get(name, 0)

@@ -44,6 +44,7 @@ from simulations.runtime import EngineBehaviour, SimProbe, SimRuntime
 from simulations.whatif_history import (
     Change,
     History,
+    WhatIfError,
     launch_seconds,
     start_seconds,
     stop_seconds,
@@ -176,6 +177,8 @@ async def simulate(
     for key, value in overrides.items():
         if "." in key:
             dep, _, sub = key.rpartition(".")
+            if dep not in history.names:  # `parse_overrides` names them by id
+                raise WhatIfError(f"{key}: no deployment {dep!r} in the log (by id)")
             per_dep[dep][sub] = value
     folder = db_dir or _SHM
     with tempfile.TemporaryDirectory(prefix="dgxmm-whatif-", dir=folder) as tmp:

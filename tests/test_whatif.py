@@ -104,6 +104,18 @@ def test_the_json_has_the_recorded_the_calibration_and_each_alternative(log: Pat
         assert set(column["fates_per_model"]) == {"chat", "coder", "big"}
 
 
+def test_a_setting_of_a_deployment_the_log_does_not_have_is_refused_not_ignored(
+    log: Path,
+) -> None:
+    """`simulate` takes a deployment's settings by its id (`parse_overrides` reads names)."""
+    from simulations.whatif import WhatIfError
+
+    history = run(load_history(log))
+    with pytest.raises(WhatIfError, match=r"chat\.mode: no deployment 'chat'"):
+        run(simulate(history, {"chat.mode": "always_on"}))
+    assert parse_overrides(history, ["chat.mode=always_on"]) != {"chat.mode": "always_on"}
+
+
 def test_making_room_at_once_trades_waits_for_cold_starts(log: Path) -> None:
     async def main() -> tuple[object, object]:
         history = await load_history(log)

@@ -118,7 +118,8 @@ class Prewarmer:
             observe(row.deployment_id, row.arrived, row.arrived + row.duration_s, row.waited_s)
 
     def observe(self, deployment_id: str, arrived: float, ended: float, wait_s: float) -> None:
-        """One request, told directly (a what-if's replayed traffic)."""
+        """One request that waited `wait_s` for its model, told directly (a what-if's
+        replayed traffic, the property tests' box)."""
         self._loaded = True
         self.anticipator.observe(deployment_id, arrived, ended, wait_s)
 

@@ -47,6 +47,7 @@ from collections.abc import Iterable, Sequence
 import msgspec
 
 from events.projections import duration_text
+from events.traffic import TrafficRecord
 
 DAY_S = 86_400.0
 HISTORY_S = 15 * DAY_S  # two weeks and a day: the weekly pattern's two weeks
@@ -187,6 +188,12 @@ class Gaps:
             self._pause = pause_s
             self._starts = deque(session_starts(self.items, pause_s))
         return list(self._starts)
+
+
+def traced(rec: TrafficRecord) -> tuple[float, float, float]:
+    """A request the traffic trace recorded, as `Traffic.observe` takes it: its arrival,
+    its end, and its wait for its model (`TrafficRecord.waited_s`, not the row's wait)."""
+    return rec.arrived, rec.arrived + rec.duration_s, rec.waited_s
 
 
 class Traffic:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from actors.anticipation import HISTORY_S, Anticipator, Learned, Traffic, lead_s
+from actors.anticipation import HISTORY_S, Anticipator, Learned, Traffic, lead_s, traced
 from actors.cold_start import StartHistory
 from actors.deployment import DeploymentActor, StartDeployment, StopDeployment
 from actors.memory_broker import Candidate, MemoryBroker
@@ -115,7 +115,7 @@ class Prewarmer:
         assert isinstance(rec.event, m.TrafficRecorded)
         observe = self.anticipator.observe
         for row in decode_batch(rec.event):
-            observe(row.deployment_id, row.arrived, row.arrived + row.duration_s, row.waited_s)
+            observe(row.deployment_id, *traced(row))
 
     def observe(self, deployment_id: str, arrived: float, ended: float, wait_s: float) -> None:
         """One request that waited `wait_s` for its model, told directly (a what-if's

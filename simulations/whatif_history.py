@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.anticipation import HISTORY_S, Traffic
+from actors.anticipation import HISTORY_S, Traffic, traced
 from actors.controller import DEFAULT_SETTINGS, validate_settings
 from actors.deployment import Refusal
 from events import model as m
@@ -140,7 +140,7 @@ async def load_history(
             known = prior.get(r.deployment_id)
             if known is None:
                 known = prior[r.deployment_id] = Traffic()
-            known.observe(r.arrived, r.arrived + r.duration_s, r.waited_s)
+            known.observe(*traced(r))
     traffic = [r for r in traffic if lo <= r.arrived <= hi]
     if deployment is not None:
         wanted = {i for i, n in names.items() if deployment in (i, n)}

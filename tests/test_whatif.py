@@ -10,15 +10,25 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
 
+from actors.prewarm import Prewarmer
+from events.traffic import FLUSH_EVERY_S, TrafficRecord
+from simulations import whatif_run
 from simulations.tune import Goal, _named, first_stage, tune
-from simulations.whatif import figures, load_history, parse_overrides, simulate
-from simulations.whatif_measure import _covered, _merged
+from simulations.whatif import (
+    WhatIfError,
+    figures,
+    load_history,
+    parse_overrides,
+    simulate,
+)
+from simulations.whatif_measure import _covered, _merged, build_report
 from tests.gateway_support import run
-from tests.whatif_support import Model, write_log
+from tests.whatif_support import T0, Model, write_log
 
 # Two models that fit together beside a third that does not: the third's requests wait.
 MODELS = [
@@ -108,8 +118,6 @@ def test_a_setting_of_a_deployment_the_log_does_not_have_is_refused_not_ignored(
     log: Path,
 ) -> None:
     """`simulate` takes a deployment's settings by its id (`parse_overrides` reads names)."""
-    from simulations.whatif import WhatIfError
-
     history = run(load_history(log))
     with pytest.raises(WhatIfError, match=r"chat\.mode: no deployment 'chat'"):
         run(simulate(history, {"chat.mode": "always_on"}))
@@ -172,13 +180,6 @@ def test_the_learned_policy_hears_each_request_when_the_simulated_box_would(
     flush after the request ended (every `FLUSH_EVERY_S`), with its span and wait on that
     box.  The what-if's hears it the same way, from the simulated box: not at its arrival,
     and not as it went on the recorded box."""
-    from unittest import mock
-
-    from actors.prewarm import Prewarmer
-    from events.traffic import FLUSH_EVERY_S, TrafficRecord
-    from simulations import whatif_run
-    from simulations.whatif_measure import build_report
-    from tests.whatif_support import T0
 
     begin = T0 + 21 + 100  # after `write_log`'s deployment and its 20-s start
     rows = [  # (arrival, wait on the recorded box, duration there)

@@ -426,7 +426,7 @@ class Controller:
             cand = actor.idle_candidate()
             if cand is not None:
                 found.append(cand)
-        return found
+        return self.prewarmer.spare(found)
 
     def candidate_due(self, for_deployment: str) -> float | None:
         """When the next model not yet a candidate becomes one (None: none will while idle)."""

@@ -1137,7 +1137,7 @@ class DeploymentActor(Actor):
         last = self.activity.last_used
         keep = self.keep_s
         at = last + (keep if keep is not None and keep < timeout else timeout)
-        if self.prewarm_until is not None:  # the first make-room candidate meanwhile
+        if self.prewarm_until is not None:  # a make-room candidate meanwhile
             at = max(at, self.prewarm_until)
         return at
 
@@ -1204,9 +1204,11 @@ class DeploymentActor(Actor):
         idle, _ = self._idle_for("make_room")
         if not idle:
             return None
-        # An unused pre-warm goes first (as if it had been used longest ago).
-        last = -math.inf if self.prewarm_until is not None else self.activity.last_used
-        return Candidate(self.deployment_id, self.state.memory_bytes, last)
+        if self.prewarm_until is not None:
+            # An unused pre-warm is spared while idle models can make the room, and then
+            # goes first (as if it had been used longest ago): it delays no request.
+            return Candidate(self.deployment_id, self.state.memory_bytes, -math.inf, spared=True)
+        return Candidate(self.deployment_id, self.state.memory_bytes, self.activity.last_used)
 
     # --- mode, reconfiguration, removal --------------------------------------------------
 

@@ -27,19 +27,32 @@ class Candidate(msgspec.Struct, frozen=True):
     deployment_id: str
     memory_bytes: int
     last_used: float  # monotonic seconds of its last use (request end, ready, switch)
+    # Stopped only when the others cannot make the room (the learned policy's): a ready
+    # pre-warm whose request is expected soon, or a model expected before such a one.
+    spared: bool = False
 
 
 def plan_make_room(need: int, free: int, candidates: Iterable[Candidate]) -> list[str] | None:
     """The least recently used idle candidates to stop so `need` fits, or None if impossible.
 
     Only as many as needed, oldest use first (not by size); an empty list when it already
-    fits; None (stop nothing) when even all of them together would not free enough.
+    fits; None (stop nothing) when even all of them together would not free enough.  The
+    `spared` are left while the others alone can make the room.
     """
     if need <= free:
         return []
+    ordered = sorted(candidates, key=lambda c: (c.last_used, c.deployment_id))
+    others = [c for c in ordered if not c.spared]
+    plan = _oldest_first(need, free, others)
+    if plan is None and len(others) < len(ordered):
+        plan = _oldest_first(need, free, ordered)
+    return plan
+
+
+def _oldest_first(need: int, free: int, ordered: list[Candidate]) -> list[str] | None:
     chosen: list[str] = []
     freed = 0
-    for cand in sorted(candidates, key=lambda c: (c.last_used, c.deployment_id)):
+    for cand in ordered:
         chosen.append(cand.deployment_id)
         freed += cand.memory_bytes
         if free + freed >= need:

@@ -15,10 +15,11 @@ The rules a pre-warm keeps, whatever the policy (and checked by property tests):
   rules whose own next predicted session is later than its own;
 - it never stops a model with a request in flight (the candidates are idle, and each checks
   again before it sleeps);
-- until its first request it delays none: while ready it is the first make-room candidate
-  (`DeploymentActor.idle_candidate`), and while still starting, when the queue's head needs
-  its memory, it is stopped at once (`abandon_for`): "Pre-warm abandoned for a queued
-  request".
+- until its first request it delays none: while ready it is a make-room candidate at once
+  (`DeploymentActor.idle_candidate`), spared while idle models expected later than it can
+  make the room (`spare`), else the first to go; while still starting, when the queue's
+  head needs its memory, it is stopped at once (`abandon_for`): "Pre-warm abandoned for a
+  queued request".
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 
 from actors.anticipation import HISTORY_S, Anticipator, Learned, Traffic, lead_s, traced
@@ -264,6 +266,25 @@ class Prewarmer:
             if learned is None or learned.prediction is None or learned.prediction.at > at:
                 found.append(cand)
         return found
+
+    def spare(self, found: list[Candidate]) -> list[Candidate]:
+        """Make-room candidates, with those expected before a ready pre-warm among them spared
+        too: while others can make the room, the memory a pre-warm keeps is theirs, and a
+        pre-warm uses only the memory of models expected later (or never)."""
+        done = self._done
+        arrivals = [done[c.deployment_id] for c in found if c.spared and c.deployment_id in done]
+        if not arrivals:
+            return found
+        first = min(arrivals)
+        marked = []
+        for cand in found:
+            actor = self._c.actors.get(cand.deployment_id)
+            learned = None if actor is None or cand.spared else self.learned(actor.state)
+            pred = None if learned is None else learned.prediction
+            if pred is not None and pred.at <= first:
+                cand = msgspec.structs.replace(cand, spared=True)
+            marked.append(cand)
+        return marked
 
     def abandon_for(self, deployment_id: str) -> bool:
         """The queue's head (for `deployment_id`) cannot fit: stop pre-warms still starting,

@@ -19,6 +19,8 @@ from actors.anticipation import (
     Anticipator,
     Gaps,
     KeepWarm,
+    Learned,
+    Prediction,
     between_sessions,
     daily,
     keep_warm,
@@ -484,7 +486,46 @@ def test_no_pre_warm_starts_while_a_request_is_queued(tmp_path: Path) -> None:
     box(tmp_path, t, usable_gib=40, settings=settings)
 
 
-def test_an_unused_pre_warm_is_the_first_to_make_room_and_delays_no_request(
+@pytest.mark.parametrize("chat_first", [False, True], ids=["chat_later", "chat_first"])
+def test_a_ready_pre_warm_keeps_its_memory_while_an_idle_model_expected_later_can_make_room(
+    tmp_path: Path, chat_first: bool
+) -> None:
+    """`other`'s request needs 10 GiB of a 25 GiB box where the job's pre-warm (10) and an
+    idle chat model (10) hold 20: the chat model, expected later than the job (or never),
+    makes the room and the job's run finds it warm; a chat model expected first is spared,
+    and the unused pre-warm makes the room, as it would alone."""
+
+    async def t(h: Harness) -> None:
+        job, ids, expected = await learned_job(h, chat=10, other=10)
+        chat, prewarmer = ids["chat"], h.controller.prewarmer
+        await until(h, expected - 200)  # ready before the pre-warm is due, warm after it
+        h.request(chat, hold_s=1)
+        await until(h, expected - 5)
+        assert (h.state(job), h.state(chat)) == ("ready", "ready")
+        if chat_first:
+            soon = Prediction(at=expected - 1, tolerance_s=60.0, pattern="its own")
+            told = Learned(keep=KeepWarm(seconds=None, reason=""), prediction=soon)
+            learned = prewarmer.learned
+            prewarmer.learned = lambda dep: told if dep.deployment_id == chat else learned(dep)  # type: ignore[method-assign]
+        r = h.request(ids["other"], hold_s=1)
+        await h.advance(1)
+        stopped, kept = (job, chat) if chat_first else (chat, job)
+        assert h.state(stopped) in ("stopping", "stopped") and h.state(kept) == "ready"
+        await until(h, expected)
+        run = h.request(job, hold_s=1)
+        await h.advance(2 * START_S)
+        assert r.outcome == "served" and run.outcome == "served"
+        assert (run.admitted_at - run.arrived > 1) is chat_first  # type: ignore[operator]
+        recs = await h.events()
+        assert "Put to sleep to make room for other" in titles(recs, stopped)
+        assert "Put to sleep to make room for other" not in titles(recs, kept)
+        assert prewarmer.counts["wasted" if chat_first else "used"] == 1
+
+    settings = {"ondemand_policy": "learned", "ondemand_make_room_after_s": 0}
+    box(tmp_path, t, usable_gib=25, settings=settings)
+
+
+def test_an_unused_pre_warm_makes_room_when_no_idle_model_can_and_delays_no_request(
     tmp_path: Path,
 ) -> None:
     async def t(h: Harness) -> None:

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from actors.anticipation import Learned
 from actors.deployment import DeploymentActor
 from events import model as m
+from events.state import Lifecycle
 from simulations.harness import Harness
 from simulations.properties import (
     CheckedBroker,
@@ -136,11 +137,23 @@ async def play(box: Box, db: Path) -> tuple[list[str], int, int]:
 
 
 def victims_check(h: Harness, problems: list[str]) -> None:
-    """Every model stopped to make room for a pre-warm is predicted later (or not at all)."""
+    """Every model stopped to make room for a pre-warm is predicted later (or not at all);
+    so is every model stopped to make room for a request while a ready pre-warm stays."""
     prewarmer = h.controller.prewarmer
     original = prewarmer._prewarm
     sleep_victims = h.controller.sleep_victims
     current: list[float] = []
+
+    def staying(ids: list[str]) -> list[float]:
+        """The expected arrivals of the ready, unused pre-warms not stopped with `ids`."""
+        return [
+            prewarmer._done[a.deployment_id]
+            for a in h.controller.actors.values()
+            if a.prewarm_until is not None
+            and a.state.lifecycle is Lifecycle.READY
+            and a.deployment_id not in ids
+            and a.deployment_id in prewarmer._done
+        ]
 
     def prewarm(actor: DeploymentActor, learned: Learned, wall: float) -> None:
         assert learned.prediction is not None
@@ -151,17 +164,21 @@ def victims_check(h: Harness, problems: list[str]) -> None:
             current.pop()
 
     def victims(ids: list[str], for_id: str, for_name: str) -> None:
-        if current:
-            for victim in ids:
-                other = h.controller.actors[victim].state
-                learned = prewarmer.learned(other)
-                pred = None if learned is None else learned.prediction
-                if pred is not None and pred.at <= current[-1]:
-                    problems.append(f"{other.name} stopped for {for_name}'s pre-warm, needed first")
+        kept = [current[-1]] if current else staying(ids)
+        for victim in ids if kept else []:
+            other = h.controller.actors[victim].state
+            learned = prewarmer.learned(other)
+            pred = None if learned is None else learned.prediction
+            if pred is not None and pred.at <= min(kept):
+                whose = f"{for_name}'s pre-warm" if current else f"{for_name} beside a pre-warm"
+                problems.append(f"{other.name} stopped for {whose}, needed first")
         sleep_victims(ids, for_id, for_name)
 
     prewarmer._prewarm = prewarm  # type: ignore[method-assign]
+    # Every path that stops models to make room: the pre-warmer's, the queue's, the actors'.
     h.controller.sleep_victims = victims  # type: ignore[method-assign]
+    h.controller.queue._sleep_victims = victims
+    h.controller._hooks.sleep_victims = victims
 
 
 @settings(

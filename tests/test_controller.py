@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -397,6 +398,21 @@ def test_plan_make_room_is_lru_only_as_many_as_needed_and_none_if_not_enough() -
     assert plan_make_room(30, 10, cands) == ["big"]  # LRU, though larger than needed
     assert plan_make_room(100, 10, cands) == ["big", "mid"]
     assert plan_make_room(200, 10, cands) is None
+
+
+def test_plan_make_room_leaves_the_spared_while_the_others_alone_can_make_it() -> None:
+    """A ready pre-warm (spared, as if used longest ago) stays while the other idle models
+    can free enough; else it goes first, and again only as many as needed."""
+    from actors.memory_broker import Candidate, plan_make_room
+
+    pre = Candidate("pre", 40, -math.inf, spared=True)
+    cands = [pre, Candidate("chat", 30, 2.0), Candidate("writer", 36, 1.0)]
+    assert plan_make_room(30, 0, cands) == ["writer"]
+    assert plan_make_room(60, 0, cands) == ["writer", "chat"]
+    assert plan_make_room(40, 0, cands) == ["writer", "chat"]  # the others can: it stays
+    assert plan_make_room(70, 0, cands) == ["pre", "writer"]  # they cannot: it goes first
+    assert plan_make_room(40, 0, [pre, Candidate("chat", 30, 2.0)]) == ["pre"]
+    assert plan_make_room(110, 0, cands) is None
 
 
 def test_an_always_on_deployment_and_the_decision_model_are_never_put_to_sleep(

@@ -378,8 +378,10 @@ class DeploymentActor(Actor):
         self.keep_s: float | None = None
         self.keep_reason = ""
         # A pre-warm waiting for its first request: until when (its clock's time) it is
-        # kept for it; None: no pre-warm pending.
+        # kept for it, and when that request is expected (epoch seconds); None: no pre-warm
+        # pending.
         self.prewarm_until: float | None = None
+        self.prewarm_expected_at: float | None = None
 
     @property
     def deployment_id(self) -> str:
@@ -561,6 +563,7 @@ class DeploymentActor(Actor):
             self._prewarm_ended(used=False)
         if cmd.reason == "prewarm":
             self.prewarm_until = cmd.hold_until
+            self.prewarm_expected_at = cmd.expected_at
         self._begin_boot(spec)
         self._changed()
 
@@ -858,7 +861,7 @@ class DeploymentActor(Actor):
         return True
 
     def _prewarm_ended(self, *, used: bool) -> None:
-        self.prewarm_until = None
+        self.prewarm_until = self.prewarm_expected_at = None
         self._hooks.prewarm_ended(self.deployment_id, used)
 
     async def _halt(self) -> None:
@@ -1204,11 +1207,13 @@ class DeploymentActor(Actor):
         idle, _ = self._idle_for("make_room")
         if not idle:
             return None
+        mem = self.state.memory_bytes
         if self.prewarm_until is not None:
             # An unused pre-warm is spared while idle models can make the room, and then
-            # goes first (as if it had been used longest ago): it delays no request.
-            return Candidate(self.deployment_id, self.state.memory_bytes, -math.inf, spared=True)
-        return Candidate(self.deployment_id, self.state.memory_bytes, self.activity.last_used)
+            # goes first: it delays no request.
+            expected = math.inf if self.prewarm_expected_at is None else self.prewarm_expected_at
+            return Candidate(self.deployment_id, mem, -math.inf, expected)
+        return Candidate(self.deployment_id, mem, self.activity.last_used)
 
     # --- mode, reconfiguration, removal --------------------------------------------------
 

@@ -27,9 +27,10 @@ class Candidate(msgspec.Struct, frozen=True):
     deployment_id: str
     memory_bytes: int
     last_used: float  # monotonic seconds of its last use (request end, ready, switch)
-    # Stopped only when the others cannot make the room (the learned policy's): a ready
-    # pre-warm whose request is expected soon, or a model expected before such a one.
-    spared: bool = False
+    # Set (epoch seconds): spared, stopped only when the others cannot make the room, the
+    # one expected latest first. The learned policy's: a ready pre-warm, when its request is
+    # expected; a model expected before such a one, when it is.
+    expected_at: float | None = None
 
 
 def plan_make_room(need: int, free: int, candidates: Iterable[Candidate]) -> list[str] | None:
@@ -37,15 +38,18 @@ def plan_make_room(need: int, free: int, candidates: Iterable[Candidate]) -> lis
 
     Only as many as needed, oldest use first (not by size); an empty list when it already
     fits; None (stop nothing) when even all of them together would not free enough.  The
-    `spared` are left while the others alone can make the room.
+    spared (`expected_at`) are left while the others alone can make the room; else they go
+    first, the one expected latest first.
     """
     if need <= free:
         return []
     ordered = sorted(candidates, key=lambda c: (c.last_used, c.deployment_id))
-    others = [c for c in ordered if not c.spared]
+    others = [c for c in ordered if c.expected_at is None]
     plan = _oldest_first(need, free, others)
     if plan is None and len(others) < len(ordered):
-        plan = _oldest_first(need, free, ordered)
+        spared = [c for c in ordered if c.expected_at is not None]
+        spared.sort(key=lambda c: -(c.expected_at or 0.0))
+        plan = _oldest_first(need, free, spared + others)
     return plan
 
 

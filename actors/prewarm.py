@@ -271,18 +271,18 @@ class Prewarmer:
         """Make-room candidates, with those expected before a ready pre-warm among them spared
         too: while others can make the room, the memory a pre-warm keeps is theirs, and a
         pre-warm uses only the memory of models expected later (or never)."""
-        done = self._done
-        arrivals = [done[c.deployment_id] for c in found if c.spared and c.deployment_id in done]
+        arrivals = [c.expected_at for c in found if c.expected_at is not None]
         if not arrivals:
             return found
         first = min(arrivals)
         marked = []
         for cand in found:
             actor = self._c.actors.get(cand.deployment_id)
-            learned = None if actor is None or cand.spared else self.learned(actor.state)
+            spared = cand.expected_at is not None
+            learned = None if actor is None or spared else self.learned(actor.state)
             pred = None if learned is None else learned.prediction
             if pred is not None and pred.at <= first:
-                cand = msgspec.structs.replace(cand, spared=True)
+                cand = msgspec.structs.replace(cand, expected_at=pred.at)
             marked.append(cand)
         return marked
 

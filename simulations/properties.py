@@ -89,6 +89,21 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True):
     free_before: int  # by the independent ledger, the deployment's own old entry excluded
 
 
+def making_room_order(eligible: list[Candidate], short: int) -> list[Candidate]:
+    """The order idle candidates go in to free `short` bytes: the least recently used first.
+    Under the learned policy, those spared (`expected_at`: a ready pre-warm, a model expected
+    before one) only when the others cannot free it, and then first, latest expected first."""
+    lru = sorted(eligible, key=lambda c: (c.last_used, c.deployment_id))
+    others = [c for c in lru if c.expected_at is None]
+    if sum(c.memory_bytes for c in others) >= short:
+        return others
+    return sorted((c for c in lru if c.expected_at is not None), key=_later_first) + others
+
+
+def _later_first(c: Candidate) -> float:
+    return -(c.expected_at or 0.0)
+
+
 class CheckedBroker(MemoryBroker):
     """The real broker, with an independent ledger of what it granted, checked at each call."""
 
@@ -186,13 +201,18 @@ class CheckedBroker(MemoryBroker):
         """Making room: idle candidates only, least recently used first, only as many as needed."""
         if not plan:
             return
-        eligible = sorted(
-            (
+        # Memory of stops already under way comes back too (what it was freed for is in
+        # the ledger already), so the last victim must have been needed on top of it.
+        eventual = self.usable_bytes - sum(
+            v for k, v in self.ledger.items() if k != deployment_id and k not in self.releasing_ids
+        )
+        eligible = making_room_order(
+            [
                 c
                 for c in cands
                 if c.deployment_id in self.ledger and c.deployment_id not in self.releasing_ids
-            ),
-            key=lambda c: (c.last_used, c.deployment_id),
+            ],
+            need - eventual,
         )
         size = {c.deployment_id: c.memory_bytes for c in eligible}
         victims = [self._name(v) for v in plan]
@@ -201,11 +221,6 @@ class CheckedBroker(MemoryBroker):
             return
         if [c.deployment_id for c in eligible[: len(plan)]] != plan:
             self._problem(f"{victims} put to sleep for {name}: not the least recently used")
-        # Memory of stops already under way comes back too (what it was freed for is in
-        # the ledger already), so the last victim must have been needed on top of it.
-        eventual = self.usable_bytes - sum(
-            v for k, v in self.ledger.items() if k != deployment_id and k not in self.releasing_ids
-        )
         before_last = sum(size[v] for v in plan[:-1])
         if eventual + before_last >= need:
             self._problem(
@@ -223,15 +238,15 @@ class CheckedBroker(MemoryBroker):
             return plan
         name = self._name(deployment_id)
         victims = [self._name(v) for v in plan]
-        eligible = sorted(
-            (
+        eligible = making_room_order(
+            [
                 c
                 for c in cands
                 if c.deployment_id in self.ledger
                 and c.deployment_id not in self.releasing_ids
                 and c.deployment_id != deployment_id
-            ),
-            key=lambda c: (c.last_used, c.deployment_id),
+            ],
+            missing,
         )
         size = {c.deployment_id: c.memory_bytes for c in eligible}
         if any(v not in size for v in plan):

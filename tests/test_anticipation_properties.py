@@ -15,17 +15,19 @@ must be predicted later than it (or not at all).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import tempfile
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, event, given, settings, target
+from hypothesis import HealthCheck, event, example, given, settings, target
 from hypothesis import strategies as st
 
 from actors.anticipation import Learned
 from actors.deployment import DeploymentActor
+from actors.memory_broker import Candidate
 from events import model as m
 from events.state import Lifecycle
 from simulations.harness import Harness
@@ -66,6 +68,10 @@ class Box:
         self.runs = draw(st.integers(6, 9))
         self.seed = draw(st.integers(0, 2**16))
         self.per_deployment = draw(st.booleans())  # the policy on the job only
+        # A second periodic model (0 GiB: none), its runs this far from the job's: so that
+        # a model with a prediction of its own is a candidate, sometimes expected first.
+        self.second_gib = draw(st.sampled_from([0, 5, 15, 25]))
+        self.second_offset = draw(st.sampled_from([-60.0, -20.0, 40.0, 240.0]))
 
     def __repr__(self) -> str:
         return f"Box({vars(self)})"
@@ -74,12 +80,32 @@ class Box:
 boxes = st.builds(lambda d: d, st.data()).map(lambda data: Box(data.draw))
 
 
+def _fixed(values: dict[str, Any]) -> Any:
+    order = list(values.values())
+
+    def draw(_strategy: Any) -> Any:
+        return order.pop(0)
+
+    return draw
+
+
+def two_jobs(usable: int, others: list[tuple[int, float]]) -> Box:
+    """A box of the job (20 GiB, every 10 minutes) and a second periodic model (15 GiB) whose
+    runs come a minute before the job's: its pre-warm is ready, expected first, when the
+    job's is due, so making room for the job must leave it (examples the search may miss)."""
+    return Box(_fixed({"usable": usable, "period": 600.0, "jitter": 20, "job_gib": 20,
+                       "others": others, "always_on": False, "idle": 120, "startup": 30.0,
+                       "runs": 9, "seed": 3, "per_deployment": False, "second_gib": 15,
+                       "second_offset": -60.0}))  # fmt: skip
+
+
 def run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
-async def play(box: Box, db: Path) -> tuple[list[str], int, int]:
-    """Run `box`; its problems, and how many pre-warms began and were abandoned."""
+async def play(box: Box, db: Path) -> tuple[list[str], int, int, int]:
+    """Run `box`; its problems, how many pre-warms began and were abandoned, and how many
+    times a candidate to make room was left because it was expected first."""
     rng = random.Random(box.seed)
     policy = {} if box.per_deployment else {"ondemand_policy": "learned"}
     h = await Harness.create(
@@ -93,11 +119,16 @@ async def play(box: Box, db: Path) -> tuple[list[str], int, int]:
     checker = Checker(h)
     problems: list[str] = []
     victims_check(h, problems)
+    first = expected_first(h)
     try:
         job = await h.deploy("job", box.job_gib, idle_timeout_s=box.idle)
-        if box.per_deployment:
+        jobs = {job: 0.0}
+        if box.second_gib:
+            second = await h.deploy("second", box.second_gib, idle_timeout_s=box.idle)
+            jobs[second] = box.second_offset
+        for dep in jobs if box.per_deployment else ():
             await h.controller.change_mode(
-                job, "on_demand", None, True, "admin:test", ondemand_policy="learned"
+                dep, "on_demand", None, True, "admin:test", ondemand_policy="learned"
             )
         others = [
             await h.deploy(f"m{i}", gib, idle_timeout_s=box.idle)
@@ -109,10 +140,10 @@ async def play(box: Box, db: Path) -> tuple[list[str], int, int]:
         arrivals: list[tuple[float, str, float]] = []
         begin = h.clock.now() + box.period
         end = begin + box.runs * box.period
-        for i in range(box.runs):
-            at = begin + i * box.period + rng.uniform(-box.jitter, box.jitter)
+        for i, (dep, offset) in itertools.product(range(box.runs), jobs.items()):
+            at = begin + i * box.period + offset + rng.uniform(-box.jitter, box.jitter)
             for k in range(rng.randint(1, 3)):
-                arrivals.append((at + 10 * k, job, 2.0))
+                arrivals.append((at + 10 * k, dep, 2.0))
         for dep, (_, rate) in zip(others, box.others, strict=True):
             t = h.clock.now()
             while (t := t + rng.expovariate(rate)) < end:
@@ -131,9 +162,37 @@ async def play(box: Box, db: Path) -> tuple[list[str], int, int]:
             isinstance(r.event, m.StartRequested) and r.event.reason == "prewarm" for r in records
         )
         abandoned = h.controller.prewarmer.counts["abandoned"]
-        return problems, began, abandoned
+        return problems, began, abandoned, first[0]
     finally:
         await h.close()
+
+
+def expected_first(h: Harness) -> list[int]:
+    """Count the candidates left out of a pre-warm's plan, or spared in a request's, for
+    being expected before it (a one-element list, counted as the run goes)."""
+    prewarmer, count, inside = h.controller.prewarmer, [0], [False]
+    later, spare = prewarmer._later_candidates, prewarmer.spare
+
+    def later_candidates(deployment_id: str, at: float) -> list[Candidate]:
+        inside[0] = True
+        try:
+            every = h.controller.candidates(deployment_id)
+        finally:
+            inside[0] = False
+        found = later(deployment_id, at)
+        count[0] += len(every) - len(found)
+        return found
+
+    def spared(found: list[Candidate]) -> list[Candidate]:
+        marked = spare(found)
+        if not inside[0]:
+            pairs = zip(found, marked, strict=True)
+            count[0] += sum(a.expected_at != b.expected_at for a, b in pairs)
+        return marked
+
+    prewarmer._later_candidates = later_candidates  # type: ignore[method-assign]
+    prewarmer.spare = spared  # type: ignore[method-assign]
+    return count
 
 
 def victims_check(h: Harness, problems: list[str]) -> None:
@@ -147,12 +206,11 @@ def victims_check(h: Harness, problems: list[str]) -> None:
     def staying(ids: list[str]) -> list[float]:
         """The expected arrivals of the ready, unused pre-warms not stopped with `ids`."""
         return [
-            prewarmer._done[a.deployment_id]
+            a.prewarm_expected_at
             for a in h.controller.actors.values()
-            if a.prewarm_until is not None
+            if a.prewarm_expected_at is not None
             and a.state.lifecycle is Lifecycle.READY
             and a.deployment_id not in ids
-            and a.deployment_id in prewarmer._done
         ]
 
     def prewarm(actor: DeploymentActor, learned: Learned, wall: float) -> None:
@@ -188,11 +246,14 @@ def victims_check(h: Harness, problems: list[str]) -> None:
     derandomize=True,
 )
 @given(boxes)
+@example(two_jobs(40, [(20, 1 / 300)]))  # the job's pre-warm would stop it
+@example(two_jobs(50, [(10, 1 / 300), (20, 1 / 300)]))  # a request stops one of the two
 def test_the_learned_policy_keeps_every_rule_of_the_seed_and_its_own(box: Box) -> None:
     with tempfile.TemporaryDirectory(prefix="dgxmm-anticipation-") as tmp:
-        problems, began, abandoned = run(play(box, Path(tmp) / "log.db"))
+        problems, began, abandoned, first = run(play(box, Path(tmp) / "log.db"))
     event(f"pre-warms: {'none' if not began else 'some'}")
     event(f"abandoned: {'none' if not abandoned else 'some'}")
+    event(f"left for a model expected first: {'none' if not first else 'some'}")
     target(float(began), label="pre-warms")
     assert not problems, first_problems(problems)
 
@@ -201,17 +262,9 @@ def test_the_generated_boxes_pre_warm_and_abandon_pre_warms(tmp_path: Path) -> N
     """The property is not vacuous: boxes like those it draws do pre-warm, and abandon."""
     box = Box(_fixed({"usable": 50, "period": 600.0, "jitter": 20, "job_gib": 20,
                       "others": [(30, 1 / 300)], "always_on": False, "idle": 120,
-                      "startup": 90.0, "runs": 9, "seed": 3, "per_deployment": False}))  # fmt: skip
-    problems, began, abandoned = run(play(box, tmp_path / "log.db"))
+                      "startup": 90.0, "runs": 9, "seed": 3, "per_deployment": False,
+                      "second_gib": 0, "second_offset": 0.0}))  # fmt: skip
+    problems, began, abandoned, _ = run(play(box, tmp_path / "log.db"))
     assert not problems, first_problems(problems)
     assert began >= 2
     assert abandoned >= 0  # abandons happen when a request comes during the start
-
-
-def _fixed(values: dict[str, Any]) -> Any:
-    order = list(values.values())
-
-    def draw(_strategy: Any) -> Any:
-        return order.pop(0)
-
-    return draw

@@ -405,7 +405,7 @@ def test_plan_make_room_leaves_the_spared_while_the_others_alone_can_make_it() -
     can free enough; else it goes first, and again only as many as needed."""
     from actors.memory_broker import Candidate, plan_make_room
 
-    pre = Candidate("pre", 40, -math.inf, spared=True)
+    pre = Candidate("pre", 40, -math.inf, expected_at=1000.0)
     cands = [pre, Candidate("chat", 30, 2.0), Candidate("writer", 36, 1.0)]
     assert plan_make_room(30, 0, cands) == ["writer"]
     assert plan_make_room(60, 0, cands) == ["writer", "chat"]
@@ -413,6 +413,10 @@ def test_plan_make_room_leaves_the_spared_while_the_others_alone_can_make_it() -
     assert plan_make_room(70, 0, cands) == ["pre", "writer"]  # they cannot: it goes first
     assert plan_make_room(40, 0, [pre, Candidate("chat", 30, 2.0)]) == ["pre"]
     assert plan_make_room(110, 0, cands) is None
+    # Of the spared, the one expected latest goes first, whatever their names or last use.
+    soon = Candidate("a-soon", 40, -math.inf, expected_at=900.0)
+    assert plan_make_room(40, 0, [soon, pre]) == ["pre"]
+    assert plan_make_room(70, 0, [soon, pre]) == ["pre", "a-soon"]
 
 
 def test_an_always_on_deployment_and_the_decision_model_are_never_put_to_sleep(

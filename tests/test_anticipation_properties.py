@@ -1,15 +1,18 @@
 """The learned policy's safety rules, checked by hypothesis over the real actors (issue 44).
 
 Each example is a random box under `ondemand_policy = "learned"`: a model used every so often
-(so that it gets pre-warmed), beside random on-demand models with Poisson traffic that
-compete for its memory, sometimes an always-on one, random idle timeouts and cold starts.
+(so that it gets pre-warmed), sometimes a second one whose runs come near its runs (so that
+a model with a prediction of its own competes for its memory), beside random on-demand
+models with Poisson traffic, sometimes an always-on one, random idle timeouts and cold
+starts.
 The real controller, queue, broker and deployment actors run it on the virtual clock,
 watched by `simulations.properties.Checker` and `CheckedBroker` (memory within the budget,
 the go-ahead rule, the head never left waiting while it could start, put to sleep only when
 idle), and after the run by `check_run` (which includes `check_prewarms`: no pre-warm while
 a request waits; an abandoned pre-warm had no request waiting for it; one called unused
-served nothing) and `check_replay`.  Live, every model stopped to make room for a pre-warm
-must be predicted later than it (or not at all).
+served nothing) and `check_replay`.  Live, every model stopped to make room for a pre-warm,
+or for a request while a ready pre-warm stays, must be predicted later than it (or not at
+all).
 """
 
 from __future__ import annotations

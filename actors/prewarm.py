@@ -257,15 +257,19 @@ class Prewarmer:
         )
         log.info("prewarm", deployment=dep.deployment_id, detail=detail)
 
+    def _next_at(self, deployment_id: str) -> float | None:
+        """When a deployment's next session is predicted (None: it is not, or not governed)."""
+        actor = self._c.actors.get(deployment_id)
+        learned = None if actor is None else self.learned(actor.state)
+        return None if learned is None or learned.prediction is None else learned.prediction.at
+
     def _later_candidates(self, deployment_id: str, at: float) -> list[Candidate]:
         """The seed's make-room candidates whose own next predicted session is later."""
-        found = []
-        for cand in self._c.candidates(deployment_id):
-            other = self._c.actors.get(cand.deployment_id)
-            learned = None if other is None else self.learned(other.state)
-            if learned is None or learned.prediction is None or learned.prediction.at > at:
-                found.append(cand)
-        return found
+        return [
+            c
+            for c in self._c.candidates(deployment_id)
+            if (nxt := self._next_at(c.deployment_id)) is None or nxt > at
+        ]
 
     def spare(self, found: list[Candidate]) -> list[Candidate]:
         """Make-room candidates, with those expected before a ready pre-warm among them spared
@@ -277,12 +281,9 @@ class Prewarmer:
         first = min(arrivals)
         marked = []
         for cand in found:
-            actor = self._c.actors.get(cand.deployment_id)
-            spared = cand.expected_at is not None
-            learned = None if actor is None or spared else self.learned(actor.state)
-            pred = None if learned is None else learned.prediction
-            if pred is not None and pred.at <= first:
-                cand = msgspec.structs.replace(cand, expected_at=pred.at)
+            nxt = None if cand.expected_at is not None else self._next_at(cand.deployment_id)
+            if nxt is not None and nxt <= first:
+                cand = msgspec.structs.replace(cand, expected_at=nxt)
             marked.append(cand)
         return marked
 

@@ -490,6 +490,7 @@ class Controller:
         if dep.lifecycle is not Lifecycle.STOPPED or outcome == "removed":
             self._not_started.pop(dep.deployment_id, None)
         self.queue.deployment_changed(dep.deployment_id, outcome, detail)
+        self.prewarmer.give_way(dep.deployment_id)
         if outcome == "removed":
             self.prewarmer.forget(dep.deployment_id)
             actor = self.actors.pop(dep.deployment_id, None)
@@ -535,6 +536,7 @@ class Controller:
             self.queue.activity(deployment_id)
 
     def _on_queue_change(self, deployment_id: str) -> None:
+        self.prewarmer.give_way(deployment_id)
         self._notify(deployment_id, "queue")
 
     # --- administration ------------------------------------------------------------------

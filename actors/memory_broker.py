@@ -96,7 +96,9 @@ class MemoryBroker:
         self.total_bytes = total_bytes
         self.usable_bytes = usable_bytes
         self._held: dict[str, Holding] = {}
-        self._starts = asyncio.Semaphore(max(1, max_concurrent_starts))
+        self.max_concurrent_starts = max(1, max_concurrent_starts)
+        self._starts = asyncio.Semaphore(self.max_concurrent_starts)
+        self._in_slot: set[str] = set()  # deployments holding a start slot
         self._changed = asyncio.Event()
         self.peak_launched = 0
 
@@ -301,6 +303,14 @@ class MemoryBroker:
         others = self.launched_total() - (held.memory_bytes if held.launched else 0)
         return others + held.memory_bytes <= self.usable_bytes
 
+    def start_slot_free(self) -> bool:
+        """Whether a start would get a slot at once (none taken by all, nobody waiting)."""
+        return not self._starts.locked()
+
+    def holds_start_slot(self, deployment_id: str) -> bool:
+        """Whether the deployment's start holds a slot (else it waits for one, or has none)."""
+        return deployment_id in self._in_slot
+
     @contextlib.asynccontextmanager
     async def launch_slot(self, deployment_id: str) -> AsyncIterator[None]:
         """Wait for a start slot and for the reserved memory to be physically free.
@@ -309,14 +319,18 @@ class MemoryBroker:
         Raises LookupError when the reservation was released while waiting.
         """
         async with self._starts:
-            while not self._physically_free_for(deployment_id):
-                if deployment_id not in self._held:
-                    raise LookupError(f"no reservation for {deployment_id}")
-                await self._changed.wait()
-            # From here on its memory counts as taken by an engine, so a launch in another
-            # slot cannot pass the same check before this engine exists.
-            self.launched(deployment_id)
-            yield
+            self._in_slot.add(deployment_id)
+            try:
+                while not self._physically_free_for(deployment_id):
+                    if deployment_id not in self._held:
+                        raise LookupError(f"no reservation for {deployment_id}")
+                    await self._changed.wait()
+                # From here on its memory counts as taken by an engine, so a launch in another
+                # slot cannot pass the same check before this engine exists.
+                self.launched(deployment_id)
+                yield
+            finally:
+                self._in_slot.discard(deployment_id)
 
     def launched(self, deployment_id: str) -> None:
         """The engine now exists."""

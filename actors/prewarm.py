@@ -18,8 +18,9 @@ The rules a pre-warm keeps, whatever the policy (and checked by property tests):
 - until its first request it delays none: while ready it is a make-room candidate at once
   (`DeploymentActor.idle_candidate`), spared while idle models expected later than it can
   make the room (`spare`), else the first to go; while still starting, when the queue's
-  head needs its memory, it is stopped at once (`abandon_for`): "Pre-warm abandoned for a
-  queued request".
+  head needs its memory (`abandon_for`), or a start for waiting requests needs the start
+  slot it holds or waits for ahead (`give_way`), it is stopped at once: "Pre-warm abandoned
+  for a queued request".
 """
 
 from __future__ import annotations
@@ -294,14 +295,7 @@ class Prewarmer:
         head = c.actors.get(deployment_id)
         if head is None:
             return False
-        starting = [
-            a
-            for a in c.actors.values()
-            if a.prewarm_until is not None
-            and a.state.lifecycle is Lifecycle.STARTING
-            and a.deployment_id not in self._abandoning
-            and c.queue.counts(a.deployment_id) == (0, 0)
-        ]
+        starting = self._unwanted_starting()
         if not starting:
             return False
         room = max(0, c.broker.free()) + sum(x.memory_bytes for x in c.candidates(deployment_id))
@@ -313,17 +307,54 @@ class Prewarmer:
             room += a.state.memory_bytes
         if room < need:
             return False  # stopping them would not let it start: they stay
-        for a in chosen:
+        self._abandon(chosen, deployment_id)
+        return bool(chosen)
+
+    def give_way(self, deployment_id: str) -> None:
+        """A start with requests waiting for it waits for a start slot: stop the pre-warms
+        still starting, with no request waiting for them, that hold the slots or wait for
+        them ahead of it (a pre-warm begins only while no request waits, so every one still
+        starting is ahead)."""
+        c = self._c
+        actor = c.actors.get(deployment_id)
+        if (
+            actor is None
+            or actor.state.lifecycle is not Lifecycle.STARTING
+            or c.broker.start_slot_free()
+            or c.broker.holds_start_slot(deployment_id)
+            or c.queue.counts(deployment_id) == (0, 0)
+        ):
+            return
+        ahead = [a for a in self._unwanted_starting() if a.deployment_id != deployment_id]
+        self._abandon(ahead, deployment_id)
+
+    def _unwanted_starting(self) -> list[DeploymentActor]:
+        """Pre-warms still starting that no request waits for (and not already stopping)."""
+        c = self._c
+        return [
+            a
+            for a in c.actors.values()
+            if a.prewarm_until is not None
+            and a.state.lifecycle is Lifecycle.STARTING
+            and a.deployment_id not in self._abandoning
+            and c.queue.counts(a.deployment_id) == (0, 0)
+        ]
+
+    def _abandon(self, actors: list[DeploymentActor], for_id: str) -> None:
+        for a in actors:
             self._abandoning.add(a.deployment_id)
             a.tell(StopDeployment(reason="prewarm_abandoned", actor="ondemand"))
-            log.info("prewarm_abandoned", deployment=a.deployment_id, for_=deployment_id)
-        return bool(chosen)
+            log.info("prewarm_abandoned", deployment=a.deployment_id, for_=for_id)
 
     def ended(self, deployment_id: str, used: bool) -> None:
         """A deployment actor's report: its pre-warm was used, or ended unused."""
         if deployment_id in self._abandoning:
             self._abandoning.discard(deployment_id)
             self._count(deployment_id, "abandoned")
+            # It gave way to a request, not to its prediction: once no request waits, and
+            # while its session may still come, it is pre-warmed again.
+            self._done.pop(deployment_id, None)
+            self.refresh()
         else:
             self._count(deployment_id, "used" if used else "wasted")
 

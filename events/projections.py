@@ -109,7 +109,8 @@ def _action(rec: m.Recorded) -> tuple[str, dict[str, Any]] | None:
         case m.StopRequested() if ev.reason in ("admin", "removed"):
             return "deployment_stop", {}
         case m.StopRequested() if ev.reason == "prewarm_abandoned":
-            return "ondemand_prewarm_abandoned", {"reason": "a queued request needs its memory"}
+            why = "a queued request needs its memory or its start slot"
+            return "ondemand_prewarm_abandoned", {"reason": why}
         case m.PutToSleep() if ev.reason == "watchdog":
             return "watchdog_stop", {"free_bytes": ev.free_bytes}
         case m.PutToSleep():

@@ -494,6 +494,7 @@ class RunFacts(msgspec.Struct, kw_only=True):
     max_queued: int
     direct_calls: list[tuple[str, float, float]]  # (engine's runtime id, start, end)
     default_make_room_s: int | None = None  # the configured ondemand_make_room_after_s
+    max_concurrent_starts: int = 1  # the start-up queue's slots
 
 
 def facts_of(h: Harness, records: list[m.Recorded]) -> RunFacts:
@@ -513,6 +514,7 @@ def facts_of(h: Harness, records: list[m.Recorded]) -> RunFacts:
         max_queued=int(c.setting("ondemand_max_queued")),
         direct_calls=[(d.runtime_id, d.start, d.end) for d in h.direct_calls],
         default_make_room_s=c._defaults.get("ondemand_make_room_after_s"),
+        max_concurrent_starts=h.broker.max_concurrent_starts,
     )
 
 
@@ -752,6 +754,54 @@ def check_prewarms(facts: RunFacts) -> list[str]:
     return problems
 
 
+def check_prewarm_starts(facts: RunFacts) -> list[str]:
+    """With one start at a time, a pre-warm no request waits for never holds the start slot
+    a start with waiting requests wants: while such a start waits to launch, no such pre-warm
+    launches or becomes ready (it is abandoned at once instead)."""
+    if facts.max_concurrent_starts != 1:
+        return []  # with more slots a pre-warm may launch beside a start waiting for memory
+    problems: list[str] = []
+    unlaunched: dict[str, float] = {}  # deployment -> when its start not yet launched began
+    prewarms: set[str] = set()  # deployments whose pending start is a pre-warm
+    for rec in facts.records:
+        ev, t = rec.event, rec.ts - facts.wall_offset
+        dep = rec.stream.partition(":")[2]
+        if isinstance(ev, m.StartRequested):
+            unlaunched[dep] = t
+            if ev.reason == "prewarm":
+                prewarms.add(dep)
+            else:
+                prewarms.discard(dep)
+        elif isinstance(ev, m.EngineStarting | m.EngineReady):
+            if dep in prewarms and not _wanted(facts, dep, t):
+                held_up = [
+                    facts.names.get(d, d)
+                    for d, since in unlaunched.items()
+                    if d != dep and since < t - EPS and _wanted(facts, d, t)
+                ]
+                if held_up:
+                    what = "launched" if isinstance(ev, m.EngineStarting) else "became ready"
+                    name = facts.names.get(dep, dep)
+                    problems.append(f"t={t:.1f}: {name}'s pre-warm {what} while {held_up} waited")
+            if isinstance(ev, m.EngineStarting):
+                unlaunched.pop(dep, None)
+            else:
+                prewarms.discard(dep)
+        elif isinstance(ev, m.EngineStopped | m.EngineStartFailed | m.EngineLost):
+            unlaunched.pop(dep, None)
+            prewarms.discard(dep)
+    return problems
+
+
+def _wanted(facts: RunFacts, deployment_id: str, t: float) -> bool:
+    """Whether a request of the deployment was waiting until `t` (a start that ends at `t`
+    admits its requests at `t`)."""
+    return any(
+        r.deployment_id == deployment_id and r.arrived < t - EPS and _pending_at(r, t - 2 * EPS)
+        for r in facts.results
+    )
+
+
 def _pending_at(r: RequestResult, t: float) -> bool:
     """Whether request `r` was waiting (not yet admitted, refused or gone) at `t`."""
     ended = r.admitted_at if r.admitted_at is not None else r.finished_at
@@ -766,6 +816,7 @@ def check_run(facts: RunFacts) -> list[str]:
         *check_queue_cap(facts),
         *check_sleeps(facts),
         *check_prewarms(facts),
+        *check_prewarm_starts(facts),
     ]
 
 

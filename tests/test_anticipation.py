@@ -466,6 +466,36 @@ def test_a_pre_warm_still_starting_is_abandoned_for_a_queued_request(tmp_path: P
     box(tmp_path, t, usable_gib=15, settings={"ondemand_policy": "learned"})
 
 
+def test_a_pre_warm_gives_its_start_slot_to_a_request_and_begins_again_after_it(
+    tmp_path: Path,
+) -> None:
+    """One start at a time (the default), and memory for all: the job's pre-warm holds the
+    start slot when another model's request needs a start. It is abandoned at once, so the
+    request waits for its own start only; once no request waits, and while the job's session
+    may still come, the job is pre-warmed again."""
+
+    async def t(h: Harness) -> None:
+        job, ids, expected = await learned_job(h, other=10)
+        await until(h, expected - 60)
+        assert h.state(job) == "starting"
+        r = h.request(ids["other"], hold_s=1)
+        await h.advance(START_S + 10)
+        assert r.outcome == "served"
+        assert r.waited <= START_S + 1, r.waited  # not also the rest of the job's start
+        mine = h.request(job, hold_s=2)
+        await h.advance(START_S + 10)
+        assert mine.outcome == "served"
+        assert mine.waited < START_S - 1, mine.waited  # the second pre-warm was under way
+        recs = await h.events()
+        job_titles = titles(recs, job)
+        assert "Pre-warm abandoned for a queued request" in job_titles
+        assert sum(t.startswith("Pre-warmed") for t in job_titles) == 2, job_titles
+        counts = h.controller.prewarmer.counts
+        assert (counts["abandoned"], counts["used"]) == (1, 1), counts
+
+    box(tmp_path, t, usable_gib=40, settings={"ondemand_policy": "learned"})
+
+
 def test_no_pre_warm_starts_while_a_request_is_queued(tmp_path: Path) -> None:
     async def t(h: Harness) -> None:
         job, ids, expected = await learned_job(h, busy=30, big=30)

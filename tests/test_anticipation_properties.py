@@ -10,7 +10,9 @@ watched by `simulations.properties.Checker` and `CheckedBroker` (memory within t
 the go-ahead rule, the head never left waiting while it could start, put to sleep only when
 idle), and after the run by `check_run` (which includes `check_prewarms`: no pre-warm while
 a request waits; an abandoned pre-warm had no request waiting for it; one called unused
-served nothing) and `check_replay`.  Live, every model stopped to make room for a pre-warm,
+served nothing; and `check_prewarm_starts`: no pre-warm that no request waits for launches
+or becomes ready while a start that requests wait for waits for the start slot) and
+`check_replay`.  Live, every model stopped to make room for a pre-warm,
 or for a request while a ready pre-warm stays, must be predicted later than it (or not at
 all).
 """
@@ -100,6 +102,14 @@ def two_jobs(usable: int, others: list[tuple[int, float]]) -> Box:
                        "others": others, "always_on": False, "idle": 120, "startup": 30.0,
                        "runs": 9, "seed": 3, "per_deployment": False, "second_gib": 15,
                        "second_offset": -60.0}))  # fmt: skip
+
+
+# Found by the search: `m0`'s requests need a start while the job's pre-warm (a 5 s start)
+# holds the one start slot; unless the pre-warm gives way, they wait for it to finish.
+SLOT_TAKEN = Box(_fixed({"usable": 40, "period": 1200.0, "jitter": 29, "job_gib": 5,
+                         "others": [(5, 1 / 300)], "always_on": False, "idle": 60,
+                         "startup": 5.0, "runs": 6, "seed": 6, "per_deployment": False,
+                         "second_gib": 0, "second_offset": -60.0}))  # fmt: skip
 
 
 def run(coro: Awaitable[Any]) -> Any:
@@ -251,6 +261,7 @@ def victims_check(h: Harness, problems: list[str]) -> None:
 @given(boxes)
 @example(two_jobs(40, [(20, 1 / 300)]))  # the job's pre-warm would stop it
 @example(two_jobs(50, [(10, 1 / 300), (20, 1 / 300)]))  # a request stops one of the two
+@example(SLOT_TAKEN)  # a request's start behind the job's pre-warm
 def test_the_learned_policy_keeps_every_rule_of_the_seed_and_its_own(box: Box) -> None:
     with tempfile.TemporaryDirectory(prefix="dgxmm-anticipation-") as tmp:
         problems, began, abandoned, first = run(play(box, Path(tmp) / "log.db"))

@@ -93,6 +93,7 @@ class Column(msgspec.Struct, kw_only=True):
     cold_starts: int
     prewarms: int  # starts the learned policy made ahead of a predicted request
     prewarms_unused: int  # of those, put to sleep again before any request came
+    prewarms_abandoned: int = 0  # of those, stopped while starting for a waiting request
     idle_gib_hours: float
 
 
@@ -141,12 +142,16 @@ async def column(history: History, overrides: dict[str, Any], label: str) -> Col
         isinstance(r.event, m.StartRequested) and r.event.reason == "prewarm" for r in records
     )
     unused = sum(isinstance(r.event, m.PutToSleep) and r.event.prewarm_unused for r in records)
+    abandoned = sum(
+        isinstance(r.event, m.StopRequested) and r.event.reason == "prewarm_abandoned"
+        for r in records
+    )
     return Column(
         label=label, requests=report.requests, waited=report.waited,
         waited_by_model=dict(sorted(by_model.items())), waited_p50=waited.p50,
         waited_p90=waited.p90, timed_out=report.fates.timed_out, refused=report.fates.refused,
         cold_starts=report.cold_starts, prewarms=prewarms, prewarms_unused=unused,
-        idle_gib_hours=report.idle_gib_hours,
+        prewarms_abandoned=abandoned, idle_gib_hours=report.idle_gib_hours,
     )  # fmt: skip
 
 
@@ -198,6 +203,7 @@ def table(seed: Column, learned: Column | None, found: list[Verdict]) -> list[st
         ("cold starts", lambda c: f"{c.cold_starts:,}"),
         ("pre-warms", lambda c: f"{c.prewarms:,}"),
         ("  unused (slept before a request)", lambda c: f"{c.prewarms_unused:,}"),
+        ("  abandoned (gave way to a request)", lambda c: f"{c.prewarms_abandoned:,}"),
         ("idle GiB-hours", lambda c: f"{c.idle_gib_hours:.1f}"),
     ]
     for model in reversed(seed.waited_by_model):  # whose waits remain

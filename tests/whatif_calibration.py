@@ -23,6 +23,7 @@ import asyncio
 import json
 import math
 import random
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -531,9 +532,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--root", default="/tmp/dgxmm-whatif-calibration")
+    parser.add_argument(
+        "--root",
+        default="/tmp/dgxmm-whatif-calibration",
+        help="each run's boxes go in a new directory under it (kept, for `dgxmm replay`)",
+    )
     args = parser.parse_args()
-    results = asyncio.run(calibrate(Path(args.root), args.minutes * 60, args.seed))
+    Path(args.root).mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=args.root))
+    print(f"the boxes' data: {run_dir}", flush=True)
+    results = asyncio.run(calibrate(run_dir, args.minutes * 60, args.seed))
     print("| run | figure | recorded | whatif |")
     print("|---|---|---|---|")
     for c in results:

@@ -221,6 +221,8 @@ class Prewarmer:
             return starts_at
         if wall > pred.at + pred.tolerance_s:
             return None
+        if dep.lifecycle is Lifecycle.STOPPING:
+            return wall + 5.0  # a pre-warm that gave way, still stopping: look again soon
         if dep.lifecycle is not Lifecycle.STOPPED or actor.in_backoff():
             return None
         if len(self._c.queue):

@@ -14,11 +14,13 @@ demand, `Traffic`):
   bound; fewer than `MIN_GAPS` gaps, or a keep-warm that would reach the idle timeout, is
   the seed's rule.
 - **between sessions** (`between_sessions`): a model used every so often (`periodic`) need
-  not stay warm from one session to the next, since a pre-warm starts it again before the
-  next one: it keeps warm only through the gaps within its sessions, when the pause between
-  them leaves it asleep for longer than the start a pre-warm takes (the pre-warm window and
-  keep-alive window of Shahrad et al.).  A job run every 15 minutes then holds its memory
-  for its runs, not for the 13 minutes between them.
+  not keep its memory from one session to the next, since a pre-warm starts it again before
+  the next one: it keeps warm for itself only through the gaps within its sessions, when
+  the pause between them leaves it asleep for longer than the start a pre-warm takes (the
+  pre-warm window and keep-alive window of Shahrad et al.), and then *lends* its memory
+  (`KeepWarm.lends`): it stays warm until its idle timeout, but any model that needs the
+  room may have it at once.  A job run every 15 minutes then holds its memory for its runs,
+  and between them only while nobody else needs it.
 - **next arrival** (`next_arrival`): a *session* begins with a request after a pause
   (one longer than the keep-warm in force, or than `SESSION_PAUSE_S`) in the model's
   demand, its requests' waits left out (`Traffic`).  Sessions are predictable
@@ -236,6 +238,9 @@ class KeepWarm(msgspec.Struct, frozen=True, kw_only=True):
 
     seconds: float | None
     reason: str
+    # Between sessions: after `seconds` it keeps its memory only while no other model needs
+    # it (a make-room candidate at once, warm up to its idle timeout).
+    lends: bool = False
 
 
 class Prediction(msgspec.Struct, frozen=True, kw_only=True):
@@ -297,7 +302,7 @@ def between_sessions(
     asleep = pauses[len(pauses) // 2] - seconds - lead
     if asleep < lead or (keep.seconds is not None and keep.seconds <= seconds):
         return keep
-    return KeepWarm(seconds=seconds, reason=BETWEEN_REASON)
+    return KeepWarm(seconds=seconds, reason=BETWEEN_REASON, lends=True)
 
 
 def session_starts(items: Iterable[tuple[float, float]], keep_s: float) -> list[float]:

@@ -751,11 +751,15 @@ class Controller:
             fields["learned"] = "no traffic recorded yet: the seed's rules apply"
             return fields
         keep, pred = learned.keep, learned.prediction
-        words = (
-            f"keeps warm ~{duration_text(keep.seconds)} ({keep.reason})"
-            if keep.seconds is not None
-            else f"keeps warm its idle timeout ({keep.reason})"
-        )
+        if keep.seconds is None:
+            words = f"keeps warm its idle timeout ({keep.reason})"
+        elif keep.lends:
+            words = (
+                f"keeps warm ~{duration_text(keep.seconds)}, then lends its memory to any"
+                f" model that needs it ({keep.reason})"
+            )
+        else:
+            words = f"keeps warm ~{duration_text(keep.seconds)} ({keep.reason})"
         if pred is not None:
             clock = time.strftime("%H:%M", time.localtime(pred.at))
             words += f"; next expected around {clock} ({pred.pattern})"

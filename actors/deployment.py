@@ -377,6 +377,10 @@ class DeploymentActor(Actor):
         # None: the idle timeout (the seed's rule).  Set by the controller.
         self.keep_s: float | None = None
         self.keep_reason = ""
+        # Between sessions (`KeepWarm.lends`): after its keep-warm it lends its memory, as a
+        # make-room candidate spared like a pre-warm for this session (epoch seconds), and
+        # sleeps at its idle timeout; None: it does not lend.  Set by the controller.
+        self.lends_for: float | None = None
         # A pre-warm waiting for its first request: until when (its clock's time) it is
         # kept for it, and when that request is expected (epoch seconds); None: no pre-warm
         # pending.
@@ -835,7 +839,9 @@ class DeploymentActor(Actor):
         self._broker.mark_releasing(self.deployment_id)
         idle_for = self.clock.now() - self.activity.last_used
         idle_timeout = dep.effective_idle_timeout_s(self._hooks.default_idle_s())
-        kept = self.keep_s if cmd.reason == "idle" and self.prewarm_until is None else None
+        # The learned keep-warm it ended: after which it slept, or lent the memory now taken.
+        ended_by = "make_room" if self.lends_for is not None else "idle"
+        kept = self.keep_s if cmd.reason == ended_by and self.prewarm_until is None else None
         kept = kept if kept is not None and kept < idle_timeout else None
         try:
             await self._record(
@@ -1138,7 +1144,7 @@ class DeploymentActor(Actor):
         the learned keep-warm when shorter; a pre-warm waits for its expected request."""
         timeout = self.state.effective_idle_timeout_s(self._hooks.default_idle_s())
         last = self.activity.last_used
-        keep = self.keep_s
+        keep = None if self.lends_for is not None else self.keep_s  # lends, then sleeps
         at = last + (keep if keep is not None and keep < timeout else timeout)
         if self.prewarm_until is not None:  # a make-room candidate meanwhile
             at = max(at, self.prewarm_until)
@@ -1194,9 +1200,12 @@ class DeploymentActor(Actor):
             if self.prewarm_until is not None and self.activity.in_flight == 0:
                 # A pre-warm never delays a request: until its first one it is as if asleep.
                 return _idle_after(self.state, self.activity, now, 0.0)
-            return may_make_room(
+            room = may_make_room(
                 self.state, self.activity, now, default_idle, self._hooks.default_make_room_s()
             )
+            if room[0] or self.lends_for is None or self.keep_s is None:
+                return room
+            return _idle_after(self.state, self.activity, now, self.keep_s)  # it lends
         if self.keep_s is None and self.prewarm_until is None:
             return is_idle(self.state, self.activity, now, default_idle)
         timeout = self._idle_at() - self.activity.last_used
@@ -1213,7 +1222,8 @@ class DeploymentActor(Actor):
             # goes first: it delays no request.
             expected = math.inf if self.prewarm_expected_at is None else self.prewarm_expected_at
             return Candidate(self.deployment_id, mem, -math.inf, expected)
-        return Candidate(self.deployment_id, mem, self.activity.last_used)
+        # One that lends its memory between sessions is spared as its pre-warm would be.
+        return Candidate(self.deployment_id, mem, self.activity.last_used, self.lends_for)
 
     # --- mode, reconfiguration, removal --------------------------------------------------
 

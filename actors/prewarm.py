@@ -195,9 +195,18 @@ class Prewarmer:
         for actor in list(self._c.actors.values()):
             learned = self.learned(actor.state) if self._loaded else None
             keep = None if learned is None else learned.keep.seconds
-            if keep != actor.keep_s:
+            # Lending needs the pre-warm that brings it back: a predicted next session.
+            lends = (
+                learned.prediction.at
+                if learned is not None and learned.keep.lends and learned.prediction is not None
+                else None
+            )
+            if lends is None and learned is not None and learned.keep.lends:
+                keep = None
+            if keep != actor.keep_s or lends != actor.lends_for:
                 actor.keep_s = keep
                 actor.keep_reason = "" if learned is None else learned.keep.reason
+                actor.lends_for = lends
                 actor.keep_warm_changed()
             if learned is None or learned.prediction is None:
                 continue

@@ -253,8 +253,9 @@ class _Folder:
         match rec.event:
             case m.PutToSleep(reason="make_room") as ev:
                 target = ev.for_name or ev.for_deployment or "?"
+                why = f" ({ev.kept_warm_reason})" if ev.kept_warm_s else ""
                 self._add(
-                    "make_room", rec, dep_id, f"{name} put to sleep to make room for {target}",
+                    "make_room", rec, dep_id, f"{name} put to sleep to make room for {target}{why}",
                     for_deployment=ev.for_deployment, for_name=ev.for_name,
                 )  # fmt: skip
             case m.PutToSleep(reason="idle", prewarm_unused=True):

@@ -683,7 +683,9 @@ def check_sleeps(facts: RunFacts) -> list[str]:
             default_room = state.settings.get(
                 "ondemand_make_room_after_s", facts.default_make_room_s
             )
-            timeout = before.effective_make_room_after_s(_default_idle(state, facts), default_room)
+            room = before.effective_make_room_after_s(_default_idle(state, facts), default_room)
+            # One that lends its memory between sessions may go after its keep-warm.
+            timeout = min(room, ev.kept_warm_s) if ev.kept_warm_s else room
         last = activity.get(dep_id, -math.inf)
         for r in facts.results:
             if r.deployment_id != dep_id or r.admitted_at is None or r.admitted_at > t + EPS:

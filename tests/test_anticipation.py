@@ -363,11 +363,12 @@ def test_a_periodic_model_is_pre_warmed_and_its_next_request_waits_for_nothing(
     box(tmp_path, t, settings={"ondemand_policy": "learned"})
 
 
-def test_a_periodic_model_sleeps_between_its_runs_and_is_pre_warmed_for_each(
+def test_a_periodic_model_alone_stays_warm_between_its_runs_and_lends_its_memory(
     tmp_path: Path,
 ) -> None:
-    """Its idle timeout (15 min) would keep it warm from one run to the next; once its period
-    is known it sleeps after each run and a pre-warm starts it before the next."""
+    """Its idle timeout (15 min) keeps it warm from one run to the next. Once its period is
+    known it lends its memory between its runs; with no other model to take it, it stays
+    warm, as under the seed, and no run waits."""
     slept: dict[str, list[m.PutToSleep]] = {}
 
     async def t(h: Harness) -> None:
@@ -382,17 +383,52 @@ def test_a_periodic_model_sleeps_between_its_runs_and_is_pre_warmed_for_each(
         ]  # fmt: skip
         if policy == "learned":
             waited = [r.admitted_at - r.arrived > 1 for r in results]  # type: ignore[operator]
-            assert not any(waited[10:]), waited  # runs 6 to 9: pre-warmed, both requests
-            kept = [t for t in titles(recs, job) if t.startswith("Kept warm")]
-            assert kept and set(kept) == {f"Kept warm 35 s ({BETWEEN_REASON})"}, kept
+            assert not any(waited[2:]), waited  # warm from its first run on
+            actor = h.controller.actors[job]
+            assert actor.keep_reason == BETWEEN_REASON and actor.lends_for is not None
+            record = h.controller.record(actor)
+            assert record.learned is not None and "then lends its memory" in record.learned
 
     for policy in ("learned", "seed"):
         (tmp_path / policy).mkdir()
         box(tmp_path / policy, t, settings={"ondemand_policy": policy})
-    # The seed's: once, idle from its creation until the first run; then warm to the end.
-    assert [e.idle_for_s >= 900 for e in slept["seed"]] == [True]
-    between = [e for e in slept["learned"] if e.kept_warm_reason == BETWEEN_REASON]
-    assert len(between) >= 3 and all(e.reason == "idle" and e.kept_warm_s == 35 for e in between)
+    # Both: once, idle from its creation until the first run; then warm to the end.
+    for policy in ("learned", "seed"):
+        assert [e.idle_for_s >= 900 for e in slept[policy]] == [True], policy
+
+
+def test_between_its_runs_a_periodic_model_gives_its_memory_to_a_request_and_is_pre_warmed(
+    tmp_path: Path,
+) -> None:
+    """In a 20 GiB box, a minute after the job's run, another model's request needs the
+    job's memory. The job is used too recently to make room under the seed's rule (its idle
+    timeout), but it lends its memory between its runs: it is put to sleep for the request
+    at once, and pre-warmed again before its next run, which waits for nothing."""
+
+    async def t(h: Harness) -> None:
+        job, ids, expected = await learned_job(h, other=15)
+        await until(h, expected)
+        runs = [h.request(job, hold_s=2)]
+        await h.advance(30)
+        runs.append(h.request(job, hold_s=2))
+        await h.advance(60)
+        r = h.request(ids["other"], hold_s=1)
+        await h.advance(START_S + 5)
+        assert r.outcome == "served" and r.waited <= START_S + 1, r.waited
+        recs = await h.events()
+        reason = f"({BETWEEN_REASON})"
+        assert f"Put to sleep to make room for other {reason}" in titles(recs, job)
+        await until(h, expected + 900)
+        runs.append(h.request(job, hold_s=2))
+        await h.advance(30)
+        runs.append(h.request(job, hold_s=2))
+        await h.advance(START_S + 5)
+        waits = [x.waited for x in runs]
+        assert all(x.outcome == "served" for x in runs) and max(waits) < 1, waits
+        recs = await h.events()
+        assert sum(t.startswith("Pre-warmed") for t in titles(recs, job)) == 2  # runs 6, 7
+
+    box(tmp_path, t, usable_gib=20, settings={"ondemand_policy": "learned"})
 
 
 def test_under_the_seed_policy_the_same_model_cold_starts_every_run(tmp_path: Path) -> None:

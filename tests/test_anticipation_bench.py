@@ -8,15 +8,20 @@ here each trace is short, so each target has a stated tolerance:
   requests that waited for a start at most 0.75 of the seed's.  A habit of the day is known
   from 3 comparable days, so only the last 3 weekdays can be anticipated: 0.75 is the
   issue's 50 % fewer on those (the issue's 0.50 over two weeks is the bench's);
-- (b) periodic jobs over a day: at most 0.85 — NOT the issue's 0.50, which the learned
-  policy misses on this trace against tune's best seed setting (it measured 0.77 here:
-  342 -> 263).  Tune's best keeps every model warm 900 s and makes room after 120 s; the
+- (b) periodic jobs over a day: at most 0.80 — NOT the issue's 0.50, which the learned
+  policy misses on this trace against tune's best seed setting (it measured 0.72 here:
+  342 -> 247).  Tune's best keeps every model warm 900 s and makes room after 120 s; the
   three models do not fit at once, so when both chat models are in a session (or idle for
   less than the 120 s) the job's pre-warm finds no memory it may take and must not delay
   their requests.  Against the default settings it gets 0.21
   (docs/anticipation-benchmarks.md).  The bound keeps what it does achieve from eroding;
-  and its idle GiB-hours at most 0.60 of the seed's (0.52 measured: the job sleeps
-  between its runs, which a pre-warm starts);
+  and its idle GiB-hours at most the issue's 1.10 of the seed's (1.00 measured: between its
+  runs the job lends its memory, and keeps it while no other model needs it);
+- (b) in a 110 GiB box, where all three fit, over a day: at most 1.10 of the seed's waits
+  (1.07 measured: 71 -> 76; 1.03 over three days).  With memory for all there is little to
+  anticipate, and the policy must not cost waits: when the job slept between its runs for a
+  pre-warm to start it again, it measured 1.24 here (1.32 over three days: its pre-warms
+  late, or giving way to a chat model's start);
 - (c) noise over 6 hours: requests that waited and cold starts at most 1.10 of the seed's
   (the issue's 1.05, with a few requests' room on a few hundred);
 - (a) and (c): idle GiB-hours at most 1.15 of the seed's (the issue's 1.10 over two weeks; the
@@ -30,9 +35,10 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import pytest
 
-from simulations.benchmark_traffic import GENERATORS
+from simulations.benchmark_traffic import GENERATORS, Trace
 from simulations.fairness import Waits
 from simulations.tune import Goal, Point, Tuning
 from simulations.whatif import History, Report, figures
@@ -50,9 +56,18 @@ from tests.perf.bench_anticipation import (
 
 CI = {
     "a": (8.0, Targets(waited=0.75, idle=1.15)),
-    "b": (1.0, Targets(waited=0.85, idle=0.60)),
+    "b": (1.0, Targets(waited=0.80, idle=1.10)),
+    "b-roomy": (1.0, Targets(waited=1.10, idle=1.10)),
     "c": (0.25, Targets(waited=1.10, idle=1.15, cold=1.10)),
 }
+ROOMY_GIB = 110.0  # (b)'s three models need 106 GiB
+
+
+def trace(name: str, days: float) -> Trace:
+    """The CI-sized trace: `name` is a generator's, or "b-roomy", (b) with room for all."""
+    if name == "b-roomy":
+        return msgspec.structs.replace(GENERATORS["b"](1, days=days), usable_gib=ROOMY_GIB)
+    return GENERATORS[name](1, days=days)
 
 
 def require_learned(history: History) -> None:
@@ -65,10 +80,10 @@ def require_learned(history: History) -> None:
     pytest.skip(f"{why} yet (issue 44's learned policy has not landed)")
 
 
-@pytest.mark.parametrize("name", ["a", "b", "c"])
+@pytest.mark.parametrize("name", list(CI))
 def test_the_learned_policy_meets_the_targets_against_tunes_best_seed_setting(name: str) -> None:
     days, targets = CI[name]
-    history = run(trace_history(GENERATORS[name](1, days=days)), timeout=60)
+    history = run(trace_history(trace(name, days)), timeout=60)
     require_learned(history)
     done: Compared = run(compare(history, Goal(), workers=2), timeout=900)
     assert done.learned is not None

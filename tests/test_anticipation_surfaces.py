@@ -13,7 +13,6 @@ from typing import Any
 
 import msgspec
 
-from actors.anticipation import BETWEEN_REASON
 from dgxmm import cli
 from dgxmm.admin.metrics import prewarm_families, render
 from dgxmm.replay.commands import render_story, story_view
@@ -179,8 +178,11 @@ def test_the_timeline_marks_pre_warms_kept_warm_sleeps_unused_and_abandoned_pre_
     ), pre.title
     assert pre.actor == "ondemand" and isinstance(pre.event, m.StartRequested)
     kept = next(k for k in marks if k.kind == "kept_warm")
-    # Used every 15 minutes, it sleeps between its runs: a pre-warm starts it before each.
-    assert re.fullmatch(rf"job kept warm \d+ s \({BETWEEN_REASON}\), then slept", kept.title)
+    # Before its period is known, its gaps keep it warm a while; once it is, it lends its
+    # memory between its runs (nobody takes it here: it sleeps at its idle timeout, 5 min),
+    # and a pre-warm starts it before each.
+    assert re.fullmatch(r"job kept warm \d+ s \(its usual gaps\), then slept", kept.title)
+    assert "job put to sleep after 300 s idle" in [k.title for k in marks if k.kind == "idle_sleep"]
     svg = render_svg(timeline_of(asyncio.run(read(one.db))))
     for kind, glyph in (("prewarm", "◆"), ("kept_warm", "◐"), ("prewarm_unused", "◇")):
         assert re.search(rf'<g class="mark" data-kind="{kind}"[^>]*><title>[^<]*</title>'
@@ -225,7 +227,7 @@ def test_plain_replay_shows_the_learned_policys_titles(tmp_path: Path) -> None:
         assert cli.main(["replay", "--db", str(one.db), "--all"]) == 0
     text = out.getvalue()
     assert "Pre-warmed (next request expected in ~" in text
-    assert re.search(rf"Kept warm \d+ s \({BETWEEN_REASON}\)", text)
+    assert re.search(r"Kept warm \d+ s \(its usual gaps\)", text)
     assert "Put to sleep: no request came to its pre-warm" in text
 
 

@@ -325,11 +325,12 @@ async def learned_job(h: Harness, **others: float) -> tuple[str, dict[str, str],
     return job, ids, learned.prediction.at
 
 
-async def abandon_a_starting_pre_warm(h: Harness) -> tuple[str, Any]:
-    """The job's pre-warm is still starting when `other`'s request needs its memory (in a
-    15 GiB box): the job, and that request once served."""
+async def abandon_a_starting_pre_warm(h: Harness, ahead_s: float = 40) -> tuple[str, Any]:
+    """The job's pre-warm is still starting, `ahead_s` before its expected request, when
+    `other`'s request needs its memory (in a 15 GiB box) or its start slot: the job, and that
+    request once served."""
     job, ids, expected = await learned_job(h, other=10)
-    await until(h, expected - 40)
+    await until(h, expected - ahead_s)
     assert h.state(job) == "starting"
     r = h.request(ids["other"], hold_s=1)
     await h.advance(START_S + 10)
@@ -511,12 +512,7 @@ def test_a_pre_warm_gives_its_start_slot_to_a_request_and_begins_again_after_it(
     may still come, the job is pre-warmed again."""
 
     async def t(h: Harness) -> None:
-        job, ids, expected = await learned_job(h, other=10)
-        await until(h, expected - 60)
-        assert h.state(job) == "starting"
-        r = h.request(ids["other"], hold_s=1)
-        await h.advance(START_S + 10)
-        assert r.outcome == "served"
+        job, r = await abandon_a_starting_pre_warm(h, ahead_s=60)
         assert r.waited <= START_S + 1, r.waited  # not also the rest of the job's start
         mine = h.request(job, hold_s=2)
         await h.advance(START_S + 10)

@@ -439,7 +439,9 @@ class Controller:
                 continue
             if dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP) or actor.activity.in_flight:
                 continue
-            after = dep.effective_make_room_after_s(default_idle, default_room)
+            after: float = dep.effective_make_room_after_s(default_idle, default_room)
+            if actor.lends_for is not None and actor.keep_s is not None:
+                after = min(after, actor.keep_s)  # it lends its memory after its keep-warm
             at = actor.activity.last_used + after
             if at > now and (due is None or at < due):
                 due = at

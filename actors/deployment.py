@@ -1225,6 +1225,20 @@ class DeploymentActor(Actor):
         # One that lends its memory between sessions is spared as its pre-warm would be.
         return Candidate(self.deployment_id, mem, self.activity.last_used, self.lends_for)
 
+    def lends_only(self) -> bool:
+        """A make-room candidate only because it lends its memory between sessions: under
+        the seed's making-room rule it is not one yet (a pre-warm may not take its memory)."""
+        if self.lends_for is None:
+            return False
+        room, _ = may_make_room(
+            self.state,
+            self.activity,
+            self.clock.now(),
+            self._hooks.default_idle_s(),
+            self._hooks.default_make_room_s(),
+        )
+        return not room
+
     # --- mode, reconfiguration, removal --------------------------------------------------
 
     async def _change_mode(self, cmd: ChangeMode) -> dict[str, Any]:

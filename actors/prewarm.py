@@ -276,11 +276,15 @@ class Prewarmer:
         return None if learned is None or learned.prediction is None else learned.prediction.at
 
     def _later_candidates(self, deployment_id: str, at: float) -> list[Candidate]:
-        """The seed's make-room candidates whose own next predicted session is later."""
+        """The seed's make-room candidates whose own next predicted session is later (a
+        model lending its memory is one for requests before it is one under the seed's
+        rule: not for a pre-warm)."""
+        actors = self._c.actors
         return [
             c
             for c in self._c.candidates(deployment_id)
-            if (nxt := self._next_at(c.deployment_id)) is None or nxt > at
+            if ((nxt := self._next_at(c.deployment_id)) is None or nxt > at)
+            and not actors[c.deployment_id].lends_only()
         ]
 
     def spare(self, found: list[Candidate]) -> list[Candidate]:

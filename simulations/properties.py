@@ -647,8 +647,11 @@ def check_sleeps(facts: RunFacts) -> list[str]:
     # which times alone cannot tell; the live `Checker` saw the actor's own count at the sleep.
     ready_again: dict[int, float] = {}  # a PutToSleep's seq -> when its model was next ready
     slept: dict[str, int] = {}
+    prewarmed: dict[str, list[float]] = {}  # deployment -> when it was pre-warmed
     for rec in facts.records:
         dep = rec.stream.partition(":")[2]
+        if isinstance(rec.event, m.StartRequested) and rec.event.reason == "prewarm":
+            prewarmed.setdefault(dep, []).append(rec.ts - facts.wall_offset)
         if isinstance(rec.event, m.PutToSleep):
             slept[dep] = rec.seq
         elif isinstance(rec.event, m.EngineReady | m.EngineAwake) and dep in slept:
@@ -684,8 +687,12 @@ def check_sleeps(facts: RunFacts) -> list[str]:
                 "ondemand_make_room_after_s", facts.default_make_room_s
             )
             room = before.effective_make_room_after_s(_default_idle(state, facts), default_room)
-            # One that lends its memory between sessions may go after its keep-warm.
-            timeout = min(room, ev.kept_warm_s) if ev.kept_warm_s else room
+            # One that lends its memory between sessions may go after its keep-warm, for a
+            # request; a pre-warm takes only what the seed's rule makes a candidate.
+            for_prewarm = any(
+                abs(at - t) <= 1.0 for at in prewarmed.get(ev.for_deployment or "", [])
+            )
+            timeout = min(room, ev.kept_warm_s) if ev.kept_warm_s and not for_prewarm else room
         last = activity.get(dep_id, -math.inf)
         for r in facts.results:
             if r.deployment_id != dep_id or r.admitted_at is None or r.admitted_at > t + EPS:

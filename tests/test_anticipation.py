@@ -432,6 +432,29 @@ def test_between_its_runs_a_periodic_model_gives_its_memory_to_a_request_and_is_
     box(tmp_path, t, usable_gib=20, settings={"ondemand_policy": "learned"})
 
 
+def test_a_model_lending_its_memory_is_a_candidate_for_a_request_but_not_yet_for_a_pre_warm(
+    tmp_path: Path,
+) -> None:
+    """A minute after its run the job lends its memory: another model's request may take it
+    at once, but a pre-warm takes only what the seed's making-room rule (here its idle
+    timeout, 15 min) makes a candidate, whatever its next session."""
+
+    async def t(h: Harness) -> None:
+        job = await h.deploy("job", 10, idle_timeout_s=300)
+        other = await h.deploy("other", 10, idle_timeout_s=300)
+        await h.advance(START_S + 5)
+        await h.controller.stop(other, "admin:test")
+        await h.controller.change_mode(job, "on_demand", 900, False, "admin:test")
+        await job_runs(h, job, 5)  # ends 70 s after its fifth run
+        actor = h.controller.actors[job]
+        assert actor.lends_for is not None and actor.lends_only()
+        assert [c.deployment_id for c in h.controller.candidates(other)] == [job]
+        # A pre-warm expected before the job's next session may not take its memory yet.
+        assert h.controller.prewarmer._later_candidates(other, actor.lends_for - 60) == []
+
+    box(tmp_path, t, usable_gib=25, settings={"ondemand_policy": "learned"})
+
+
 def test_under_the_seed_policy_the_same_model_cold_starts_every_run(tmp_path: Path) -> None:
     async def t(h: Harness) -> None:
         job = await h.deploy("job", 10, idle_timeout_s=300)

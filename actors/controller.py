@@ -430,7 +430,6 @@ class Controller:
 
     def candidate_due(self, for_deployment: str) -> float | None:
         """When the next model not yet a candidate becomes one (None: none will while idle)."""
-        default_idle, default_room = self._hooks.default_idle_s(), self.default_make_room_s()
         now = self.clock.now()
         due: float | None = None
         for dep_id, actor in self.actors.items():
@@ -439,10 +438,7 @@ class Controller:
                 continue
             if dep.lifecycle not in (Lifecycle.READY, Lifecycle.ASLEEP) or actor.activity.in_flight:
                 continue
-            after: float = dep.effective_make_room_after_s(default_idle, default_room)
-            if actor.lends_for is not None and actor.keep_s is not None:
-                after = min(after, actor.keep_s)  # it lends its memory after its keep-warm
-            at = actor.activity.last_used + after
+            at = actor.activity.last_used + actor.make_room_after_s()
             if at > now and (due is None or at < due):
                 due = at
         return due

@@ -1200,9 +1200,7 @@ class DeploymentActor(Actor):
             if self.prewarm_until is not None and self.activity.in_flight == 0:
                 # A pre-warm never delays a request: until its first one it is as if asleep.
                 return _idle_after(self.state, self.activity, now, 0.0)
-            room = may_make_room(
-                self.state, self.activity, now, default_idle, self._hooks.default_make_room_s()
-            )
+            room = self._seed_room()
             if room[0] or self.lends_for is None or self.keep_s is None:
                 return room
             return _idle_after(self.state, self.activity, now, self.keep_s)  # it lends
@@ -1225,19 +1223,31 @@ class DeploymentActor(Actor):
         # One that lends its memory between sessions is spared as its pre-warm would be.
         return Candidate(self.deployment_id, mem, self.activity.last_used, self.lends_for)
 
-    def lends_only(self) -> bool:
-        """A make-room candidate only because it lends its memory between sessions: under
-        the seed's making-room rule it is not one yet (a pre-warm may not take its memory)."""
-        if self.lends_for is None:
-            return False
-        room, _ = may_make_room(
+    def _seed_room(self) -> tuple[bool, str]:
+        """`may_make_room` for it now: the seed's making-room rule."""
+        return may_make_room(
             self.state,
             self.activity,
             self.clock.now(),
             self._hooks.default_idle_s(),
             self._hooks.default_make_room_s(),
         )
-        return not room
+
+    def make_room_after_s(self) -> float:
+        """How long without a request before it may sleep to make room: the seed's rule
+        (`ondemand_make_room_after_s`), or its keep-warm when sooner while it lends its memory
+        between sessions."""
+        after: float = self.state.effective_make_room_after_s(
+            self._hooks.default_idle_s(), self._hooks.default_make_room_s()
+        )
+        if self.lends_for is not None and self.keep_s is not None:
+            after = min(after, self.keep_s)
+        return after
+
+    def lends_only(self) -> bool:
+        """A make-room candidate only because it lends its memory between sessions: under
+        the seed's making-room rule it is not one yet (a pre-warm may not take its memory)."""
+        return self.lends_for is not None and not self._seed_room()[0]
 
     # --- mode, reconfiguration, removal --------------------------------------------------
 

@@ -260,8 +260,7 @@ def _title(rec: m.Recorded, names: dict[str, str]) -> str | None:
             return f"Put to sleep after {minutes(ev.idle_timeout_s)} min idle"
         case m.PutToSleep() if ev.reason == "make_room":
             other = ev.for_name or names.get(ev.for_deployment or "", ev.for_deployment or "?")
-            why = f" ({ev.kept_warm_reason})" if ev.kept_warm_s else ""
-            return f"Put to sleep to make room for {other}{why}"
+            return f"Put to sleep to make room for {other}"
         case m.PutToSleep():
             return "Stopped by the memory watchdog"
         case m.EngineStopped():
